@@ -1,0 +1,19 @@
+"""Gradient codecs: pure tensor -> payload -> tensor; no torch.distributed here.
+
+Importing this package registers every built-in stage.
+"""
+
+from gradzip.codecs import casts, feedback  # noqa: F401  (register stages)
+from gradzip.codecs.base import CodecState, Compressor, LosslessCoder, Slot, Stage, Wrapper
+from gradzip.codecs.chain import Codec, NonFiniteGradientError
+from gradzip.codecs.communicator import CommCounter, Communicator
+from gradzip.codecs.payload import Payload, PayloadError
+from gradzip.codecs.registry import Param, SpecError, register, registered
+from gradzip.codecs.simulated import SimulatedCommunicator, run_simulated, simulated_group
+
+__all__ = [
+    "Codec", "CodecState", "CommCounter", "Communicator", "Compressor", "LosslessCoder",
+    "NonFiniteGradientError", "Param", "Payload", "PayloadError", "SimulatedCommunicator",
+    "Slot", "SpecError", "Stage", "Wrapper", "register", "registered", "run_simulated",
+    "simulated_group",
+]

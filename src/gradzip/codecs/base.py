@@ -1,0 +1,208 @@
+"""Stage kinds and the explicit codec state.
+
+A codec is a chain of stages (see ``chain.py``). There are three kinds:
+
+* ``Compressor`` — lossy (or identity): tensor -> Payload -> tensor. The first
+  compressor sees the gradient; a later one compresses the previous payload's
+  ``values`` field (``topk | qsgd`` quantizes the kept values).
+* ``LosslessCoder`` — exact: re-codes integer fields of the payload (Exp-Golomb,
+  ANS, zstd). Never changes what decodes.
+* ``Wrapper`` — wraps everything after it (error feedback).
+
+State lives in a ``CodecState`` — plain dicts of ints and tensors keyed by
+(stage index, caller key) — so it pickles, checkpoints and restores exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from gradzip.codecs.payload import Payload
+from gradzip.codecs.registry import Param, SpecError
+
+if TYPE_CHECKING:
+    from gradzip.codecs.communicator import Communicator
+
+
+def _format_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+class Stage(ABC):  # noqa: B024 - abstract through its kinds
+    """One named step of a codec chain, built from validated parameters."""
+
+    name: ClassVar[str] = "?"
+    PARAMS: ClassVar[tuple[Param, ...]] = ()
+    #: one-line description for ``gradzip codecs list``
+    summary: ClassVar[str] = ""
+
+    def __init__(self, **params: Any) -> None:
+        known = {p.name: p for p in self.PARAMS}
+        for k in params:
+            if k not in known:
+                allowed = ", ".join(known) or "none"
+                raise SpecError(f"{self.name}: unknown parameter {k!r}; allowed: {allowed}")
+        self.params: dict[str, Any] = {}
+        for p in self.PARAMS:
+            value = params.get(p.name, p.default)
+            self.params[p.name] = p.coerce(self.name, value) if p.name in params else value
+        self.validate()
+
+    def validate(self) -> None:
+        """Cross-parameter checks; raise SpecError with a clear message."""
+
+    @property
+    def spec(self) -> str:
+        changed = [
+            f"{p.name}={_format_value(self.params[p.name])}"
+            for p in self.PARAMS
+            if self.params[p.name] != p.default
+        ]
+        return f"{self.name}({', '.join(changed)})" if changed else self.name
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, **self.params}
+
+    def __repr__(self) -> str:
+        return self.spec
+
+
+class Slot:
+    """The state of one stage for one key: a dict that persists, a step count, RNG."""
+
+    def __init__(self, state: CodecState, stage: int, key: str, record: dict[str, Any]):
+        self._state, self._stage, self.key = state, stage, key
+        self._record = record
+
+    @property
+    def data(self) -> dict[str, Any]:
+        """Persistent per-key storage (residuals, momentum, warm-start matrices)."""
+        return self._record["data"]
+
+    @property
+    def step(self) -> int:
+        """How many times this stage has encoded this key."""
+        return self._record["step"]
+
+    def advance(self) -> None:
+        self._record["step"] += 1
+
+    def seed(self, shared: bool) -> int:
+        """A deterministic 63-bit seed for this (stage, key, step).
+
+        ``shared`` seeds are the same on every rank (random-k's indices);
+        private ones also mix in the rank (independent stochastic rounding).
+        """
+        rank = -1 if shared else self._state.rank
+        text = f"{self._state.seed}/{self._stage}/{self.key}/{self.step}/{rank}"
+        digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1
+
+    def generator(self, device: torch.device | str, shared: bool = False) -> torch.Generator:
+        g = torch.Generator(device=device)
+        g.manual_seed(self.seed(shared))
+        return g
+
+
+class CodecState:
+    """All mutable state of one codec instance, keyed by (stage, key)."""
+
+    def __init__(self, seed: int = 0, rank: int = 0) -> None:
+        self.seed = seed
+        self.rank = rank
+        self.records: dict[tuple[int, str], dict[str, Any]] = {}
+
+    def slot(self, stage: int, key: str) -> Slot:
+        record = self.records.setdefault((stage, key), {"step": 0, "data": {}})
+        return Slot(self, stage, key, record)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "rank": self.rank,
+            "records": {f"{s}:{k}": r for (s, k), r in self.records.items()},
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.seed = int(sd["seed"])
+        self.rank = int(sd["rank"])
+        records = {}
+        for name, rec in sd["records"].items():
+            stage, key = name.split(":", 1)
+            records[(int(stage), key)] = rec
+        self.records = records
+
+    def keys(self) -> list[str]:
+        return sorted({k for _, k in self.records})
+
+
+class Compressor(Stage):
+    """A lossy (or identity) stage: tensor -> Payload -> tensor."""
+
+    #: decode(sum of payloads) == sum of decodes, so payloads may be all-reduced
+    summable: ClassVar[bool] = False
+    #: E[decode(encode(x))] == x
+    unbiased: ClassVar[bool] = False
+    #: receives the input in its own dtype instead of float32 (``none``)
+    keeps_dtype: ClassVar[bool] = False
+    #: name of a float field a following compressor may compress further
+    values_field: ClassVar[str | None] = None
+    #: overrides ``reduce`` to talk to peers in several rounds
+    multi_round: ClassVar[bool] = False
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
+        """Compress ``x`` (float32 unless ``keeps_dtype``) into a payload."""
+
+    @abstractmethod
+    def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
+        """Rebuild a float32 tensor of ``shape`` from a payload (any rank's)."""
+
+    def reduce(
+        self, x: torch.Tensor, slot: Slot, comm: Communicator, want_local: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Multi-round aggregation: (mean over ranks, this rank's own estimate)."""
+        raise TypeError(f"{self.name} has no multi-round reduce")
+
+
+class LosslessCoder(Stage):
+    """An exact stage that re-codes payload tensors (integers unless it accepts more)."""
+
+    def accepts(self, t: torch.Tensor) -> bool:
+        return not t.dtype.is_floating_point and t.dtype != torch.bool
+
+    @abstractmethod
+    def encode_field(self, t: torch.Tensor, slot: Slot) -> Payload:
+        """Code one tensor exactly into a payload."""
+
+    @abstractmethod
+    def decode_field(self, p: Payload) -> torch.Tensor:
+        """Rebuild the exact tensor ``encode_field`` was given."""
+
+
+Encode = Callable[[torch.Tensor], Payload]
+Decode = Callable[[Payload], torch.Tensor]
+Reduce = Callable[[torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+class Wrapper(Stage):
+    """A stage around the rest of the chain (error feedback)."""
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor, slot: Slot, inner: Encode, inner_decode: Decode) -> Payload:
+        """Encode ``x`` through ``inner`` (the rest of the chain)."""
+
+    def reduce(
+        self, x: torch.Tensor, slot: Slot, inner: Reduce, want_local: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Aggregate through ``inner`` (the rest of the chain's reduce)."""
+        raise TypeError(f"{self.name} cannot wrap a reduce")

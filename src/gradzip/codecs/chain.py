@@ -1,0 +1,339 @@
+"""``Codec``: a validated chain of stages, and the public encode/decode/reduce.
+
+Rules of a chain (checked when it is built, so a bad spec fails before training):
+
+* a wrapper (``ef``) may only stand first;
+* then one or more compressors: each after the first compresses the previous
+  payload's ``values`` field (``topk | qsgd`` quantizes the kept values);
+* then any lossless coders, which re-code integer fields exactly;
+* a multi-round compressor (PowerSGD, ...) talks to peers itself and stands alone
+  (an ``ef`` before it is allowed).
+
+A chain that starts with a lossless coder gets an implicit ``none`` in front
+(``zstd`` means "zstd on the raw bytes").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gradzip.codecs.base import CodecState, Compressor, LosslessCoder, Slot, Stage, Wrapper
+from gradzip.codecs.communicator import Communicator
+from gradzip.codecs.payload import _DTYPE_CODE, _DTYPES, Payload, PayloadError
+from gradzip.codecs.registry import SpecError, lookup
+from gradzip.codecs.spec import parse
+
+NONFINITE_POLICIES = ("error", "propagate")
+_CODED = "@"  # meta key marking a field re-coded by lossless stage N
+
+
+class NonFiniteGradientError(ValueError):
+    """A tensor handed to a codec holds NaN or Inf."""
+
+
+class Codec:
+    """A gradient codec: a chain of stages plus its state.
+
+    >>> c = Codec.from_spec("ef | topk(ratio=0.01)")
+    >>> p = c.encode(torch.randn(1000), key="w")
+    >>> c.decode(p).shape
+    torch.Size([1000])
+    """
+
+    def __init__(
+        self,
+        stages: list[Stage],
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        nonfinite: str = "error",
+    ) -> None:
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        self.stages = self._validated(list(stages))
+        self.state = CodecState(seed=seed, rank=rank)
+        self.nonfinite = nonfinite
+        self.wrapper: Wrapper | None = (
+            self.stages[0] if isinstance(self.stages[0], Wrapper) else None
+        )
+        first = 1 if self.wrapper else 0
+        self.compressors: list[tuple[int, Compressor]] = [
+            (i, s) for i, s in enumerate(self.stages) if isinstance(s, Compressor)
+        ]
+        self.coders: list[tuple[int, LosslessCoder]] = [
+            (i, s) for i, s in enumerate(self.stages) if isinstance(s, LosslessCoder)
+        ]
+        self._first = first
+
+    # ------------------------------------------------------------ building
+    @classmethod
+    def from_spec(cls, spec: str | list[Any] | dict[str, Any], **kwargs: Any) -> Codec:
+        stages = [lookup(name)(**params) for name, params in parse(spec)]
+        return cls(stages, **kwargs)
+
+    @staticmethod
+    def _validated(stages: list[Stage]) -> list[Stage]:
+        if not stages:
+            raise SpecError("a codec needs at least one stage")
+        for i, s in enumerate(stages):
+            if isinstance(s, Wrapper) and i != 0:
+                raise SpecError(f"'{s.name}' wraps the whole chain and must come first")
+        body = stages[1:] if isinstance(stages[0], Wrapper) else stages
+        if not body or isinstance(body[0], LosslessCoder):
+            body.insert(0, lookup("none")())
+        seen_lossless: LosslessCoder | None = None
+        prev: Compressor | None = None
+        for s in body:
+            if isinstance(s, LosslessCoder):
+                seen_lossless = s
+            elif isinstance(s, Compressor):
+                if seen_lossless is not None:
+                    raise SpecError(
+                        f"lossy stage '{s.name}' cannot follow lossless stage "
+                        f"'{seen_lossless.name}'; put lossless coders last"
+                    )
+                if prev is not None:
+                    if prev.multi_round or s.multi_round:
+                        multi = prev if prev.multi_round else s
+                        raise SpecError(
+                            f"'{multi.name}' exchanges data with peers in several rounds "
+                            "and cannot be chained with other compressors"
+                        )
+                    if prev.values_field is None:
+                        raise SpecError(
+                            f"'{s.name}' cannot follow '{prev.name}': its payload has no "
+                            "float values to compress further (sparsifiers such as topk do)"
+                        )
+                prev = s
+            else:
+                raise SpecError(f"'{s.name}' cannot appear in the middle of a chain")
+        if prev is not None and prev.multi_round and seen_lossless is not None:
+            raise SpecError(f"'{prev.name}' is multi-round and cannot be followed by lossless coders")
+        head = [stages[0]] if isinstance(stages[0], Wrapper) else []
+        return head + body
+
+    # ------------------------------------------------------------ properties
+    @property
+    def summable(self) -> bool:
+        """Payloads from different ranks may be summed element-wise (all-reduce)."""
+        return not self.coders and all(c.summable for _, c in self.compressors)
+
+    @property
+    def unbiased(self) -> bool:
+        """E[decode(encode(x))] == x for every single call (error feedback is not)."""
+        return self.wrapper is None and all(c.unbiased for _, c in self.compressors)
+
+    @property
+    def multi_round(self) -> bool:
+        return any(c.multi_round for _, c in self.compressors)
+
+    def __str__(self) -> str:
+        return " | ".join(s.spec for s in self.stages)
+
+    def __repr__(self) -> str:
+        return f"gradzip.codec({str(self)!r})"
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [s.to_json() for s in self.stages]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"spec": str(self), "state": self.state.state_dict()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd.get("spec") != str(self):
+            raise ValueError(
+                f"codec state was saved for {sd.get('spec')!r}, this codec is {str(self)!r}"
+            )
+        self.state.load_state_dict(sd["state"])
+
+    # ------------------------------------------------------------ encode
+    def _check_input(self, x: torch.Tensor, key: str) -> bool:
+        """True if ``x`` is finite; raises for bad input under the 'error' policy."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"codec input must be a torch.Tensor, got {type(x).__name__}")
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"codec input must be a floating-point tensor, got {x.dtype}")
+        if x.dtype not in _DTYPE_CODE:
+            raise TypeError(f"codec input dtype {x.dtype} is not supported")
+        if x.numel() == 0 or bool(torch.isfinite(x).all()):
+            return True
+        if self.nonfinite == "error":
+            bad = int((~torch.isfinite(x)).sum())
+            raise NonFiniteGradientError(
+                f"tensor {key!r} has {bad} non-finite values (NaN/Inf) of {x.numel()}; "
+                "fix the loss or pass nonfinite='propagate' to send NaN through "
+                "(so a GradScaler can skip the step)"
+            )
+        return False
+
+    def encode(self, x: torch.Tensor, key: str = "") -> Payload:
+        """Compress ``x``; stateful stages update their state for ``key``."""
+        x = x.detach()
+        if not self._check_input(x, key):
+            return Payload({}, {"shape": tuple(x.shape), "dtype": _DTYPE_CODE[x.dtype], "nan": 1})
+        if self.wrapper is not None:
+            slot = self.state.slot(0, key)
+            p = self.wrapper.encode(
+                x.float(), slot,
+                lambda t: self._encode_body(t, key),
+                lambda q: self._decode_body(q, key, x.shape),
+            )
+            slot.advance()
+        else:
+            p = self._encode_body(x, key)
+        p.meta["shape"] = tuple(x.shape)
+        p.meta["dtype"] = _DTYPE_CODE[x.dtype]
+        return p
+
+    def _encode_body(self, x: torch.Tensor, key: str) -> Payload:
+        index, first = self.compressors[0]
+        slot = self.state.slot(index, key)
+        payload = first.encode(x if first.keeps_dtype else x.float(), slot)
+        slot.advance()
+        # later compressors work on the previous stage's values field, nested
+        parent, prev = payload, first
+        for index, comp in self.compressors[1:]:
+            name = prev.values_field
+            assert name is not None
+            values = parent.tensor(name)
+            slot = self.state.slot(index, key)
+            child = comp.encode(values.float(), slot)
+            slot.advance()
+            child.meta["n"] = values.numel()
+            child.meta["vdtype"] = _DTYPE_CODE[values.dtype]
+            parent.fields[name] = child
+            parent, prev = child, comp
+        for index, coder in self.coders:
+            slot = self.state.slot(index, key)
+            payload = self._recode(payload, index, coder, slot)
+            slot.advance()
+        return payload
+
+    def _recode(self, p: Payload, index: int, coder: LosslessCoder, slot: Slot) -> Payload:
+        fields: dict[str, Any] = {}
+        for name, value in p.fields.items():
+            if isinstance(value, Payload):
+                fields[name] = self._recode(value, index, coder, slot)
+            elif isinstance(value, torch.Tensor) and value.numel() and coder.accepts(value):
+                coded = coder.encode_field(value, slot)
+                coded.meta[_CODED] = index
+                fields[name] = coded
+            else:
+                fields[name] = value
+        return Payload(fields, dict(p.meta))
+
+    # ------------------------------------------------------------ decode
+    def decode(self, p: Payload, key: str | None = None) -> torch.Tensor:
+        """Rebuild the tensor (its shape and dtype) from any rank's payload."""
+        shape = p.shape("shape")
+        dtype = _dtype(p.int("dtype"))
+        if p.meta.get("nan"):
+            return torch.full(shape, float("nan"), dtype=dtype)
+        return self._decode_body(p, key, shape).to(dtype)
+
+    def _decode_body(self, p: Payload, key: str | None, shape: torch.Size) -> torch.Tensor:
+        for index, coder in reversed(self.coders):
+            p = self._undo_recode(p, index, coder)
+        # walk down the nested values fields, then decode from the innermost out
+        chain: list[tuple[Payload, Compressor, int]] = []
+        node = p
+        for n, (index, comp) in enumerate(self.compressors):
+            chain.append((node, comp, index))
+            if n + 1 < len(self.compressors):
+                assert comp.values_field is not None
+                node = node.child(comp.values_field)
+        decoded: torch.Tensor | None = None
+        for n in range(len(chain) - 1, -1, -1):
+            node, comp, index = chain[n]
+            if decoded is not None:
+                prev_field = comp.values_field
+                assert prev_field is not None
+                node = Payload({**node.fields, prev_field: decoded}, node.meta)
+            slot = self.state.slot(index, key) if key is not None else None
+            node_shape = shape if n == 0 else torch.Size((node.int("n"),))
+            out = comp.decode(node, node_shape, slot)
+            if n > 0:
+                out = out.to(_dtype(node.int("vdtype")))
+            decoded = out
+        assert decoded is not None
+        return decoded
+
+    def _undo_recode(self, p: Payload, index: int, coder: LosslessCoder) -> Payload:
+        fields: dict[str, Any] = {}
+        for name, value in p.fields.items():
+            if isinstance(value, Payload):
+                if value.meta.get(_CODED) == index:
+                    fields[name] = coder.decode_field(value)
+                else:
+                    fields[name] = self._undo_recode(value, index, coder)
+            else:
+                fields[name] = value
+        return Payload(fields, dict(p.meta))
+
+    # ------------------------------------------------------------ reduce
+    def reduce(
+        self, x: torch.Tensor, key: str, comm: Communicator, want_local: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Average ``x`` over the ranks of ``comm`` through this codec.
+
+        Returns (mean, local) where ``local`` is this rank's own decoded
+        contribution when ``want_local`` (error feedback needs it), else None.
+        Summable codecs all-reduce their payload tensors (input pre-divided by the
+        world size, as PyTorch's built-in hooks do); multi-round codecs run their
+        own protocol; everything else is all-gathered and decoded per rank.
+        """
+        x = x.detach()
+        finite = self._check_input(x, key)
+        if self.nonfinite == "propagate":
+            flag = torch.tensor([0.0 if finite else 1.0], device=x.device)
+            if float(comm.all_reduce([flag], op="max")[0]) > 0:
+                nan = torch.full_like(x, float("nan"))
+                return nan, (nan if want_local else None)
+        if self.wrapper is not None:
+            slot = self.state.slot(0, key)
+            mean, local = self.wrapper.reduce(
+                x.float(), slot, lambda t, wl: self._reduce_body(t, key, comm, wl), want_local
+            )
+            slot.advance()
+        else:
+            mean, local = self._reduce_body(x, key, comm, want_local)
+        return mean.to(x.dtype), (local.to(x.dtype) if local is not None else None)
+
+    def _reduce_body(
+        self, x: torch.Tensor, key: str, comm: Communicator, want_local: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        world = comm.world_size
+        if self.multi_round:
+            index, comp = self.compressors[0]
+            slot = self.state.slot(index, key)
+            out = comp.reduce(x.float(), slot, comm, want_local)
+            slot.advance()
+            return out
+        if self.summable:
+            p = self._encode_body(x / world if world > 1 else x, key)
+            leaves = [t for _, t in p.leaves()]
+            summed = comm.all_reduce(leaves, op="sum")
+            mean = self._decode_body(p.with_leaves(summed), None, x.shape)
+            local = self._decode_body(p, None, x.shape) * world if want_local else None
+            return mean, local
+        p = self._encode_body(x, key)
+        p.meta["shape"] = tuple(x.shape)
+        p.meta["dtype"] = _DTYPE_CODE[x.dtype]
+        blobs = comm.all_gather_bytes(p.to_tensor(device=x.device))
+        total: torch.Tensor | None = None
+        local = None
+        for rank, blob in enumerate(blobs):
+            part = self._decode_body(Payload.deserialize(blob), None, x.shape).to(x.device)
+            if rank == comm.rank:
+                local = part
+            total = part if total is None else total + part
+        assert total is not None
+        return total / world, (local if want_local else None)
+
+
+def _dtype(code: int) -> torch.dtype:
+    if not 0 <= code < len(_DTYPES):
+        raise PayloadError(f"payload names unknown dtype code {code}")
+    return _DTYPES[code]

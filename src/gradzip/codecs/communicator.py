@@ -1,0 +1,128 @@
+"""The Communicator: how multi-round codecs talk to their peers, counting every byte.
+
+Codecs never import torch.distributed. They call these four collectives; the real
+implementation (``gradzip.comm``) maps them onto a process group, and the simulated
+one (``gradzip.codecs.simulated``) runs N virtual workers in threads of one process.
+
+Byte accounting is done here, once, for every implementation: a collective's bytes
+are the bytes this rank hands to it (padding included), so ``bytes_sent`` is what
+was really put on the wire by this rank, not a formula.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+REDUCE_OPS = ("sum", "max", "min")
+
+
+@dataclass
+class CommCounter:
+    """Bytes, calls and wall time per collective, since the last ``reset``."""
+
+    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def add(self, op: str, nbytes: int, seconds: float) -> None:
+        self.bytes[op] += nbytes
+        self.calls[op] += 1
+        self.seconds[op] += seconds
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+        self.seconds.clear()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Communicator(ABC):
+    """Collectives over ``world_size`` ranks; subclasses provide the transport."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.counter = CommCounter()
+
+    # ------------------------------------------------------------ transport
+    @abstractmethod
+    def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        """Reduce ``t`` over ranks; may work in place; returns the result."""
+
+    @abstractmethod
+    def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``t`` (same shape and dtype on all ranks), in rank order."""
+
+    @abstractmethod
+    def _all_to_all(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Send ``chunks[j]`` to rank j; return what each rank sent to this one.
+
+        All chunks have the same shape and dtype on every rank.
+        """
+
+    # ------------------------------------------------------------ public
+    def all_reduce(self, tensors: list[torch.Tensor], op: str = "sum") -> list[torch.Tensor]:
+        """Element-wise reduce each tensor over ranks (``sum``, ``max`` or ``min``)."""
+        if op not in REDUCE_OPS:
+            raise ValueError(f"all_reduce op must be one of {REDUCE_OPS}, got {op!r}")
+        out = []
+        for t in tensors:
+            start = time.perf_counter()
+            out.append(self._all_reduce(t, op))
+            self.counter.add("all_reduce", _nbytes(t), time.perf_counter() - start)
+        return out
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's tensor; shapes must agree across ranks."""
+        start = time.perf_counter()
+        out = self._all_gather(t)
+        self.counter.add("all_gather", _nbytes(t), time.perf_counter() - start)
+        return out
+
+    def all_gather_bytes(self, data: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's 1-D uint8 buffer, sizes may differ (sizes exchanged first)."""
+        if data.dtype != torch.uint8 or data.dim() != 1:
+            raise ValueError("all_gather_bytes takes a 1-D uint8 tensor")
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=data.device)
+        sizes = [int(s) for s in self.all_gather(size)]
+        longest = max(sizes)
+        padded = data
+        if data.numel() < longest:
+            padded = torch.zeros(longest, dtype=torch.uint8, device=data.device)
+            padded[: data.numel()] = data
+        gathered = self.all_gather(padded)
+        return [g[:n] for g, n in zip(gathered, sizes, strict=True)]
+
+    def all_to_all_bytes(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Send 1-D uint8 ``chunks[j]`` to rank j (sizes may differ); return received."""
+        if len(chunks) != self.world_size:
+            raise ValueError(f"all_to_all needs {self.world_size} chunks, got {len(chunks)}")
+        device = chunks[0].device if chunks else torch.device("cpu")
+        sizes = torch.tensor([c.numel() for c in chunks], dtype=torch.int64, device=device)
+        all_sizes = self.all_gather(sizes)  # [rank i][j] = bytes i sends to j
+        longest = max(int(s.max()) for s in all_sizes) if all_sizes else 0
+        padded = []
+        for c in chunks:
+            buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+            buf[: c.numel()] = c
+            padded.append(buf)
+        start = time.perf_counter()
+        received = self._all_to_all(padded)
+        self.counter.add("all_to_all", longest * len(padded), time.perf_counter() - start)
+        return [r[: int(all_sizes[i][self.rank])] for i, r in enumerate(received)]

@@ -1,0 +1,382 @@
+"""Payload: what a codec puts on the wire, and its exact binary form.
+
+A payload is a small tree: scalar metadata (ints, floats, strings, int tuples) and
+named fields, each a tensor, a raw byte blob, or a nested payload (a quantizer that
+follows a sparsifier nests inside the sparsifier's ``values`` field).
+
+``wire_bytes`` is computed from the same layout ``serialize`` writes, and a test
+holds the two equal for every codec, so byte counts cannot drift from what is sent.
+
+Layout (all integers are LEB128 varints unless noted)::
+
+    top-level   := b"GZ" version:u8 node
+    node        := n_meta {name meta_value} n_fields {name field}
+    meta_value  := 0 zigzag-int | 1 f64 | 2 str | 3 n {zigzag-int}
+    field       := 0 dtype:u8 ndim {dim} raw-bytes | 1 len raw-bytes | 2 node
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Union
+
+import torch
+
+MAGIC = b"GZ"
+VERSION = 1
+
+MetaValue = Union[int, float, str, tuple[int, ...]]
+Field = Union[torch.Tensor, bytes, "Payload"]
+
+_DTYPES: list[torch.dtype] = [
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
+]
+_DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+
+
+class PayloadError(ValueError):
+    """A byte string is not a valid gradzip payload (truncated, corrupt, or foreign)."""
+
+
+# ---------------------------------------------------------------- varints
+def _varint_len(n: int) -> int:
+    length = 1
+    while n >= 0x80:
+        n >>= 7
+        length += 1
+    return length
+
+
+def _put_varint(out: bytearray, n: int) -> None:
+    if n < 0:
+        raise ValueError("varint must be non-negative")
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+
+
+def _zigzag(n: int) -> int:
+    return (n << 1) if n >= 0 else ((-n << 1) - 1)
+
+
+def _unzigzag(n: int) -> int:
+    return (n >> 1) if not n & 1 else -((n + 1) >> 1)
+
+
+def _str_len(s: str) -> int:
+    b = len(s.encode())
+    return _varint_len(b) + b
+
+
+def _meta_len(v: MetaValue) -> int:
+    if isinstance(v, bool | int):
+        return 1 + _varint_len(_zigzag(int(v)))
+    if isinstance(v, float):
+        return 1 + 8
+    if isinstance(v, str):
+        return 1 + _str_len(v)
+    return 1 + _varint_len(len(v)) + sum(_varint_len(_zigzag(int(x))) for x in v)
+
+
+@dataclass
+class Payload:
+    """Named tensors plus small metadata: one codec's message for one tensor."""
+
+    fields: dict[str, Field] = field(default_factory=dict)
+    meta: dict[str, MetaValue] = field(default_factory=dict)
+
+    # ------------------------------------------------------------ access
+    def __getitem__(self, name: str) -> Field:
+        try:
+            return self.fields[name]
+        except KeyError:
+            raise PayloadError(
+                f"payload has no field {name!r} (fields: {sorted(self.fields)})"
+            ) from None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The field ``name``, which must be a tensor."""
+        value = self[name]
+        if not isinstance(value, torch.Tensor):
+            raise PayloadError(f"field {name!r} is {type(value).__name__}, not a tensor")
+        return value
+
+    def child(self, name: str) -> Payload:
+        """The field ``name``, which must be a nested payload."""
+        value = self[name]
+        if not isinstance(value, Payload):
+            raise PayloadError(f"field {name!r} is {type(value).__name__}, not a payload")
+        return value
+
+    def int(self, name: str) -> int:
+        value = self.meta.get(name)
+        if not isinstance(value, int):
+            raise PayloadError(f"payload meta {name!r} missing or not an int: {value!r}")
+        return value
+
+    def float(self, name: str) -> float:
+        value = self.meta.get(name)
+        if not isinstance(value, float | int):
+            raise PayloadError(f"payload meta {name!r} missing or not a float: {value!r}")
+        return float(value)
+
+    def shape(self, name: str = "shape") -> torch.Size:
+        value = self.meta.get(name)
+        if not isinstance(value, tuple):
+            raise PayloadError(f"payload meta {name!r} missing or not a shape: {value!r}")
+        return torch.Size(value)
+
+    # ------------------------------------------------------------ leaves
+    def leaves(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor in the tree, depth first, with a dotted path.
+
+        Summable codecs are aggregated by all-reducing exactly these tensors.
+        """
+        for name, value in self.fields.items():
+            if isinstance(value, torch.Tensor):
+                yield name, value
+            elif isinstance(value, Payload):
+                for sub, t in value.leaves():
+                    yield f"{name}.{sub}", t
+
+    def with_leaves(self, tensors: list[torch.Tensor]) -> Payload:
+        """A copy of this payload whose tensors are replaced, in ``leaves()`` order."""
+        it = iter(tensors)
+
+        def rebuild(p: Payload) -> Payload:
+            out: dict[str, Field] = {}
+            for name, value in p.fields.items():
+                if isinstance(value, torch.Tensor):
+                    out[name] = next(it)
+                elif isinstance(value, Payload):
+                    out[name] = rebuild(value)
+                else:
+                    out[name] = value
+            return Payload(out, dict(p.meta))
+
+        result = rebuild(self)
+        if next(it, None) is not None:
+            raise ValueError("with_leaves got more tensors than the payload has leaves")
+        return result
+
+    def tensor_bytes(self) -> int:
+        """Bytes of tensor and blob data alone (no headers)."""
+        total = 0
+        for value in self.fields.values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+            elif isinstance(value, bytes):
+                total += len(value)
+            else:
+                total += value.tensor_bytes()
+        return total
+
+    # ------------------------------------------------------------ size
+    def _node_len(self) -> int:
+        n = _varint_len(len(self.meta)) + _varint_len(len(self.fields))
+        for k, v in self.meta.items():
+            n += _str_len(k) + _meta_len(v)
+        for k, f in self.fields.items():
+            n += _str_len(k) + 1
+            if isinstance(f, torch.Tensor):
+                n += 1 + _varint_len(f.dim()) + sum(_varint_len(d) for d in f.shape)
+                n += f.numel() * f.element_size()
+            elif isinstance(f, bytes | bytearray | memoryview):
+                n += _varint_len(len(f)) + len(f)
+            else:
+                n += f._node_len()
+        return n
+
+    @property
+    def wire_bytes(self) -> int:
+        """Exact length of ``serialize()``, computed without serializing."""
+        return len(MAGIC) + 1 + self._node_len()
+
+    # ------------------------------------------------------------ encode
+    def _write_header(self, out: bytearray, chunks: list[bytes | torch.Tensor]) -> bytearray:
+        """Append this node; tensor data goes to ``chunks`` between header pieces."""
+        _put_varint(out, len(self.meta))
+        for k, v in self.meta.items():
+            _put_str(out, k)
+            if isinstance(v, bool | int):
+                out.append(0)
+                _put_varint(out, _zigzag(int(v)))
+            elif isinstance(v, float):
+                out.append(1)
+                out += struct.pack("<d", v)
+            elif isinstance(v, str):
+                out.append(2)
+                _put_str(out, v)
+            elif isinstance(v, tuple):
+                out.append(3)
+                _put_varint(out, len(v))
+                for x in v:
+                    _put_varint(out, _zigzag(int(x)))
+            else:
+                raise TypeError(f"meta {k!r} has unsupported type {type(v).__name__}")
+        _put_varint(out, len(self.fields))
+        for k, f in self.fields.items():
+            _put_str(out, k)
+            if isinstance(f, torch.Tensor):
+                if f.dtype not in _DTYPE_CODE:
+                    raise TypeError(f"field {k!r} has unsupported dtype {f.dtype}")
+                out.append(0)
+                out.append(_DTYPE_CODE[f.dtype])
+                _put_varint(out, f.dim())
+                for d in f.shape:
+                    _put_varint(out, d)
+                chunks.append(bytes(out))
+                out = bytearray()
+                chunks.append(f)
+            elif isinstance(f, bytes | bytearray | memoryview):
+                out.append(1)
+                _put_varint(out, len(f))
+                out += f
+            elif isinstance(f, Payload):
+                out.append(2)
+                out = f._write_header(out, chunks)
+            else:
+                raise TypeError(f"field {k!r} has unsupported type {type(f).__name__}")
+        return out
+
+    def _chunks(self) -> list[bytes | torch.Tensor]:
+        chunks: list[bytes | torch.Tensor] = []
+        head = bytearray(MAGIC)
+        head.append(VERSION)
+        tail = self._write_header(head, chunks)
+        chunks.append(bytes(tail))
+        return chunks
+
+    def serialize(self) -> bytes:
+        """The payload as bytes; ``len(serialize()) == wire_bytes``."""
+        parts = []
+        for c in self._chunks():
+            parts.append(c if isinstance(c, bytes) else _tensor_to_bytes(c))
+        return b"".join(parts)
+
+    def to_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The serialized payload as a flat uint8 tensor (for collectives)."""
+        parts = []
+        dev = device
+        for c in self._chunks():
+            if isinstance(c, bytes):
+                if c:
+                    parts.append(torch.frombuffer(bytearray(c), dtype=torch.uint8))
+            else:
+                dev = dev if dev is not None else c.device
+                parts.append(c.detach().contiguous().reshape(-1).view(torch.uint8))
+        dev = dev if dev is not None else "cpu"
+        return torch.cat([p.to(dev) for p in parts]) if parts else torch.empty(0, dtype=torch.uint8)
+
+    # ------------------------------------------------------------ decode
+    @classmethod
+    def deserialize(cls, data: bytes | bytearray | memoryview | torch.Tensor) -> Payload:
+        """Inverse of ``serialize``/``to_tensor``; raises PayloadError on bad input."""
+        if isinstance(data, torch.Tensor):
+            if data.dtype != torch.uint8 or data.dim() != 1:
+                raise PayloadError("a serialized payload tensor must be 1-D uint8")
+            data = data.cpu().numpy().tobytes()
+        buf = memoryview(bytes(data)) if not isinstance(data, bytes) else memoryview(data)
+        if len(buf) < 3 or bytes(buf[:2]) != MAGIC:
+            raise PayloadError("not a gradzip payload (bad magic bytes)")
+        if buf[2] != VERSION:
+            raise PayloadError(f"payload format version {buf[2]} is not supported ({VERSION})")
+        reader = _Reader(buf, 3)
+        payload = reader.node()
+        if reader.pos != len(buf):
+            raise PayloadError(f"{len(buf) - reader.pos} trailing bytes after payload")
+        return payload
+
+
+def _put_str(out: bytearray, s: str) -> None:
+    b = s.encode()
+    _put_varint(out, len(b))
+    out += b
+
+
+def _tensor_to_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().reshape(-1)
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.view(torch.uint8).numpy().tobytes()
+
+
+class _Reader:
+    def __init__(self, buf: memoryview, pos: int) -> None:
+        self.buf, self.pos = buf, pos
+
+    def _take(self, n: int) -> memoryview:
+        if self.pos + n > len(self.buf):
+            raise PayloadError(
+                f"payload truncated: need {n} bytes at offset {self.pos}, have {len(self.buf)}"
+            )
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def u8(self) -> int:
+        return self._take(1)[0]
+
+    def varint(self) -> int:
+        result = shift = 0
+        while True:
+            b = self.u8()
+            result |= (b & 0x7F) << shift
+            if not b & 0x80:
+                return result
+            shift += 7
+            if shift > 63:
+                raise PayloadError("payload corrupt: varint too long")
+
+    def string(self) -> str:
+        raw = self._take(self.varint())
+        try:
+            return bytes(raw).decode()
+        except UnicodeDecodeError as e:
+            raise PayloadError("payload corrupt: invalid name") from e
+
+    def node(self) -> Payload:
+        meta: dict[str, MetaValue] = {}
+        for _ in range(self.varint()):
+            k = self.string()
+            kind = self.u8()
+            if kind == 0:
+                meta[k] = _unzigzag(self.varint())
+            elif kind == 1:
+                meta[k] = struct.unpack("<d", self._take(8))[0]
+            elif kind == 2:
+                meta[k] = self.string()
+            elif kind == 3:
+                meta[k] = tuple(_unzigzag(self.varint()) for _ in range(self.varint()))
+            else:
+                raise PayloadError(f"payload corrupt: unknown meta kind {kind}")
+        fields: dict[str, Field] = {}
+        for _ in range(self.varint()):
+            k = self.string()
+            kind = self.u8()
+            if kind == 0:
+                code = self.u8()
+                if code >= len(_DTYPES):
+                    raise PayloadError(f"payload corrupt: unknown dtype code {code}")
+                dtype = _DTYPES[code]
+                shape = [self.varint() for _ in range(self.varint())]
+                numel = 1
+                for d in shape:
+                    numel *= d
+                raw = self._take(numel * torch.empty(0, dtype=dtype).element_size())
+                t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if numel else None
+                fields[k] = (
+                    t.view(dtype).reshape(shape) if t is not None
+                    else torch.empty(shape, dtype=dtype)
+                )
+            elif kind == 1:
+                fields[k] = bytes(self._take(self.varint()))
+            elif kind == 2:
+                fields[k] = self.node()
+            else:
+                raise PayloadError(f"payload corrupt: unknown field kind {kind}")
+        return Payload(fields, meta)
