@@ -1,0 +1,51 @@
+"""The ``gradzip`` command line.
+
+Each command lives in its own module with ``register(subparsers)``, which adds the
+command's parser and sets ``func``; this file only lists the modules, so commands
+import their heavy dependencies lazily and stay independent of each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMAND_MODULES = [
+    "gradzip.commands.codecs",  # gradzip codecs list
+    "gradzip.commands.bench",  # gradzip bench codecs|entropy|...
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gradzip import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="gradzip",
+        description="Gradient compression for data-parallel PyTorch training, measured honestly.",
+    )
+    parser.add_argument("--version", action="version", version=f"gradzip {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        if getattr(args, "debug", False):
+            raise
+        print(f"gradzip {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

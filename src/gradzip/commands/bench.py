@@ -1,0 +1,17 @@
+"""``gradzip bench ...``: the measurement commands, one module each under gradzip.bench."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+BENCH_MODULES = [
+    "gradzip.bench.codecs",  # gradzip bench codecs
+]
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("bench", help="measure codecs, entropy coders, communication and training")
+    bsub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    for name in BENCH_MODULES:
+        importlib.import_module(name).register(bsub)

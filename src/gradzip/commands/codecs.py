@@ -1,0 +1,77 @@
+"""``gradzip codecs list``: every stage, its kind, properties and parameters."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("codecs", help="list codec stages and their parameters")
+    csub = p.add_subparsers(dest="codecs_command", metavar="ACTION", required=True)
+    lst = csub.add_parser("list", help="print every codec stage with its parameters and defaults")
+    lst.add_argument("--json", action="store_true", help="machine-readable output")
+    lst.set_defaults(func=run_list)
+    show = csub.add_parser("check", help="parse a spec and print its canonical form and properties")
+    show.add_argument("spec", help='e.g. "ef | topk(ratio=0.01) | qsgd(levels=16)"')
+    show.set_defaults(func=run_check)
+
+
+def _kind(cls: type) -> str:
+    from gradzip.codecs import Compressor, LosslessCoder
+
+    if issubclass(cls, LosslessCoder):
+        return "lossless"
+    if issubclass(cls, Compressor):
+        return "compressor"
+    return "wrapper"
+
+
+def describe() -> list[dict[str, Any]]:
+    from gradzip.codecs import registered
+
+    rows = []
+    for name, cls in registered().items():
+        rows.append({
+            "name": name,
+            "kind": _kind(cls),
+            "summary": cls.summary or (cls.__doc__ or "").strip().splitlines()[0],
+            "summable": bool(getattr(cls, "summable", False)),
+            "unbiased": bool(getattr(cls, "unbiased", False)),
+            "multi_round": bool(getattr(cls, "multi_round", False)),
+            "params": [
+                {"name": p.name, "type": p.type.__name__, "default": p.default, "help": p.help}
+                for p in cls.PARAMS
+            ],
+        })
+    return rows
+
+
+def run_list(args: argparse.Namespace) -> int:
+    rows = describe()
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="gradzip codec stages", show_lines=True)
+    for col in ("stage", "kind", "properties", "parameters (default)", "what it does"):
+        table.add_column(col)
+    for r in rows:
+        props = ", ".join(k for k in ("summable", "unbiased", "multi_round") if r[k]) or "-"
+        params = "\n".join(f"{p['name']}={p['default']}: {p['help']}" for p in r["params"]) or "-"
+        table.add_row(r["name"], r["kind"], props, params, r["summary"])
+    Console().print(table)
+    return 0
+
+
+def run_check(args: argparse.Namespace) -> int:
+    import gradzip
+
+    c = gradzip.codec(args.spec)
+    print(str(c))
+    print(json.dumps({"json": c.to_json(), "summable": c.summable, "unbiased": c.unbiased,
+                      "multi_round": c.multi_round}, default=str))
+    return 0
