@@ -1,0 +1,1 @@
+"""Benchmarks: measure codecs, coders, communication and training (figures, not tests)."""

@@ -1,0 +1,78 @@
+"""Test tensors for benchmarks: a heavy-tailed synthetic one and real gradients.
+
+The real gradient comes from one backward pass of a small transformer language model
+on text from the Python standard library (no download), so benchmarks see the mix of
+scales, sparsity and outliers that real LLM gradients have.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def heavy_tailed(numel: int, seed: int = 0) -> torch.Tensor:
+    """Gaussian scaled by a log-normal: heavy tails like real gradients (fp32, 1-D)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(numel, generator=g) * torch.randn(numel, generator=g).mul_(1.5).exp_()
+
+
+def _stdlib_bytes(nbytes: int) -> bytes:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = bytearray()
+    for path in sorted(root.glob("*.py")):
+        out += path.read_bytes()
+        if len(out) >= nbytes:
+            break
+    return bytes(out[:nbytes])
+
+
+class _TinyLM(nn.Module):
+    """A byte-level transformer LM (~1.3M parameters): just enough to give real gradients."""
+
+    def __init__(self, dim: int = 128, layers: int = 4, seq: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        block = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, 256)
+        mask = torch.triu(torch.full((seq, seq), float("-inf")), diagonal=1)
+        self.register_buffer("mask", mask)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx) + self.pos[: idx.shape[1]]
+        h = self.blocks(h, mask=self.mask[: idx.shape[1], : idx.shape[1]], is_causal=True)
+        return self.head(h)
+
+
+def real_gradients(seed: int = 0, steps: int = 3, batch: int = 8, seq: int = 128
+                   ) -> dict[str, torch.Tensor]:
+    """Per-parameter gradients of a small LM after ``steps`` SGD steps on stdlib text."""
+    torch.manual_seed(seed)
+    model = _TinyLM(seq=seq)
+    data = torch.frombuffer(bytearray(_stdlib_bytes(batch * (seq + 1) * (steps + 1))),
+                            dtype=torch.uint8).long()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    grads: dict[str, torch.Tensor] = {}
+    for step in range(steps + 1):
+        chunk = data[step * batch * (seq + 1):(step + 1) * batch * (seq + 1)].view(batch, seq + 1)
+        logits = model(chunk[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 256), chunk[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        if step < steps:
+            opt.step()
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            grads[name] = p.grad.detach().clone()
+    return grads
+
+
+def real_gradient_flat(seed: int = 0) -> torch.Tensor:
+    """All parameter gradients of the small LM concatenated (like one DDP bucket)."""
+    return torch.cat([g.reshape(-1) for g in real_gradients(seed).values()])
