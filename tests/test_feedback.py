@@ -1,0 +1,75 @@
+"""Error feedback: what is dropped is remembered, so nothing is lost over time."""
+
+import pytest
+import torch
+
+import gradzip
+from gradzip.codecs import Compressor, registered, run_simulated
+
+LOSSY = sorted(
+    n for n, c in registered().items()
+    if issubclass(c, Compressor) and n not in ("none",)
+)
+
+
+@pytest.mark.parametrize("name", LOSSY)
+def test_sent_sum_tracks_input_sum(name):
+    """sum(sent) == sum(inputs) - residual, and the residual stays bounded."""
+    c = gradzip.codec(f"ef | {name}")
+    g = torch.Generator().manual_seed(0)
+    total_in = torch.zeros(64, 16)
+    total_out = torch.zeros(64, 16)
+    norms = []
+    for step in range(40):
+        x = torch.randn(64, 16, generator=g) * (1 + step % 3)
+        total_in += x
+        total_out += c.decode(c.encode(x, key="w"))
+        residual = c.state.slot(0, "w").data["residual"]
+        torch.testing.assert_close(total_in - total_out, residual, rtol=1e-4, atol=1e-3)
+        norms.append(float(residual.norm()))
+    # bounded: the residual does not grow with the number of steps
+    assert max(norms[20:]) <= 3 * max(norms[:20]) + 1e-6, (name, norms)
+
+
+def test_beta_gamma_follow_the_formula():
+    c = gradzip.codec("ef(beta=0.5, gamma=0.8) | bf16")
+    x1, x2 = torch.randn(100), torch.randn(100)
+    p1 = c.encode(x1, "k")
+    e1 = 0.8 * x1 - c.decode(p1).float()
+    p2 = c.encode(x2, "k")
+    compensated = 0.8 * x2 + 0.5 * e1
+    torch.testing.assert_close(c.decode(p2).float(), compensated.bfloat16().float())
+
+
+def test_residual_is_per_key_and_shape_checked():
+    c = gradzip.codec("ef | bf16")
+    c.encode(torch.randn(4), "a")
+    c.encode(torch.randn(7), "b")
+    with pytest.raises(ValueError, match="changed shape"):
+        c.encode(torch.randn(5), "a")
+
+
+def test_reduce_with_feedback_keeps_local_residual():
+    def work(rank, comm):
+        c = gradzip.codec("ef | bf16", rank=rank)
+        x = torch.full((8,), 1.0 + 1e-3 * (rank + 1))
+        mean, _ = c.reduce(x, "w", comm)
+        residual = c.state.slot(0, "w").data["residual"]
+        return x, mean, residual
+
+    for x, mean, residual in run_simulated(2, work):
+        sent = x - residual
+        assert torch.allclose(sent, sent.bfloat16().float())
+        assert mean.shape == x.shape
+
+
+def test_nonfinite_propagates_through_reduce_when_asked():
+    def work(rank, comm):
+        c = gradzip.codec("ef | fp16", rank=rank, nonfinite="propagate")
+        x = torch.ones(6)
+        if rank == 1:
+            x[2] = float("inf")
+        return c.reduce(x, "w", comm)[0]
+
+    for out in run_simulated(2, work):
+        assert torch.isnan(out).all()
