@@ -120,7 +120,8 @@ def test_summable_codecs_sum(name):
     out = run_simulated(3, work)
     expected = sum(o for o, _ in out)
     for _, mean in out:
-        torch.testing.assert_close(mean, expected, rtol=1e-2, atol=1e-3 * float(expected.abs().max()))
+        atol = 1e-3 * float(expected.abs().max())
+        torch.testing.assert_close(mean, expected, rtol=1e-2, atol=atol)
 
 
 @pytest.mark.parametrize("name", CODERS)

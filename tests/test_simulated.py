@@ -9,7 +9,8 @@ def test_collectives_and_byte_counts():
         s = comm.all_reduce([torch.tensor([rank + 1.0, 2.0])])[0]
         m = comm.all_reduce([torch.tensor([float(rank)])], op="max")[0]
         g = comm.all_gather_bytes(torch.arange(rank + 1, dtype=torch.uint8))
-        a = comm.all_to_all_bytes([torch.full((rank + dst,), dst, dtype=torch.uint8) for dst in range(3)])
+        chunks = [torch.full((rank + dst,), dst, dtype=torch.uint8) for dst in range(3)]
+        a = comm.all_to_all_bytes(chunks)
         return s, m, g, a, dict(comm.counter.bytes)
 
     out = run_simulated(3, work)

@@ -130,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     numel = parse_size(args.size)
     specs = args.codec or default_specs()
     inputs: list[tuple[str, dict[str, torch.Tensor]]] = [
-        (f"heavy-tailed {args.size}", {"x": heavy_tailed(numel, args.seed).view(_square_shape(numel))})
+        (f"heavy-tailed {args.size}",
+         {"x": heavy_tailed(numel, args.seed).view(_square_shape(numel))})
     ]
     if not args.no_real:
         inputs.append(("real LM gradient", real_gradients(seed=args.seed)))

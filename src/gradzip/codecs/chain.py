@@ -111,7 +111,9 @@ class Codec:
             else:
                 raise SpecError(f"'{s.name}' cannot appear in the middle of a chain")
         if prev is not None and prev.multi_round and seen_lossless is not None:
-            raise SpecError(f"'{prev.name}' is multi-round and cannot be followed by lossless coders")
+            raise SpecError(
+                f"'{prev.name}' is multi-round and cannot be followed by lossless coders"
+            )
         head = [stages[0]] if isinstance(stages[0], Wrapper) else []
         return head + body
 

@@ -17,6 +17,7 @@ Layout (all integers are LEB128 varints unless noted)::
 
 from __future__ import annotations
 
+import builtins
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,8 +28,8 @@ import torch
 MAGIC = b"GZ"
 VERSION = 1
 
-MetaValue = Union[int, float, str, tuple[int, ...]]
-Field = Union[torch.Tensor, bytes, "Payload"]
+MetaValue = int | float | str | tuple[int, ...]
+Field = Union[torch.Tensor, bytes, "Payload"]  # noqa: UP007 (forward reference)
 
 _DTYPES: list[torch.dtype] = [
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -163,7 +164,7 @@ class Payload:
             raise ValueError("with_leaves got more tensors than the payload has leaves")
         return result
 
-    def tensor_bytes(self) -> int:
+    def tensor_bytes(self) -> builtins.int:
         """Bytes of tensor and blob data alone (no headers)."""
         total = 0
         for value in self.fields.values():
@@ -176,7 +177,7 @@ class Payload:
         return total
 
     # ------------------------------------------------------------ size
-    def _node_len(self) -> int:
+    def _node_len(self) -> builtins.int:
         n = _varint_len(len(self.meta)) + _varint_len(len(self.fields))
         for k, v in self.meta.items():
             n += _str_len(k) + _meta_len(v)
@@ -192,7 +193,7 @@ class Payload:
         return n
 
     @property
-    def wire_bytes(self) -> int:
+    def wire_bytes(self) -> builtins.int:
         """Exact length of ``serialize()``, computed without serializing."""
         return len(MAGIC) + 1 + self._node_len()
 

@@ -92,7 +92,8 @@ def run_simulated(world_size: int, fn: Callable[[int, SimulatedCommunicator], T]
     with ThreadPoolExecutor(max_workers=world_size) as pool:
         futures = [pool.submit(work, r) for r in range(world_size)]
         errors = [f.exception() for f in futures]
-        real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
+        broken = threading.BrokenBarrierError
+        real = [e for e in errors if e is not None and not isinstance(e, broken)]
         if real:
             raise real[0]
         if any(errors):

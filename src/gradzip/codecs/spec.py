@@ -79,7 +79,9 @@ def parse_string(text: str) -> list[StageSpec]:
             while not (i < len(toks) and toks[i][1] == ")"):
                 kkind, key, kcol = expect(f"a parameter of {name}")
                 if kkind != "word":
-                    raise SpecError(f"{name}: expected 'name=value' at column {kcol + 1}, got {key!r}")
+                    raise SpecError(
+                        f"{name}: expected 'name=value' at column {kcol + 1}, got {key!r}"
+                    )
                 if expect("'='")[1] != "=":
                     raise SpecError(f"{name}: parameter {key!r} needs '=value'")
                 vkind, val, vcol = expect(f"a value for {name}.{key}")
@@ -96,7 +98,9 @@ def parse_string(text: str) -> list[StageSpec]:
             return stages
         kind, tok, col = expect("'|'")
         if tok != "|":
-            raise SpecError(f"expected '|' between stages at column {col + 1} of {text!r}, got {tok!r}")
+            raise SpecError(
+                f"expected '|' between stages at column {col + 1} of {text!r}, got {tok!r}"
+            )
 
 
 def parse_json(obj: Any) -> list[StageSpec]:
@@ -107,7 +111,7 @@ def parse_json(obj: Any) -> list[StageSpec]:
         obj = [obj]
     if not isinstance(obj, list) or not obj:
         raise SpecError("a JSON codec spec is a non-empty list of stage objects")
-    stages = []
+    stages: list[StageSpec] = []
     for n, stage in enumerate(obj):
         if isinstance(stage, str):
             stages.append((stage.lower(), {}))
