@@ -1,0 +1,139 @@
+"""Shared framing for the entropy stages: dtype/shape header, checksum, stored mode.
+
+Every coded field is a small nested ``Payload`` whose meta carries what the decoder
+needs to restore the tensor exactly (``dt`` dtype code, ``sh`` shape, ``m`` mode) and a
+CRC-32 over those header values and every coded byte. A flipped or truncated byte
+therefore raises ``EntropyCodingError`` instead of decoding to a wrong tensor.
+
+"Stored" mode (the raw little-endian bytes) is the fallback whenever coding would not
+pay, so a lossless stage costs at most a few header bytes more than raw.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from gradzip.codecs.payload import _DTYPE_CODE, _DTYPES, Payload, PayloadError
+
+STORED = "raw"
+_CHECKED_META = ("m", "dt", "sh", "k", "map", "lo", "cw", "ck", "np", "lvl", "v")
+_NP_DTYPES = {
+    torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
+    torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_,
+    torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
+}
+
+
+class EntropyCodingError(PayloadError):
+    """A coded field is corrupt, truncated, or was not written by this stage."""
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A flat numpy view of ``t`` (bf16 is viewed as its uint16 bits)."""
+    t = t.detach().contiguous().reshape(-1)
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def from_numpy(a: np.ndarray, dtype: torch.dtype, shape: Iterable[int]) -> torch.Tensor:
+    """The inverse of ``to_numpy``: a tensor of ``dtype`` and ``shape`` owning its data."""
+    a = np.ascontiguousarray(a)
+    if dtype == torch.bfloat16:
+        t = torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(a.astype(_NP_DTYPES[dtype], copy=False).copy())
+    return t.reshape(tuple(shape))
+
+
+def dtype_code(t: torch.Tensor) -> int:
+    if t.dtype not in _DTYPE_CODE:
+        raise TypeError(f"dtype {t.dtype} cannot be put on the wire")
+    return _DTYPE_CODE[t.dtype]
+
+
+def header(p: Payload) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """(dtype, shape, numel) from a coded field's meta, validated."""
+    code = p.meta.get("dt")
+    shape = p.meta.get("sh")
+    if not isinstance(code, int) or not 0 <= code < len(_DTYPES):
+        raise EntropyCodingError(f"coded field has a bad dtype code {code!r}")
+    if not isinstance(shape, tuple) or any(d < 0 for d in shape):
+        raise EntropyCodingError(f"coded field has a bad shape {shape!r}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    return _DTYPES[code], shape, numel
+
+
+def _crc(p: Payload) -> int:
+    head = repr([(k, p.meta[k]) for k in _CHECKED_META if k in p.meta]).encode()
+    crc = zlib.crc32(head)
+    for name in sorted(p.fields):
+        value = p.fields[name]
+        crc = zlib.crc32(name.encode(), crc)
+        if isinstance(value, bytes | bytearray | memoryview):
+            crc = zlib.crc32(value, crc)
+        elif isinstance(value, torch.Tensor):
+            crc = zlib.crc32(to_numpy(value).view(np.uint8), crc)
+        else:
+            crc = zlib.crc32(value.meta.get("crc", 0).to_bytes(4, "little"), crc)
+    return crc
+
+
+def seal(p: Payload) -> Payload:
+    """Add the checksum to a finished coded field (call last)."""
+    p.meta["crc"] = _crc(p)
+    return p
+
+
+def check(p: Payload, stage: str) -> None:
+    """Raise EntropyCodingError unless ``p``'s checksum matches its content."""
+    want = p.meta.get("crc")
+    if not isinstance(want, int):
+        raise EntropyCodingError(f"{stage}: coded field has no checksum; not written by {stage}")
+    if _crc(p) != want:
+        raise EntropyCodingError(
+            f"{stage}: checksum mismatch: the coded field is corrupt or truncated"
+        )
+
+
+def blob(p: Payload, name: str, stage: str) -> bytes:
+    value = p.fields.get(name)
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise EntropyCodingError(f"{stage}: coded field lacks its {name!r} bytes")
+    return bytes(value)
+
+
+def stored(t: torch.Tensor) -> Payload:
+    """The raw bytes of ``t`` (the 'coding does not pay' fallback)."""
+    return Payload(
+        {"d": to_numpy(t).view(np.uint8).tobytes()},
+        {"m": STORED, "dt": dtype_code(t), "sh": tuple(t.shape)},
+    )
+
+
+def unstore(p: Payload, stage: str) -> torch.Tensor:
+    dtype, shape, numel = header(p)
+    data = blob(p, "d", stage)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if len(data) != numel * itemsize:
+        raise EntropyCodingError(f"{stage}: stored field has {len(data)} bytes, expected "
+                                 f"{numel * itemsize}")
+    a = np.frombuffer(data, dtype=np.uint8)
+    np_dtype = np.uint16 if dtype == torch.bfloat16 else _NP_DTYPES[dtype]
+    return from_numpy(a.view(np_dtype), dtype, shape)
+
+
+def pick(coded: Payload | None, t: torch.Tensor) -> Payload:
+    """The coded field if it is smaller than storing ``t`` raw, else the stored form."""
+    raw = stored(t)
+    if coded is None or coded.wire_bytes >= raw.wire_bytes:
+        return seal(raw)
+    return seal(coded)
