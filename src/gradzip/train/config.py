@@ -1,0 +1,380 @@
+"""Training configuration: dataclasses with a docstring per field, presets in files.
+
+A run's configuration is resolved in layers, later ones winning:
+
+1. the dataclass defaults below (every default has a comment saying why);
+2. the model preset ``presets/<model>.json`` (it may also set data and optimizer fields);
+3. a config file (``--config run.toml`` or ``.json``, same sections as below);
+4. command-line flags, e.g. ``--model small --lr 3e-4``.
+
+With ``--resume`` the saved ``config.json`` of the run replaces layers 1-2, so a resumed
+run keeps its settings unless a flag says otherwise (typically ``--max-steps``).
+The resolved configuration is written to ``<out>/config.json``, which is itself a
+valid config file.
+
+The field docstrings are the ``--help`` text: ``field_docs`` reads them from this
+file's source, so documentation and CLI cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+@dataclass
+class ModelConfig:
+    """The GPT architecture (see ``gradzip.train.model``)."""
+
+    name: str = field(default="tiny", metadata={"flag": "--model"})
+    """Preset the model starts from: presets/NAME.json (tiny, small, gpt2-124m, llama-120m)."""
+    n_layer: int = 2
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block."""
+    n_kv_head: int = 0
+    """Key/value heads for grouped-query attention; 0 = n_head (plain multi-head)."""
+    dim: int = 64
+    """Width of the residual stream (embedding size)."""
+    ffn_dim: int = 0
+    """Hidden size of the MLP; 0 = 4*dim for GELU, 8/3*dim (rounded up to 64) for SwiGLU."""
+    norm: str = "rmsnorm"
+    """rmsnorm (Llama) or layernorm (GPT-2)."""
+    pos: str = "rope"
+    """Position encoding: rope (rotary, Llama) or learned (absolute embeddings, GPT-2)."""
+    mlp: str = "swiglu"
+    """swiglu (Llama) or gelu (GPT-2)."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output head (saves vocab*dim parameters)."""
+    bias: bool = False
+    """Biases in linear layers and norms (GPT-2 has them; modern models drop them)."""
+    max_seq_len: int = 64
+    """Longest sequence the model accepts (size of learned positions / RoPE table)."""
+    vocab_size: int = field(default=0, metadata={"flag": "--model-vocab-size"})
+    """Output vocabulary; 0 = the tokenizer's (the usual choice; set when resolving)."""
+    dropout: float = 0.0
+    """Dropout on attention and residual outputs; 0 because short runs do not overfit."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency (10000 as in the RoFormer paper and Llama 2)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the normalization layers."""
+    init_std: float = 0.02
+    """Std of the normal weight init (GPT-2); residual projections get std/sqrt(2*n_layer)."""
+
+
+@dataclass
+class DataOptions:
+    """What to train on and how it is batched (see ``gradzip.train.data``)."""
+
+    sources: list[str] = field(default_factory=lambda: ["stdlib"], metadata={"flag": "--dataset"})
+    """Text sources: "stdlib" (Python's standard library, no download) or file/directory paths."""
+    cache_dir: str = "runs/.cache/data"
+    """Where tokenized shards and the trained tokenizer are cached between runs."""
+    tokenizer: str = ""
+    """Tokenizer file to use; empty = train a byte-level BPE on the sources (cached)."""
+    vocab_size: int = 4096
+    """Vocabulary size of a trained tokenizer (small enough for CPU models)."""
+    val_fraction: float = 0.05
+    """Share of the tokens held out for validation."""
+    max_tokens: int = 0
+    """Use at most this many tokens of the sources; 0 = all."""
+    seq_len: int = 128
+    """Tokens per training sequence (context length)."""
+    batch_size: int = 8
+    """Sequences per micro-batch per rank."""
+    prefetch: int = 2
+    """Batches the loader prepares ahead of the step."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with a cosine schedule, warm-up and a floor."""
+
+    lr: float = 1e-3
+    """Peak learning rate, reached after warm-up."""
+    min_lr_ratio: float = 0.1
+    """Floor of the cosine decay as a fraction of lr (Chinchilla-style 10%)."""
+    warmup_steps: int = 10
+    """Linear warm-up steps from 0 to lr (Adam's early updates are noisy)."""
+    decay_steps: int = 0
+    """Step at which the cosine reaches the floor; 0 = max_steps. Set it to run a schedule
+    in pieces (train to 10 with decay_steps 20, resume to 20)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to matrices only (not norms, biases)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2 (0.95 rather than 0.999 is steadier for LLMs)."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 = no clipping."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; gradients are synchronized only on the last one."""
+
+
+@dataclass
+class TrainConfig:
+    """The loop: how long, where, in which precision, with which parallelism and codec."""
+
+    max_steps: int = 100
+    """Optimizer steps to train for (a resumed run continues up to this step)."""
+    max_time: float = 0.0
+    """Stop after this many seconds of training (checked every step); 0 = no limit."""
+    seed: int = 0
+    """Seed for model init, data order and codec randomness."""
+    device: str = "auto"
+    """auto (cuda if available), cpu or cuda."""
+    dtype: str = "fp32"
+    """fp32, bf16 (autocast, CPU or GPU) or fp16 (autocast + grad scaler, CUDA only)."""
+    parallel: str = "none"
+    """none (one process), ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard per block)."""
+    codec: str = "none"
+    """Gradient codec spec, e.g. "ef | topk(ratio=0.01)"; none = uncompressed all-reduce."""
+    diagnose: bool = False
+    """Measure each step's compression error (grad_rel_error, grad_cos_sim); costs time."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB (PyTorch's default)."""
+    eval_every: int = 50
+    """Evaluate validation loss every N steps (and at the end); 0 = only at the end."""
+    eval_steps: int = 10
+    """Validation batches per evaluation (per rank)."""
+    target_loss: float = 0.0
+    """Record time_to_target_s, the training time until val loss first reaches this; 0 = off."""
+    threads: int = 0
+    """torch CPU threads per process; 0 = torch's default."""
+
+
+@dataclass
+class RunConfig:
+    """The run directory: checkpoints, logs, results, profiling."""
+
+    out: str = "runs/train"
+    """Run directory (config, logs, results.jsonl, TensorBoard, checkpoints, traces)."""
+    run_name: str = ""
+    """Name in the results record; empty = the run directory's name."""
+    resume: bool = False
+    """Continue the run in --out from its latest checkpoint."""
+    ckpt_every: int = 0
+    """Save a checkpoint every N steps (always at the end); 0 = only at the end."""
+    keep_ckpts: int = 2
+    """Keep the last K checkpoints; older ones are deleted."""
+    log_every: int = 10
+    """Print and record metrics every N steps."""
+    timing_warmup: int = 3
+    """Steps excluded from step-time statistics (allocator and cache warm-up)."""
+    tensorboard: bool = True
+    """Write TensorBoard scalars to <out>/tb."""
+    wandb: bool = False
+    """Log to Weights & Biases (rank 0; offline without WANDB_API_KEY; needs wandb installed)."""
+    wandb_project: str = "gradzip"
+    """W&B project name."""
+    results_file: str = ""
+    """A shared results.jsonl to append this run's record to as well; empty = only <out>."""
+    profile: bool = False
+    """Record torch.profiler traces of --profile-steps into <out>/profile."""
+    profile_steps: str = "5:7"
+    """Profiled steps A:B (inclusive)."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+
+@dataclass
+class JobConfig:
+    """Everything a training run needs, one section per concern."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataOptions = field(default_factory=DataOptions)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> JobConfig:
+        cfg = cls()
+        apply_overrides(cfg, d, origin="config")
+        return cfg
+
+    def validate(self) -> None:
+        """Raise ValueError naming the option for any value that cannot work."""
+        m, d, o, t, r = self.model, self.data, self.optim, self.train, self.run
+        _choice("--norm", m.norm, ("rmsnorm", "layernorm"))
+        _choice("--pos", m.pos, ("rope", "learned"))
+        _choice("--mlp", m.mlp, ("swiglu", "gelu"))
+        _choice("--device", t.device, ("auto", "cpu", "cuda"))
+        _choice("--dtype", t.dtype, ("fp32", "bf16", "fp16"))
+        _choice("--parallel", t.parallel, ("none", "ddp", "fsdp"))
+        for flag, v in [("--n-layer", m.n_layer), ("--n-head", m.n_head), ("--dim", m.dim),
+                        ("--max-seq-len", m.max_seq_len), ("--seq-len", d.seq_len),
+                        ("--batch-size", d.batch_size), ("--max-steps", t.max_steps),
+                        ("--grad-accum", o.grad_accum), ("--log-every", r.log_every),
+                        ("--eval-steps", t.eval_steps), ("--keep-ckpts", r.keep_ckpts)]:
+            if v < 1:
+                raise ValueError(f"{flag} must be >= 1, got {v}")
+        if m.dim % m.n_head:
+            raise ValueError(f"--dim {m.dim} must be divisible by --n-head {m.n_head}")
+        kv = m.n_kv_head or m.n_head
+        if m.n_head % kv:
+            raise ValueError(f"--n-head {m.n_head} must be divisible by --n-kv-head {kv}")
+        if m.pos == "rope" and (m.dim // m.n_head) % 2:
+            raise ValueError("RoPE needs an even head size (dim / n_head)")
+        if d.seq_len > m.max_seq_len:
+            raise ValueError(f"--seq-len {d.seq_len} exceeds the model's --max-seq-len "
+                             f"{m.max_seq_len}")
+        if not 0 <= d.val_fraction < 1:
+            raise ValueError(f"--val-fraction must be in [0, 1), got {d.val_fraction}")
+        if o.lr <= 0 or not 0 <= o.min_lr_ratio <= 1:
+            raise ValueError("--lr must be > 0 and --min-lr-ratio in [0, 1]")
+        if t.dtype == "fp16" and t.device == "cpu":
+            raise ValueError("--dtype fp16 needs CUDA (its grad scaler); use bf16 on CPU")
+        if t.max_time < 0 or t.eval_every < 0 or r.ckpt_every < 0:
+            raise ValueError("--max-time, --eval-every and --ckpt-every must be >= 0")
+        parse_profile_steps(r.profile_steps)
+
+
+def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def parse_profile_steps(text: str) -> tuple[int, int]:
+    """``"5:7"`` -> (5, 7): the first and last profiled step, inclusive."""
+    try:
+        a, b = (int(s) for s in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--profile-steps must look like A:B (e.g. 5:7), got {text!r}") from None
+    if not 1 <= a <= b:
+        raise ValueError(f"--profile-steps A:B needs 1 <= A <= B, got {text!r}")
+    return a, b
+
+
+# --------------------------------------------------------------------- sections and fields
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "data": DataOptions, "optim": OptimConfig,
+    "train": TrainConfig, "run": RunConfig,
+}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from the source."""
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source (frozen app): help texts are then empty
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def fields_of(cls: type) -> list[tuple[dataclasses.Field, Any]]:
+    """(field, resolved type) pairs of a section dataclass."""
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+
+
+def _coerce(section: str, name: str, value: Any, typ: Any) -> Any:
+    """Check a value from a file against the field type (ints may stand for floats)."""
+    where = f"{section}.{name}"
+    if typing.get_origin(typ) is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"{where} must be a list of strings, got {value!r}")
+        return list(value)
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) != (typ is bool) or not isinstance(value, typ):
+        raise ValueError(f"{where} must be {typ.__name__}, got {value!r}")
+    return value
+
+
+def apply_overrides(cfg: JobConfig, overrides: dict[str, Any], origin: str) -> None:
+    """Set ``{section: {field: value}}`` on cfg, with clear errors for unknown names."""
+    for section, values in overrides.items():
+        if section.startswith("_"):  # "_doc" and other comments in preset files
+            continue
+        if section not in SECTIONS:
+            raise ValueError(f"{origin}: unknown section {section!r}; "
+                             f"expected one of {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ValueError(f"{origin}: section {section!r} must be a table/object")
+        target = getattr(cfg, section)
+        known = {f.name: t for f, t in fields_of(SECTIONS[section])}
+        for name, value in values.items():
+            if name not in known:
+                raise ValueError(f"{origin}: unknown option {section}.{name}; "
+                                 f"known: {', '.join(known)}")
+            setattr(target, name, _coerce(section, name, value, known[name]))
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A .toml or .json config file as ``{section: {field: value}}``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        if path.suffix == ".toml":
+            return tomllib.loads(path.read_text())
+        if path.suffix == ".json":
+            return json.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot parse config file {path}: {e}") from None
+    raise ValueError(f"config file must end in .toml or .json: {path}")
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def read_preset(name: str) -> dict[str, Any]:
+    path = PRESET_DIR / f"{name}.json"
+    if not path.is_file():
+        raise ValueError(f"unknown model preset {name!r}; available: {', '.join(presets())}")
+    return json.loads(path.read_text())
+
+
+def resolve(
+    cli: dict[str, dict[str, Any]] | None = None,
+    config_file: str | Path | None = None,
+    base: dict[str, Any] | None = None,
+) -> JobConfig:
+    """Build the run's configuration: defaults or ``base``, preset, file, then CLI.
+
+    ``base`` is a saved, already resolved configuration (resume): it stands in for the
+    defaults and the preset, so the model preset is not re-applied over it.
+    """
+    cli = cli or {}
+    from_file = read_config_file(config_file) if config_file else {}
+    cfg = JobConfig()
+    if base is not None:
+        apply_overrides(cfg, base, origin="saved config")
+    else:
+        name = (cli.get("model", {}).get("name") or from_file.get("model", {}).get("name")
+                or cfg.model.name)
+        apply_overrides(cfg, read_preset(name), origin=f"preset {name}")
+        cfg.model.name = name
+    apply_overrides(cfg, from_file, origin=str(config_file))
+    apply_overrides(cfg, cli, origin="command line")
+    cfg.validate()
+    return cfg
