@@ -1,0 +1,1 @@
+"""A small, readable LLM trainer: model, data, tokenizer, loop, checkpoints, evaluation."""
