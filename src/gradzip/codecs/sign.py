@@ -1,0 +1,243 @@
+"""Sign codecs: ``signsgd``, ``efsignsgd`` and ``onebit`` — one bit per value.
+
+All three send the signs bit-packed (``bitpack.pack_signs``: 8 values per byte, so
+16M values are 2 MiB, 32x smaller than fp32) and decode through a 256-row lookup
+table straight to float32. The bit sent is the float's own IEEE sign bit, so
+zero still gets a definite side: +0.0 decodes as positive, -0.0 as negative
+(``torch.copysign`` agrees, which keeps error feedback exact).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradzip.codecs.base import Compressor, Slot
+from gradzip.codecs.bitpack import bits_to_values, count_ones, pack_signs, unpack_bits
+from gradzip.codecs.communicator import Communicator
+from gradzip.codecs.payload import Payload, PayloadError
+from gradzip.codecs.registry import Param, register
+
+#: values per chunk for the reductions below (256 KB of fp32: stays in cache)
+_CHUNK = 1 << 16
+
+
+def _l1(flat: torch.Tensor) -> float:
+    """sum |x|, chunked through a small buffer (a full ``abs()`` temporary costs more)."""
+    scratch = torch.empty(min(flat.numel(), _CHUNK), device=flat.device)
+    total = 0.0
+    for s in range(0, flat.numel(), _CHUNK):
+        c = flat[s:s + _CHUNK]
+        total += float(torch.abs(c, out=scratch[:c.numel()]).sum())
+    return total
+
+
+def _side_sums(flat: torch.Tensor) -> tuple[float, float]:
+    """(sum of x > 0, sum of x < 0), each accumulated on its own (no cancellation)."""
+    scratch = torch.empty(min(flat.numel(), _CHUNK), device=flat.device)
+    pos = neg = 0.0
+    for s in range(0, flat.numel(), _CHUNK):
+        c = flat[s:s + _CHUNK]
+        buf = scratch[:c.numel()]
+        pos += float(torch.clamp(c, min=0, out=buf).sum())
+        neg += float(torch.clamp(c, max=0, out=buf).sum())
+    return pos, neg
+
+
+def _scalar(p: Payload, name: str) -> float:
+    t = p.tensor(name)
+    if t.numel() != 1:
+        raise PayloadError(f"payload field {name!r} must hold one value, has {t.numel()}")
+    return float(t.reshape(-1)[0])
+
+
+def _decode_signs(p: Payload, shape: torch.Size, pos: float, neg: float) -> torch.Tensor:
+    """Sign bits to ``pos`` (bit 0) / ``neg`` (bit 1) values of ``shape``."""
+    try:
+        return bits_to_values(p.tensor("bits"), shape.numel(), pos, neg).reshape(shape)
+    except (TypeError, ValueError) as e:
+        raise PayloadError(f"sign payload: {e}") from None
+
+
+# ---------------------------------------------------------------- signsgd
+@register("signsgd")
+class SignSGD(Compressor):
+    """signSGD with majority vote (Bernstein et al., ICML 2018 / ICLR 2019).
+
+    Each rank sends ``sign(x)``, one bit per value. Decode returns +1 / -1 (+0.0 maps to
+    +1, -0.0 to -1), so the optimizer's learning rate is the step size, as in the paper;
+    ``scale=l1`` also sends ``||x||_1 / d`` (one fp32) and decodes ``+-||x||_1 / d``,
+    a drop-in magnitude for plain SGD learning rates.
+
+    ``reduce`` (``vote=true``) is the paper's majority vote: every rank all-gathers
+    the packed bits (the bytes on the wire: 1 bit/value/rank) and takes the
+    element-wise ``sign(sum of signs)``; with an even number of ranks a tie gives 0
+    (no majority, no step). With ``scale=l1`` the vote is scaled by the mean of the
+    ranks' scales. ``vote=false`` instead averages the decoded signs (the
+    single-round gather path), which also lets ``signsgd`` follow a sparsifier.
+    Not unbiased; wrap in ``ef`` to correct the bias (that is ``efsignsgd``'s idea).
+    """
+
+    summary = "signSGD: 1 bit/value, majority-vote reduce (Bernstein et al. 2018)"
+    PARAMS = (
+        Param("scale", str, "one",
+              "decoded magnitude: one (+-1, as in the paper) or l1 (+-||x||_1/d, one fp32 sent)",
+              choices=("one", "l1")),
+        Param("vote", bool, True,
+              "reduce by majority vote of the signs; false: average the decoded signs"),
+    )
+
+    def __init__(self, **params: object) -> None:
+        super().__init__(**params)
+        self.multi_round = bool(self.params["vote"])  # type: ignore[misc]
+
+    def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
+        flat = x.reshape(-1)
+        fields: dict[str, torch.Tensor | bytes | Payload] = {"bits": pack_signs(flat)}
+        if self.params["scale"] == "l1":
+            mag = _l1(flat) / flat.numel() if flat.numel() else 0.0
+            fields["scale"] = torch.tensor([mag], dtype=torch.float32)
+        return Payload(fields)
+
+    def _magnitude(self, p: Payload) -> float:
+        return _scalar(p, "scale") if self.params["scale"] == "l1" else 1.0
+
+    def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
+        s = self._magnitude(p)
+        return _decode_signs(p, shape, s, -s)
+
+    def reduce(
+        self, x: torch.Tensor, slot: Slot, comm: Communicator, want_local: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Majority vote over ranks: ``sign(sum_r sign(x_r))``, ties 0."""
+        n, world = x.numel(), comm.world_size
+        own = self.encode(x, slot)
+        # every rank's payload has the same layout for the same tensor, so a plain
+        # all-gather of the serialized bytes suffices (no size exchange needed)
+        blobs = comm.all_gather(own.to_tensor(device=x.device))
+        votes = torch.zeros(n, dtype=torch.int16 if world < 2**15 else torch.int32,
+                            device=x.device)
+        mags = []
+        for blob in blobs:
+            p = Payload.deserialize(blob)
+            votes.add_(unpack_bits(p.tensor("bits"), n).to(x.device))  # counts negatives
+            mags.append(self._magnitude(p))
+        # world - 2 * (#negative) = #positive - #negative; its sign is the vote
+        result = votes.mul_(-2).add_(world).sign_().to(torch.float32)
+        mag = sum(mags) / world
+        if mag != 1.0:
+            result.mul_(mag)
+        local = self.decode(own, x.shape, slot).to(x.device) if want_local else None
+        return result.reshape(x.shape), local
+
+
+# ---------------------------------------------------------------- efsignsgd
+@register("efsignsgd")
+class EFSignSGD(Compressor):
+    """EF-signSGD (Karimireddy et al., ICML 2019): scaled sign with error feedback built in.
+
+    With memory e (zero at first): ``p = x + e``, send ``delta = (||p||_1 / d) sign(p)``
+    and keep ``e = p - delta``. The scaled sign is a contraction, so with the memory
+    the method converges like SGD where plain signSGD may not. The paper applies the
+    learning rate before compressing (p = lr * g + e); a codec sees gradients, so the
+    memory is in gradient units (the same when the learning rate is constant).
+
+    The memory lives in ``slot.data["residual"]`` (it checkpoints with the codec
+    state) and is per key and position, so use ``efsignsgd`` first in a chain, not
+    after a sparsifier. Wire: signs bit-packed (1 bit/value) + ``scale`` fp32:
+    32x vs fp32 for large tensors. Decode returns ``copysign(scale, p)``.
+    """
+
+    summary = "EF-signSGD: (||p||_1/d) sign(p) with built-in error feedback (1 bit/value)"
+
+    def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
+        residual = slot.data.get("residual")
+        if residual is not None and residual.shape != x.shape:
+            raise ValueError(
+                f"efsignsgd: key {slot.key!r} changed shape {tuple(residual.shape)} -> "
+                f"{tuple(x.shape)}; use a distinct key per tensor"
+            )
+        # the memory is updated in place (a fresh 64 MB tensor per step costs ~40 ms
+        # in page faults); like every stage's state, take a deep copy to snapshot it
+        if residual is None:
+            p = x.float().clone(memory_format=torch.contiguous_format)
+        else:
+            p = residual.to(x.device).add_(x)
+        flat = p.reshape(-1)
+        n = flat.numel()
+        scale = _l1(flat) / n if n else 0.0
+        bits = pack_signs(flat)
+        # e = p - copysign(scale, p), chunk by chunk through a small buffer
+        buf = torch.empty(min(n, _CHUNK), device=flat.device)
+        for s in range(0, n, _CHUNK):
+            c = flat[s:s + _CHUNK]
+            b = buf[:c.numel()].fill_(scale)
+            c.sub_(torch.copysign(b, c, out=b))
+        slot.data["residual"] = p
+        return Payload({"bits": bits, "scale": torch.tensor([scale], dtype=torch.float32)})
+
+    def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
+        s = _scalar(p, "scale")
+        return _decode_signs(p, shape, s, -s)
+
+
+# ---------------------------------------------------------------- onebit
+@register("onebit")
+class OneBit(Compressor):
+    """1-bit SGD (Seide et al., Interspeech 2014): sign bits + two reconstruction values.
+
+    Values are split by sign bit (negative and -0.0 vs the rest); each side decodes to the mean of
+    its values, which is the least-squares reconstruction for that split. The paper's
+    error feedback (quantization error added to the next minibatch's gradient) is
+    the separate ``ef`` stage: ``ef | onebit`` is 1-bit SGD as published.
+
+    ``scope=column`` (default) follows the paper: a 2-D tensor gets a (negative,
+    positive) pair per column (statistics over dim 0). A column pair costs 64 bits,
+    so 2-D tensors with fewer than 256 rows (where the pairs would exceed a quarter
+    of the sign bits) and all other shapes use one pair per tensor, as does
+    ``scope=tensor``. Wire: signs bit-packed (1 bit/value) + ``recon`` fp32 of shape
+    (2,) or (2, columns), holding (positive mean, negative mean): 16M values in one
+    tensor are 32x smaller than fp32.
+    """
+
+    summary = "1-bit SGD: sign bits + per-column means of each side (use with ef)"
+    PARAMS = (
+        Param("scope", str, "column",
+              "reconstruction values per column of 2-D tensors (>= 256 rows), or per tensor",
+              choices=("column", "tensor")),
+    )
+    MIN_ROWS = 256
+
+    def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
+        if self.params["scope"] == "column" and x.dim() == 2 and x.shape[0] >= self.MIN_ROWS:
+            return self._encode_columns(x)
+        flat = x.reshape(-1)
+        n = flat.numel()
+        bits = pack_signs(flat)
+        nneg = count_ones(bits)
+        pos, neg = _side_sums(flat)
+        recon = torch.tensor([pos / max(n - nneg, 1), neg / max(nneg, 1)], dtype=torch.float32)
+        return Payload({"bits": bits, "recon": recon})
+
+    @staticmethod
+    def _encode_columns(x: torch.Tensor) -> Payload:
+        nneg = torch.signbit(x).sum(0)
+        pos = x.clamp(min=0).sum(0)
+        neg = x.clamp(max=0).sum(0)
+        rows = x.shape[0]
+        recon = torch.stack([pos / (rows - nneg).clamp(min=1), neg / nneg.clamp(min=1)])
+        return Payload({"bits": pack_signs(x), "recon": recon.float()})
+
+    def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
+        recon = p.tensor("recon").float()
+        if recon.dim() == 1 and recon.numel() == 2:
+            return _decode_signs(p, shape, float(recon[0]), float(recon[1]))
+        if recon.dim() != 2 or recon.shape[0] != 2 or len(shape) != 2 or recon.shape[1] != shape[1]:
+            raise PayloadError(
+                f"onebit payload: reconstruction values of shape {tuple(recon.shape)} "
+                f"do not fit a tensor of shape {tuple(shape)}"
+            )
+        try:
+            mask = unpack_bits(p.tensor("bits"), shape.numel()).to(recon.device)
+        except (TypeError, ValueError) as e:
+            raise PayloadError(f"onebit payload: {e}") from None
+        return torch.where(mask.view(shape), recon[1], recon[0])  # bit 1 = negative
