@@ -1,0 +1,263 @@
+"""Sparsifiers: ``topk``, ``randomk`` and ``threshold`` — send a few entries, zero the rest.
+
+* ``topk`` keeps the k entries of largest magnitude (Aji & Heafield 2017, "Sparse
+  Communication for Distributed Gradient Descent"; Stich et al. 2018 with error
+  feedback). Exact: ties at the k-th magnitude are broken by lowest position.
+* ``randomk`` keeps k uniformly random positions chosen from a seed shared by all
+  ranks, so only the values travel and payloads can be summed (all-reduced):
+  Stich et al. 2018, "Sparsified SGD with Memory"; Wangni et al. 2018 for the
+  d/k rescaling that makes it unbiased.
+* ``threshold`` keeps every entry with ``|x| >= v`` (Strom 2015, "Scalable
+  Distributed DNN Training Using Commodity GPU Cloud Computing"); the count varies.
+
+All three send ``values`` (float32, the field a following quantizer may compress:
+``topk | qsgd``) and, except randomk, the positions in the shared form of
+``gradzip.codecs.indices`` (gaps or bitmap, whichever is smaller). None is unbiased
+except ``randomk(scale=true)``; pair the biased ones with ``ef`` for convergence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from gradzip.codecs.base import Compressor, Slot
+from gradzip.codecs.indices import Selection, abs_ge, flatnonzero, sparse_decode, sparse_payload
+from gradzip.codecs.payload import Payload, PayloadError
+from gradzip.codecs.registry import Param, SpecError, at_least, in_range, positive, register
+
+#: at or below this many entries topk selects exactly on the whole tensor
+EXACT_BELOW = 1 << 16
+#: entries sampled to estimate the top-k threshold of a larger tensor
+SAMPLE = 1 << 16
+
+
+def keep_count(numel: int, ratio: float, k: int | None) -> int:
+    """How many entries to keep: ``k`` if given, else ``round(ratio * numel)``, at least 1.
+
+    Capped at ``numel`` (so an empty tensor keeps 0 and a scalar keeps itself).
+    """
+    want = k if k is not None else max(1, round(ratio * numel))
+    return min(numel, want)
+
+
+def _ratio_k_params(default_ratio: float, what: str) -> tuple[Param, Param]:
+    return (
+        Param("ratio", float, default_ratio, f"fraction of entries {what} (density), in (0, 1]",
+              in_range(0.0, 1.0, lo_open=True)),
+        Param("k", int, None, "keep exactly this many entries per tensor instead of a ratio "
+              "(capped at the tensor's size)", at_least(1)),
+    )
+
+
+def _check_ratio_or_k(stage: Compressor, default_ratio: float) -> None:
+    if stage.params["k"] is not None and stage.params["ratio"] != default_ratio:
+        raise SpecError(f"{stage.name}: give ratio or k, not both")
+
+
+# ---------------------------------------------------------------- exact top-k
+def topk_among(mag: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` positions of largest ``mag`` (ascending; ties go to the lowest position).
+
+    ``mag[i]`` is the magnitude at ``positions[i]``; ``positions`` ascend. A linear-time
+    selection (``kthvalue``) finds the k-th largest magnitude m; everything above m is
+    kept, then the first few entries equal to m fill up to exactly k. No sort is
+    needed, so the result stays in position order.
+    """
+    c = mag.numel()
+    if k >= c:
+        return positions
+    if k <= 0:
+        return positions[:0]
+    kth = mag.kthvalue(c - k + 1).values
+    keep = mag > kth
+    need = k - int(keep.count_nonzero())
+    if need > 0:
+        ties = torch.nonzero(mag == kth).reshape(-1)[:need]
+        keep[ties] = True
+    return positions[keep]
+
+
+def topk_positions(flat: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    """Ascending positions of the exact top-``k`` magnitudes of a flat float32 tensor.
+
+    ``torch.topk`` on 16M entries takes ~0.7 s on one core. Instead: estimate the
+    threshold from a random sample of ``SAMPLE`` magnitudes (aimed a few standard
+    deviations low, so it lands a little below the true k-th magnitude), keep the
+    candidates above it in one comparison pass, and select exactly among those
+    (~1.2k of them). If the estimate was too high (fewer than k candidates, which
+    the margin makes vanishingly rare) it falls back to the whole tensor. The sample
+    only affects speed: the result is always the exact top-k.
+    """
+    n = flat.numel()
+    if k >= n:
+        return torch.arange(n, device=flat.device)
+    if n > EXACT_BELOW:
+        pick = torch.randint(n, (SAMPLE,), generator=generator).to(flat.device)
+        sample = flat[pick].abs()
+        expect = SAMPLE * k / n
+        rank = min(SAMPLE, math.ceil(expect + 4.0 * math.sqrt(expect) + 8))
+        estimate = float(sample.kthvalue(SAMPLE - rank + 1).values)
+        candidates = flatnonzero(abs_ge(flat, estimate))
+        if candidates.numel() >= k:
+            return topk_among(flat[candidates].abs(), candidates, k)
+    return topk_among(flat.abs(), torch.arange(n, device=flat.device), k)
+
+
+@register("topk")
+class TopK(Compressor):
+    """Exact top-k by magnitude: the k largest |x| and their positions.
+
+    Wire: ``values`` float32[k] in position order + positions as int32 gaps
+    (``deltas``) or a bitmap, whichever is smaller (meta ``sel``). Biased and not
+    summable (each rank keeps different positions); use ``ef | topk`` to converge.
+    """
+
+    summary = "exact top-k by magnitude: values + index gaps or bitmap (Aji & Heafield 2017)"
+    values_field = "values"
+    PARAMS = _ratio_k_params(0.01, "kept")
+
+    def validate(self) -> None:
+        _check_ratio_or_k(self, 0.01)
+
+    def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
+        flat = x.detach().reshape(-1).float()
+        k = keep_count(flat.numel(), self.params["ratio"], self.params["k"])
+        positions = topk_positions(flat, k, slot.generator("cpu"))
+        return sparse_payload(flat, Selection(flat.numel(), indices=positions))
+
+    def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
+        return sparse_decode(p, shape)
+
+
+# ---------------------------------------------------------------- random-k
+def _distinct_draws(n: int, k: int, g: torch.Generator) -> np.ndarray:
+    """k distinct positions in [0, n), uniformly random among all k-subsets, sorted.
+
+    Draws with replacement (``randint``) until at least k distinct positions have
+    turned up, then drops a uniformly random surplus. Because the draws are i.i.d.,
+    the distinct set of a given size is a uniform subset of that size, and so is a
+    uniform sub-subset of it: the result is a uniform k-subset, found in
+    O(k log k) instead of ``randperm(n)``'s O(n) (2 s for n = 16M).
+    """
+    # int32 sorts several times faster; np.unique (hash-based in NumPy 2) is 30x slower
+    dtype = np.int32 if n < 2**31 else np.int64
+    seen = np.empty(0, dtype=dtype)
+    while seen.size < k:
+        need = k - seen.size
+        # draws expected to give `need` new distinct values, plus 4 sigma of slack
+        frac = min(need / max(n - seen.size, 1), 1 - 1e-9)
+        m = math.ceil(-(n - seen.size) * math.log1p(-frac) + 4 * math.sqrt(need) + 16)
+        draws = torch.randint(n, (m,), generator=g, dtype=torch.int64).numpy().astype(dtype)
+        merged = np.sort(np.concatenate([seen, draws]))
+        first = np.ones(merged.size, dtype=np.bool_)
+        np.not_equal(merged[1:], merged[:-1], out=first[1:])
+        seen = merged[first]
+    if seen.size > k:
+        if seen.size <= 1 << 16:
+            drop = torch.randperm(seen.size, generator=g)[: seen.size - k].numpy()
+        else:  # the surplus is a few sigma: draw it the same way, not with an O(d) randperm
+            drop = _distinct_draws(seen.size, seen.size - k, g)
+        keep = np.ones(seen.size, dtype=np.bool_)
+        keep[drop] = False
+        seen = seen[keep]
+    return seen.astype(np.int64)
+
+
+def random_positions(n: int, k: int, seed: int) -> torch.Tensor:
+    """Ascending int64 positions of a uniform random k-subset of [0, n), from ``seed``.
+
+    Always generated on the CPU (then moved by the caller): CUDA and CPU generators
+    give different streams, and a payload may be decoded on another device than it
+    was encoded on, so the positions must not depend on the device.
+    """
+    g = torch.Generator().manual_seed(seed)
+    if k >= n:
+        return torch.arange(n)
+    if k <= 0:
+        return torch.zeros(0, dtype=torch.int64)
+    if 2 * k <= n:
+        return torch.from_numpy(_distinct_draws(n, k, g))
+    # dense: pick the n - k positions to leave out instead
+    keep = np.ones(n, dtype=np.bool_)
+    keep[_distinct_draws(n, n - k, g)] = False
+    return torch.from_numpy(np.flatnonzero(keep))
+
+
+@register("randomk")
+class RandomK(Compressor):
+    """Random-k with a shared seed: every rank keeps the same k random positions.
+
+    Wire: ``values`` float32[k] (position order) + meta ``seed`` (the shared 63-bit
+    seed of this step; the decoder regenerates the positions from it). No indices
+    travel, so this sends 4 bytes per kept entry and is summable: the payloads of all
+    ranks can be all-reduced. With ``scale=true`` decoded values are multiplied by
+    d/k so E[decode(encode(x))] = x (unbiased, Wangni et al. 2018), at the price of
+    a d/k-fold larger variance; leave it off under ``ef`` (Stich et al. 2018).
+    """
+
+    summary = "random-k with a shared seed: only values travel, summable (Stich et al. 2018)"
+    summable = True
+    values_field = "values"
+    PARAMS = (
+        *_ratio_k_params(0.01, "kept"),
+        Param("scale", bool, False, "multiply kept values by d/k so the estimate is unbiased"),
+    )
+
+    def validate(self) -> None:
+        _check_ratio_or_k(self, 0.01)
+        # the flag is per instance: only the scaled variant is unbiased
+        self.unbiased = bool(self.params["scale"])
+
+    def _positions(self, numel: int, k: int, seed: int) -> torch.Tensor:
+        return random_positions(numel, k, seed)
+
+    def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
+        flat = x.detach().reshape(-1).float()
+        n = flat.numel()
+        k = keep_count(n, self.params["ratio"], self.params["k"])
+        seed = slot.seed(shared=True)
+        positions = self._positions(n, k, seed).to(flat.device)
+        return Payload({"values": flat[positions]}, {"seed": seed})
+
+    def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
+        n = math.prod(shape)
+        values = p.tensor("values").reshape(-1).float()
+        k = values.numel()
+        if k > n:
+            raise PayloadError(f"randomk payload has {k} values for {n} entries")
+        positions = self._positions(n, k, p.int("seed"))
+        if self.params["scale"] and k:
+            values = values * (n / k)
+        return Selection(n, indices=positions.to(values.device)).scatter(values).reshape(shape)
+
+
+# ---------------------------------------------------------------- threshold
+@register("threshold")
+class Threshold(Compressor):
+    """Fixed-threshold sparsification (Strom 2015): keep every entry with |x| >= v.
+
+    Wire: like ``topk`` (``values`` + gaps or bitmap); the count varies with the
+    data. ``v`` is in gradient units and must be tuned per model and scale — the
+    weakness that DGC's sampled threshold removes. The default keeps ~0.7% of the
+    entries of a small LM's gradient (``gradzip.bench.samples.real_gradient_flat``)
+    but nearly all of a unit-scale tensor. Strom sends ±v instead of the values
+    (1 bit + position); here the exact values are sent, so ``threshold | sign``-style
+    quantizers can reproduce that. Biased, not summable.
+    """
+
+    summary = "keep entries with |x| >= v, variable count (Strom 2015)"
+    values_field = "values"
+    PARAMS = (
+        Param("v", float, 0.01, "keep entries whose magnitude is at least v (gradient units), > 0",
+              positive),
+    )
+
+    def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
+        flat = x.detach().reshape(-1).float()
+        return sparse_payload(flat, Selection(flat.numel(), mask=abs_ge(flat, self.params["v"])))
+
+    def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
+        return sparse_decode(p, shape)
