@@ -35,7 +35,16 @@ def codec(spec: str | list[Any] | dict[str, Any] | Codec, **kwargs: Any) -> Code
     return Codec.from_spec(spec, **kwargs)
 
 
+def __getattr__(name: str) -> Any:
+    """Lazy ``attach``/``ddp_hook``: importing gradzip stays free of torch.distributed."""
+    if name in ("attach", "ddp_hook"):
+        import gradzip.comm
+
+        return getattr(gradzip.comm, name)
+    raise AttributeError(f"module 'gradzip' has no attribute {name!r}")
+
+
 __all__ = [
     "Codec", "CodecState", "Communicator", "NonFiniteGradientError", "Payload",
-    "PayloadError", "SpecError", "codec", "registered",
+    "PayloadError", "SpecError", "attach", "codec", "ddp_hook", "registered",
 ]

@@ -1,0 +1,69 @@
+"""``TorchCommunicator``: the codec ``Communicator`` over a torch.distributed process group.
+
+Codecs never import torch.distributed; the hooks in this package hand them one of
+these. Byte counting happens in the base class (bytes this rank hands to each
+collective, padding included), so every collective a codec issues — the payload
+itself, size exchanges, PowerSGD's second round, a max all-reduce of scales — is
+counted the same way. Device-agnostic: tensors stay on whatever device they are on
+(gloo on CPU, NCCL on CUDA).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from gradzip.codecs.communicator import Communicator
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class TorchCommunicator(Communicator):
+    """Blocking collectives on ``group`` (None = the default group), counted per op."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized; call dist.init_process_group first"
+            )
+        self.group = group
+        super().__init__(dist.get_rank(group), dist.get_world_size(group))
+
+    # ------------------------------------------------------------ transport
+    def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        t = t.contiguous()
+        dist.all_reduce(t, op=_OPS[op], group=self.group)
+        return t
+
+    def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        t = t.contiguous()
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t, group=self.group)
+        return out
+
+    def _all_to_all(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        chunks = [c.contiguous() for c in chunks]
+        out = [torch.empty_like(c) for c in chunks]
+        dist.all_to_all(out, chunks, group=self.group)
+        return out
+
+    # ------------------------------------------------------------ extra
+    def reduce_scatter_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` (shape ``[world_size, ...]``) over ranks; return this rank's row.
+
+        Used by the compressed reduce-scatter for summable payloads; counted as
+        ``reduce_scatter`` with the whole input as this rank's bytes.
+        """
+        if t.dim() < 1 or t.shape[0] != self.world_size:
+            raise ValueError(
+                f"reduce_scatter_sum needs a leading dim of {self.world_size}, got {tuple(t.shape)}"
+            )
+        t = t.contiguous()
+        out = torch.empty_like(t[0])
+        start = time.perf_counter()
+        dist.reduce_scatter_tensor(out, t, op=dist.ReduceOp.SUM, group=self.group)
+        self.counter.add("reduce_scatter", t.numel() * t.element_size(),
+                         time.perf_counter() - start)
+        return out

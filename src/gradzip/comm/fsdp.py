@@ -1,0 +1,130 @@
+"""FSDP integration: a compressed FSDP2 ``ReduceScatter`` and an FSDP1 comm hook.
+
+FSDP2 (``fully_shard``) calls ``ReduceScatter.__call__(output, input, group, op)``
+with ``input`` laid out as ``world_size`` contiguous chunks. The compressed version
+encodes one payload per destination chunk (codec state keyed per FSDP module and
+destination), then reduce-scatters summable payloads leaf by leaf, or exchanges
+the serialized payloads with ``all_to_all`` and sums the decoded ones.
+It honours the op FSDP passes: ``AVG`` divides by the world size, ``SUM`` does
+not, ``PREMUL_SUM(f)`` multiplies each input by ``f`` first (FSDP uses it for a
+custom gradient divide factor). Multi-round codecs (PowerSGD) reduce the whole
+flat gradient with their own protocol and keep this rank's chunk.
+
+FSDP1 (``FullyShardedDataParallel.register_comm_hook``) calls
+``hook(state, padded_unsharded_grad, sharded_output)`` — or ``hook(state, grad)``
+for ``NO_SHARD`` — and expects the *mean* gradient (its default path pre/post
+divides by the world size around a SUM); the same reducer does the work.
+
+Both run synchronously inside FSDP's own reduction step (on CUDA FSDP already
+issues it on its reduce-scatter stream), on FSDP's process group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from gradzip.comm.communicator import TorchCommunicator
+from gradzip.comm.reducer import Reducer
+
+
+class CommCache:
+    """One ``TorchCommunicator`` per process group FSDP hands us."""
+
+    def __init__(self) -> None:
+        self._comms: dict[int, TorchCommunicator] = {}
+
+    def get(self, group: dist.ProcessGroup | None) -> TorchCommunicator:
+        k = id(group)
+        if k not in self._comms:
+            self._comms[k] = TorchCommunicator(group)
+        return self._comms[k]
+
+
+def scaling(op: Any, world_size: int) -> tuple[float, float]:
+    """(divisor, factor) for FSDP's reduce op: AVG, SUM or PREMUL_SUM(factor)."""
+    R = dist.ReduceOp
+    kind = getattr(op, "op", op)  # a PREMUL_SUM ReduceOp object carries .op and .factor
+    if kind == R.AVG:
+        return float(world_size), 1.0
+    if kind == R.SUM:
+        return 1.0, 1.0
+    if kind == R.PREMUL_SUM:
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            raise ValueError("PREMUL_SUM reduce op without a factor")
+        return 1.0, float(factor)
+    raise ValueError(
+        f"gradzip's compressed reduce-scatter supports AVG, SUM and PREMUL_SUM, got {op}"
+    )
+
+
+class CompressedReduceScatter(ReduceScatter):
+    """FSDP2 custom reduce-scatter for one FSDP module (``set_custom_reduce_scatter``)."""
+
+    def __init__(self, reducer: Reducer, comms: CommCache, key: str) -> None:
+        self.reducer = reducer
+        self.comms = comms
+        self.key = key
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        comm = self.comms.get(group)
+        divisor, factor = scaling(op, comm.world_size)
+        self.reducer.reduce_scatter(input_tensor, output_tensor, comm, self.key,
+                                    divisor=divisor, factor=factor)
+        if not async_op:
+            return None
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result([output_tensor])
+        return torch._C._distributed_c10d._create_work_from_future(done)
+
+
+class FSDP1CommState:
+    """State of the FSDP1 hook: reducer, communicator, per-backward call counter.
+
+    FSDP1 registers one hook and one state for all its units, so units are told
+    apart by the order in which they reduce within a backward pass (the same on
+    every rank); the counter resets when the backward pass ends.
+    """
+
+    def __init__(self, reducer: Reducer, process_group: dist.ProcessGroup | None) -> None:
+        self.reducer = reducer
+        self.comm = TorchCommunicator(process_group)
+        self._calls = 0
+        self._reset_queued = False
+
+    def next_key(self) -> str:
+        if not self._reset_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._reset)
+            self._reset_queued = True
+        key = f"fsdp1/unit{self._calls}"
+        self._calls += 1
+        return key
+
+    def _reset(self) -> None:
+        self._calls = 0
+        self._reset_queued = False
+
+
+def fsdp1_hook(state: FSDP1CommState, grad: torch.Tensor,
+               output: torch.Tensor | None = None) -> None:
+    """FSDP1 comm hook: mean gradient, reduce-scattered into ``output`` when sharded."""
+    key = state.next_key()
+    if output is None:  # NO_SHARD: all-reduce in place
+        grad.copy_(state.reducer.reduce_mean(grad, key, state.comm))
+        return
+    state.reducer.reduce_scatter(grad, output, state.comm, key,
+                                 divisor=float(state.comm.world_size))

@@ -1,0 +1,188 @@
+"""``CommStats``: what the gradient communication of each step cost, measured.
+
+Every number comes from what was actually done, never from a formula:
+
+* ``bytes_raw``: 4 bytes x numel of the gradients reduced — what an uncompressed
+  fp32 all-reduce would have handed to the collective (the baseline of the ratio).
+* ``bytes_wire``: the bytes this rank handed to collectives (``Communicator``
+  counters: payloads, padding, size exchanges, every extra round).
+* ``comm_ms`` / ``comm_ms_by_op``: wall time inside collectives, per collective.
+* ``encode_ms`` / ``decode_ms``: codec compute time (multi-round codecs interleave
+  their compute with their collectives; all of it is reported as ``encode_ms``).
+* ``index_bytes``: payload bytes of index fields (a field path component that
+  names indices: ``index``, ``indices``, ``idx``), the positional overhead of sparsifiers.
+* ``density``: sent values / gradient entries (1.0 for dense codecs).
+* ``extra_collectives``: collective calls beyond one per reduced tensor.
+* ``residual_norm``: L2 norm over all error-feedback residuals after the step.
+* ``grad_rel_error`` / ``grad_cos_sim``: only in diagnostic mode, against the exact
+  mean gradient from an extra fp32 all-reduce whose bytes are reported separately
+  as ``bytes_diagnostic`` and never counted in ``bytes_wire``.
+
+The hook (possibly on a communication thread) records into the open step; the
+trainer calls ``end_step()`` once per optimizer step to close it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class _Acc:
+    """Sums over the reductions of one step (or of all steps)."""
+
+    reductions: int = 0
+    numel: int = 0
+    sent_values: int = 0
+    bytes_raw: int = 0
+    bytes_wire: int = 0
+    index_bytes: int = 0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+    seconds_by_op: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    bytes_by_op: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls_by_op: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    diagnosed: bool = False
+    bytes_diagnostic: int = 0
+    err_sq: float = 0.0
+    ref_sq: float = 0.0
+    est_sq: float = 0.0
+    dot: float = 0.0
+    residual_norm: float | None = None
+
+    def merge(self, o: _Acc) -> None:
+        for name in ("reductions", "numel", "sent_values", "bytes_raw", "bytes_wire",
+                     "index_bytes", "encode_s", "decode_s", "bytes_diagnostic",
+                     "err_sq", "ref_sq", "est_sq", "dot"):
+            setattr(self, name, getattr(self, name) + getattr(o, name))
+        for op, v in o.seconds_by_op.items():
+            self.seconds_by_op[op] += v
+        for op, v in o.bytes_by_op.items():
+            self.bytes_by_op[op] += v
+        for op, v in o.calls_by_op.items():
+            self.calls_by_op[op] += v
+        self.diagnosed = self.diagnosed or o.diagnosed
+        if o.residual_norm is not None:
+            self.residual_norm = o.residual_norm
+
+    def view(self, steps: int) -> dict[str, Any]:
+        calls = sum(self.calls_by_op.values())
+        cos = None
+        rel = None
+        if self.diagnosed:
+            rel = math.sqrt(self.err_sq / self.ref_sq) if self.ref_sq > 0 else 0.0
+            denom = math.sqrt(self.ref_sq * self.est_sq)
+            cos = self.dot / denom if denom > 0 else 1.0
+        return {
+            "steps": steps,
+            "bytes_raw": self.bytes_raw,
+            "bytes_wire": self.bytes_wire,
+            "compression_ratio": self.bytes_raw / self.bytes_wire if self.bytes_wire else None,
+            "index_bytes": self.index_bytes,
+            "density": self.sent_values / self.numel if self.numel else None,
+            "encode_ms": self.encode_s * 1e3,
+            "decode_ms": self.decode_s * 1e3,
+            "comm_ms": sum(self.seconds_by_op.values()) * 1e3,
+            "comm_ms_by_op": {op: s * 1e3 for op, s in sorted(self.seconds_by_op.items())},
+            "bytes_by_op": dict(sorted(self.bytes_by_op.items())),
+            "calls_by_op": dict(sorted(self.calls_by_op.items())),
+            "extra_collectives": max(calls - self.reductions, 0),
+            "residual_norm": self.residual_norm,
+            "grad_rel_error": rel,
+            "grad_cos_sim": cos,
+            "bytes_diagnostic": self.bytes_diagnostic,
+        }
+
+
+@dataclass
+class Reduction:
+    """What one reduction of one tensor cost (filled by the reducer)."""
+
+    numel: int
+    sent_values: int
+    bytes_raw: int
+    index_bytes: int = 0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+    seconds_by_op: dict[str, float] = field(default_factory=dict)
+    bytes_by_op: dict[str, int] = field(default_factory=dict)
+    calls_by_op: dict[str, int] = field(default_factory=dict)
+
+
+class CommStats:
+    """Per-step and cumulative communication statistics of one attached codec."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = _Acc()
+        self._last = _Acc()
+        self._total = _Acc()
+        self._residuals: dict[str, float] = {}
+        self.steps = 0
+
+    # ------------------------------------------------------------ recording
+    def record(self, r: Reduction) -> None:
+        """Add one reduced tensor to the open step."""
+        with self._lock:
+            a = self._open
+            a.reductions += 1
+            a.numel += r.numel
+            a.sent_values += r.sent_values
+            a.bytes_raw += r.bytes_raw
+            a.index_bytes += r.index_bytes
+            a.encode_s += r.encode_s
+            a.decode_s += r.decode_s
+            for op, v in r.seconds_by_op.items():
+                a.seconds_by_op[op] += v
+            for op, n in r.bytes_by_op.items():
+                a.bytes_by_op[op] += n
+                a.bytes_wire += n
+            for op, n in r.calls_by_op.items():
+                a.calls_by_op[op] += n
+
+    def record_diagnostic(self, err_sq: float, ref_sq: float, est_sq: float, dot: float,
+                          nbytes: int) -> None:
+        """Add one tensor's comparison against the exact mean (diagnostic mode)."""
+        with self._lock:
+            a = self._open
+            a.diagnosed = True
+            a.err_sq += err_sq
+            a.ref_sq += ref_sq
+            a.est_sq += est_sq
+            a.dot += dot
+            a.bytes_diagnostic += nbytes
+
+    def record_residual(self, key: str, norm: float) -> None:
+        """The error-feedback residual norm of ``key`` after its latest reduction."""
+        with self._lock:
+            self._residuals[key] = norm
+
+    def end_step(self) -> None:
+        """Close the open step: it becomes ``summary()`` and is added to ``totals()``."""
+        with self._lock:
+            if self._residuals:
+                self._open.residual_norm = math.sqrt(sum(v * v for v in self._residuals.values()))
+            self._last = self._open
+            self._total.merge(self._open)
+            self._open = _Acc()
+            self.steps += 1
+
+    # ------------------------------------------------------------ reading
+    def summary(self) -> dict[str, Any]:
+        """The last completed step (all zeros/None before the first ``end_step``)."""
+        with self._lock:
+            return self._last.view(1 if self.steps else 0)
+
+    def totals(self) -> dict[str, Any]:
+        """Cumulative over all completed steps (same keys as ``summary``)."""
+        with self._lock:
+            return self._total.view(self.steps)
+
+    def pending(self) -> dict[str, Any]:
+        """The open (not yet closed) step, e.g. to inspect a step mid-way."""
+        with self._lock:
+            return self._open.view(0)
