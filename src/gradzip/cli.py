@@ -14,6 +14,9 @@ import sys
 COMMAND_MODULES = [
     "gradzip.commands.codecs",  # gradzip codecs list
     "gradzip.commands.bench",  # gradzip bench codecs|entropy|...
+    "gradzip.commands.train",  # gradzip train (also under torchrun)
+    "gradzip.commands.eval",  # gradzip eval --ckpt DIR
+    "gradzip.commands.generate",  # gradzip generate --ckpt DIR
 ]
 
 
