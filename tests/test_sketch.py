@@ -5,7 +5,7 @@ import torch
 
 import gradzip
 from gradzip.codecs import Payload, PayloadError, SpecError, run_simulated
-from gradzip.codecs.sketch import count_sketch, estimate
+from gradzip.codecs.sketch import _top, count_sketch, estimate
 
 N = 20_000
 SPEC = "sketch(ratio=0.0005)"  # k = 10, a 5 x 120 sketch, 40 candidates
@@ -143,3 +143,17 @@ def test_flags_spec_and_bad_payload():
     p = gradzip.codec(SPEC).encode(planted(0), key="w")
     with pytest.raises(PayloadError, match="sketch"):
         c.decode(p)  # a table of another configuration
+
+
+@pytest.mark.parametrize("kind", ["heavy", "sorted", "ties"])
+def test_fast_top_k_selection_is_exact(kind):
+    """The sampled-threshold top-k picks the same magnitudes as a full ``torch.topk``."""
+    n, k = (1 << 20) + 3, 500
+    g = torch.Generator().manual_seed(0)
+    v = {"heavy": torch.randn(n, generator=g) * torch.randn(n, generator=g).exp(),
+         "sorted": -torch.arange(n, dtype=torch.float32),
+         "ties": torch.ones(n).index_fill_(0, torch.arange(0, n, 7), 2.0)}[kind]
+    got = _top(v, k)
+    want = torch.topk(v.abs(), k).indices
+    assert got.numel() == k and torch.equal(got, got.unique())  # sorted, distinct
+    assert torch.equal(v.abs()[got].sort().values, v.abs()[want].sort().values)
