@@ -135,6 +135,18 @@ def test_deltas_are_gaps_of_sorted_positions():
     assert p.tensor("values").tolist() == [1.0, -2.0, 3.0, 4.0]
 
 
+@pytest.mark.parametrize("n", [0, 1, 1000, 3 * (1 << 16) + 5])
+def test_scans_agree_with_plain_torch(path, n):
+    x = heavy_tailed(n, n)
+    for t in (0.0, 0.5, 3.0, 1e9):
+        expected = (x.abs() >= t).nonzero().reshape(-1)
+        assert torch.equal(indices.abs_ge(x, t), x.abs() >= t)
+        assert torch.equal(indices.abs_ge_positions(x, t), expected)
+        assert torch.equal(indices.flatnonzero(indices.abs_ge(x, t)), expected)
+        mask = x.abs() >= t
+        assert torch.equal(indices.unpackbits(indices.packbits(mask), n), mask)
+
+
 def test_index_dtype_widens_only_past_int32():
     assert index_dtype(2**31 - 1) == torch.int32
     assert index_dtype(2**31) == torch.int64

@@ -45,7 +45,12 @@ import torch
 
 from gradzip.codecs import indices
 from gradzip.codecs.base import Compressor, Slot
-from gradzip.codecs.indices import Selection, abs_ge, flatnonzero, sparse_decode, sparse_payload
+from gradzip.codecs.indices import (
+    Selection,
+    abs_ge_positions,
+    sparse_decode,
+    sparse_payload,
+)
 from gradzip.codecs.payload import Payload
 from gradzip.codecs.registry import Param, at_least, in_range, register
 from gradzip.codecs.sparse import topk_among
@@ -98,7 +103,7 @@ def sampled_positions(v: torch.Tensor, k: int, sample_ratio: float, g: torch.Gen
     sample = v[torch.randint(n, (s,), generator=g).to(v.device)].abs()
     top = max(1, math.ceil(s * k / n))
     threshold = float(sample.kthvalue(s - top + 1).values)
-    selected = flatnonzero(abs_ge(v, threshold))
+    selected = abs_ge_positions(v, threshold)
     if selected.numel() > REFINE_ABOVE * k:
         selected = topk_among(v[selected].abs(), selected, k)
     return selected

@@ -85,6 +85,30 @@ def abs_ge(flat: torch.Tensor, threshold: float) -> torch.Tensor:
     return _t(out)
 
 
+def abs_ge_positions(flat: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Ascending int64 positions where ``|flat| >= threshold``, for sparse results.
+
+    Same as ``flatnonzero(abs_ge(flat, threshold))`` but on CPU the mask of each
+    chunk is read back while it is still in cache, so no full-size mask is written.
+    """
+    if not _fast(flat):
+        return torch.nonzero(flat.abs() >= threshold).reshape(-1)
+    x = _np(flat)
+    n = x.size
+    buf = np.empty(min(n, _CHUNK), dtype=x.dtype)
+    mask = np.empty(min(n, _CHUNK), dtype=np.bool_)
+    parts = []
+    for start in range(0, n, _CHUNK):
+        stop = min(n, start + _CHUNK)
+        a, m = buf[: stop - start], mask[: stop - start]
+        np.abs(x[start:stop], out=a)
+        np.greater_equal(a, threshold, out=m)
+        found = np.flatnonzero(m)
+        if found.size:
+            parts.append(found + start)
+    return _t(np.concatenate(parts) if parts else np.empty(0, dtype=np.int64))
+
+
 def count(mask: torch.Tensor) -> int:
     """Number of True entries (``bool.sum()`` is several times slower on CPU)."""
     if _fast(mask):

@@ -24,7 +24,13 @@ import numpy as np
 import torch
 
 from gradzip.codecs.base import Compressor, Slot
-from gradzip.codecs.indices import Selection, abs_ge, flatnonzero, sparse_decode, sparse_payload
+from gradzip.codecs.indices import (
+    Selection,
+    abs_ge,
+    abs_ge_positions,
+    sparse_decode,
+    sparse_payload,
+)
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, SpecError, at_least, in_range, positive, register
 
@@ -100,7 +106,7 @@ def topk_positions(flat: torch.Tensor, k: int, generator: torch.Generator) -> to
         expect = SAMPLE * k / n
         rank = min(SAMPLE, math.ceil(expect + 4.0 * math.sqrt(expect) + 8))
         estimate = float(sample.kthvalue(SAMPLE - rank + 1).values)
-        candidates = flatnonzero(abs_ge(flat, estimate))
+        candidates = abs_ge_positions(flat, estimate)
         if candidates.numel() >= k:
             return topk_among(flat[candidates].abs(), candidates, k)
     return topk_among(flat.abs(), torch.arange(n, device=flat.device), k)
