@@ -64,6 +64,15 @@ def fit_basis(slices: torch.Tensor, k: int) -> torch.Tensor:
     return (u * signs).to(slices.dtype).contiguous()
 
 
+def _rebuild(coeffs: torch.Tensor, u: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """The flat tensor: slices U c written in place, then the tail (no concatenation copy)."""
+    m, d = coeffs.shape[0], u.shape[0]
+    out = torch.empty(m * d + tail.numel(), dtype=torch.float32, device=coeffs.device)
+    torch.mm(coeffs, u.T, out=out[: m * d].view(m, d))
+    out[m * d :] = tail
+    return out
+
+
 @register("gradiveq")
 class GradiVeQ(Compressor):
     """Summable PCA codes of d-dim gradient slices, basis refit every L steps (Yu et al. 2018)."""
@@ -153,7 +162,7 @@ class GradiVeQ(Compressor):
                 f"gradiveq: coefficients {tuple(coeffs.shape)}, basis {tuple(u.shape)} and "
                 f"{tail.numel()} tail values do not rebuild shape {tuple(shape)}"
             )
-        return torch.cat([(coeffs @ u.T).reshape(-1), tail]).reshape(shape)
+        return _rebuild(coeffs, u, tail).reshape(shape)
 
     # ------------------------------------------------------------ distributed
     def reduce(
@@ -180,9 +189,8 @@ class GradiVeQ(Compressor):
         coeffs = slices @ u
         local = None
         if want_local:  # before the all-reduce, which may overwrite coeffs in place
-            local = torch.cat([(coeffs @ u.T).reshape(-1), tail]).reshape(x.shape)
+            local = _rebuild(coeffs, u, tail).reshape(x.shape)
         sent = [coeffs] + ([tail.clone()] if tail.numel() else [])
         summed = comm.all_reduce(sent)
-        body = (summed[0] @ u.T).reshape(-1) / world
-        rest = summed[1] / world if tail.numel() else body.new_zeros(0)
-        return torch.cat([body, rest]).reshape(x.shape), local
+        rest = summed[1] if tail.numel() else tail
+        return _rebuild(summed[0], u, rest).div_(world).reshape(x.shape), local
