@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from gradzip.codecs.payload import _DTYPE_CODE, _DTYPES, Payload, PayloadError
+from gradzip.codecs.payload import _DTYPE_CODE, _DTYPES, Payload, PayloadError, _varint_len
 
 STORED = "raw"
 _CHECKED_META = ("m", "dt", "sh", "k", "map", "lo", "cw", "ck", "np", "lvl", "v")
@@ -131,9 +131,15 @@ def unstore(p: Payload, stage: str) -> torch.Tensor:
     return from_numpy(a.view(np_dtype), dtype, shape)
 
 
+def stored_wire_bytes(t: torch.Tensor) -> int:
+    """``stored(t).wire_bytes`` without copying the data."""
+    nbytes = t.numel() * t.element_size()
+    empty = Payload({"d": b""}, {"m": STORED, "dt": dtype_code(t), "sh": tuple(t.shape)})
+    return empty.wire_bytes + nbytes + _varint_len(nbytes) - 1
+
+
 def pick(coded: Payload | None, t: torch.Tensor) -> Payload:
     """The coded field if it is smaller than storing ``t`` raw, else the stored form."""
-    raw = stored(t)
-    if coded is None or coded.wire_bytes >= raw.wire_bytes:
-        return seal(raw)
+    if coded is None or coded.wire_bytes >= stored_wire_bytes(t):
+        return seal(stored(t))
     return seal(coded)

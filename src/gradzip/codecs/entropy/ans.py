@@ -2,12 +2,19 @@
 
 ANS (Duda 2013, "Asymmetric numeral systems: entropy coding combining speed of Huffman
 coding with compression rate of arithmetic coding") codes a stream to within a
-fraction of a percent of its order-0 entropy. The coder is ``constriction``'s
-``stack.AnsCoder`` (Bamler 2022) with a ``Categorical`` model built from the stream's
-own histogram; the exact counts of the symbols present travel with the payload (LEB128
-varints of gaps and counts, a few bytes per used symbol) and count in its bytes, so the
-decoder rebuilds the identical model. Large streams are coded in chunks of ``chunk``
-symbols (one model, a word count per chunk in the header) to bound working memory.
+fraction of a percent of its order-0 entropy. The model is the stream's own histogram;
+its table (LEB128 varints of the gaps between the symbols present and their
+frequencies) travels with the payload and counts in its bytes, so the decoder rebuilds
+the identical model. Two backends, both exact, chosen by ``backend``:
+
+* ``rans`` (default): a numba rANS with frequencies quantized to 2**15 and two
+  interleaved states (``_rans.py``) — the fast path, > 100 MB/s per core on int8.
+* ``constriction``: ``constriction``'s ``stack.AnsCoder`` (Bamler 2022) with a
+  ``Categorical`` model of the exact counts — the reference implementation, about
+  half the speed. Both spend within ~0.1% of the entropy on large streams.
+
+Large streams are coded in chunks of ``chunk`` symbols (one model, a word count per
+chunk in the header), which bounds working memory and lets a decoder stop early.
 
 Alphabets wider than 2**16 (topk indices, int32/int64 fields) are split into byte
 planes of ``v - min``, each coded with its own table. A stream of one repeated value
@@ -23,13 +30,16 @@ import numpy as np
 import torch
 
 from gradzip.codecs.base import LosslessCoder, Slot
-from gradzip.codecs.entropy import _frame, _kernels
+from gradzip.codecs.entropy import _frame, _kernels, _rans
 from gradzip.codecs.payload import Payload
 from gradzip.codecs.registry import Param, in_range, register
 
 #: alphabets up to this span are coded directly; wider ones by byte planes
 ALPHABET_SPAN = 1 << 16
+#: the rANS backend codes directly at most this many distinct symbols
+RANS_SYMBOLS = 4096
 DEFAULT_CHUNK = 1 << 20
+BACKENDS = ("rans", "constriction")
 
 
 def _model(counts: np.ndarray):  # noqa: ANN202 - constriction has no type stubs
@@ -62,60 +72,84 @@ class Ans(LosslessCoder):
     PARAMS: ClassVar[tuple[Param, ...]] = (
         Param("chunk", int, DEFAULT_CHUNK, "symbols per independently coded chunk",
               check=in_range(1024, 1 << 30)),
+        Param("backend", str, "rans", "rans (numba, fast) or constriction (reference)",
+              choices=BACKENDS),
     )
 
     def encode_field(self, t: torch.Tensor, slot: Slot) -> Payload:
-        return encode(t, self.params["chunk"])
+        return encode(t, self.params["chunk"], self.params["backend"])
 
     def decode_field(self, p: Payload) -> torch.Tensor:
         return decode(p)
 
 
-def encode(t: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> Payload:
+def encode(t: torch.Tensor, chunk: int = DEFAULT_CHUNK, backend: str = "rans") -> Payload:
     """ANS-code one integer tensor; the stored form if coding does not pay."""
     if t.dtype.is_floating_point or t.dtype == torch.bool:
         raise TypeError(f"ans codes integer tensors, got {t.dtype}")
-    return _frame.pick(_code(_frame.to_numpy(t), t, chunk), t)
+    if backend not in BACKENDS:
+        raise ValueError(f"ans backend must be one of {BACKENDS}, got {backend!r}")
+    return _frame.pick(_code(_frame.to_numpy(t), t, chunk, backend), t)
 
 
-def _code(v: np.ndarray, t: torch.Tensor, chunk: int) -> Payload | None:
+def _code(v: np.ndarray, t: torch.Tensor, chunk: int, backend: str) -> Payload | None:
     if v.size == 0:
         return None
     meta = {"dt": _frame.dtype_code(t), "sh": tuple(t.shape)}
-    lo, hi = _kernels.minmax(v)
-    if lo == hi:
-        return Payload({}, {"m": "const", **meta, "lo": int(lo)})
-    if hi - lo >= ALPHABET_SPAN:
-        return _code_planes(v, t, lo, hi, chunk, meta)
-    counts = _kernels.hist(v, lo, hi - lo + 1)
+    if v.dtype.itemsize == 1:  # histogram over the whole byte range, no min/max pass
+        base = -128 if v.dtype == np.int8 else 0
+        counts = _kernels.hist(v, base, 256)
+    else:
+        lo, hi = _kernels.minmax(v)
+        if hi - lo >= ALPHABET_SPAN:
+            return _code_planes(v, t, lo, hi, chunk, backend, meta)
+        base = lo
+        counts = _kernels.hist(v, base, hi - lo + 1)
     present = np.nonzero(counts)[0]
-    lut = np.zeros(hi - lo + 1, np.int32)
+    if present.size == 1:
+        return Payload({}, {"m": "const", **meta, "lo": int(base + present[0])})
+    if backend == "rans" and present.size > RANS_SYMBOLS:
+        lo, hi = base + int(present[0]), base + int(present[-1])
+        return _code_planes(v, t, lo, hi, chunk, backend, meta)
+    lut = np.zeros(counts.size, np.int32)
     lut[present] = np.arange(present.size, dtype=np.int32)
-    symbols = np.empty(v.size, np.int32)
-    _kernels.apply_lut(v, lo, lut, symbols)
-    model = _model(counts[present])
     words, sizes = [], []
-    for start in range(0, v.size, chunk):
-        coder = constriction.stream.stack.AnsCoder()
-        coder.encode_reverse(symbols[start:start + chunk], model)
-        w = coder.get_compressed()
-        words.append(w)
-        sizes.append(int(w.size))
-    data = np.concatenate(words).astype("<u4").tobytes()
-    meta.update({"m": "ans", "lo": int(lo), "v": int(present.size), "cw": tuple(sizes),
+    if backend == "rans":
+        freq = _rans.quantize(counts[present])
+        tables = _rans.encoder_tables(freq)
+        for start in range(0, v.size, chunk):
+            w = _rans.encode(v[start:start + chunk], base, lut, *tables)
+            words.append(w)
+            sizes.append(int(w.size))
+        data = np.concatenate(words).astype("<u2").tobytes()
+        table = _table_bytes(present, freq)
+    else:
+        symbols = np.empty(v.size, np.int32)
+        _kernels.apply_lut(v, base, lut, symbols)
+        model = _model(counts[present])
+        for start in range(0, v.size, chunk):
+            coder = constriction.stream.stack.AnsCoder()
+            coder.encode_reverse(symbols[start:start + chunk], model)
+            w = coder.get_compressed()
+            words.append(w)
+            sizes.append(int(w.size))
+        data = np.concatenate(words).astype("<u4").tobytes()
+        table = _table_bytes(present, counts[present])
+    mode = "rans" if backend == "rans" else "ans"
+    meta.update({"m": mode, "lo": int(base), "v": int(present.size), "cw": tuple(sizes),
                  "ck": int(chunk)})
-    return Payload({"t": _table_bytes(present, counts[present]), "d": data}, meta)
+    return Payload({"t": table, "d": data}, meta)
 
 
 def _code_planes(v: np.ndarray, t: torch.Tensor, lo: int, hi: int, chunk: int,
-                 meta: dict) -> Payload:
+                 backend: str, meta: dict) -> Payload:
     """Byte planes of v - lo, each ANS-coded (or stored) on its own."""
     u = (v.astype(np.int64) - lo).view(np.uint64)
     nplanes = (int(hi - lo).bit_length() + 7) // 8
     fields: dict[str, Payload] = {}
     for i in range(nplanes):
         plane = torch.from_numpy(((u >> np.uint64(8 * i)) & np.uint64(0xFF)).astype(np.uint8))
-        fields[f"p{i}"] = encode(plane, chunk)
+        fields[f"p{i}"] = encode(plane, chunk, backend)
     return Payload(dict(fields), {"m": "planes", **meta, "lo": int(lo), "np": nplanes})
 
 
@@ -144,30 +178,49 @@ def decode(p: Payload) -> torch.Tensor:
             u |= plane.astype(np.uint64) << np.uint64(8 * i)
         out = (u.view(np.int64) + np.int64(lo)).astype(np_dtype)
         return _frame.from_numpy(out, dtype, shape)
-    if mode != "ans":
+    if mode not in ("ans", "rans"):
         raise _frame.EntropyCodingError(f"ans: unknown coding mode {mode!r}")
     present, counts = _read_table(_frame.blob(p, "t", "ans"), int(p.meta.get("v", 0)))
     sizes = p.meta.get("cw")
-    data = _frame.blob(p, "d", "ans")
-    if not isinstance(sizes, tuple) or 4 * sum(sizes) != len(data) or int(counts.sum()) != numel:
-        raise _frame.EntropyCodingError("ans: chunk sizes do not match the data")
-    words = np.frombuffer(data, "<u4").astype(np.uint32)
-    model = _model(counts)
     chunk = p.meta.get("ck")
-    if not isinstance(chunk, int) or chunk < 1 or len(sizes) != -(-numel // chunk):
-        raise _frame.EntropyCodingError("ans: bad chunk header")
+    data = _frame.blob(p, "d", "ans")
+    word = 2 if mode == "rans" else 4
+    total = _rans.M if mode == "rans" else numel
+    if (not isinstance(sizes, tuple) or word * sum(sizes) != len(data)
+            or int(counts.sum()) != total or not isinstance(chunk, int) or chunk < 1
+            or len(sizes) != -(-numel // chunk)):
+        raise _frame.EntropyCodingError("ans: header does not match the data")
+    values = (present + lo).astype(np_dtype)
+    out = np.empty(numel, np_dtype)
+    if mode == "rans":
+        words = np.frombuffer(data, "<u2").astype(np.uint16)
+        freq = counts.astype(np.uint64)
+        cum = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.uint64)
+        slot_sym = np.repeat(np.arange(counts.size, dtype=np.int32), counts)
+        offset = 0
+        for i, size in enumerate(sizes):
+            start = i * chunk
+            status = _rans.decode(words[offset:offset + size], freq, cum, slot_sym, values,
+                                  out[start:start + chunk])
+            if status < 0:
+                raise _frame.EntropyCodingError("ans: rANS stream is corrupt or truncated")
+            offset += size
+        return _frame.from_numpy(out, dtype, shape)
+    words32 = np.frombuffer(data, "<u4").astype(np.uint32)
+    model = _model(counts)
     symbols = np.empty(numel, np.int32)
     offset = 0
     try:
         for i, size in enumerate(sizes):
             start = i * chunk
             count = min(chunk, numel - start)
-            coder = constriction.stream.stack.AnsCoder(words[offset:offset + size])
+            coder = constriction.stream.stack.AnsCoder(words32[offset:offset + size])
             symbols[start:start + count] = coder.decode(model, count)
+            if not coder.is_empty():  # a sound stream is used up exactly
+                raise ValueError("words left over after the last symbol")
             offset += size
     except (ValueError, RuntimeError, AssertionError) as e:
         raise _frame.EntropyCodingError(f"ans: corrupt data ({e})") from e
-    out = np.empty(numel, np_dtype)
-    if _kernels.take((present + lo).astype(np_dtype), symbols, out) < 0:
+    if _kernels.take(values, symbols, out) < 0:
         raise _frame.EntropyCodingError("ans: decoded symbol outside the table")
     return _frame.from_numpy(out, dtype, shape)
