@@ -20,6 +20,8 @@ faster than the equivalent torch ops single-threaded; other devices use torch op
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 import torch
 
@@ -92,10 +94,15 @@ def bits_to_values(
     For ``pack_signs`` output, ``low`` is the positive value and ``high`` the negative.
     """
     _check_packed(packed, packed_bits_len(n), "bits")
-    table = np.empty((256, 8), dtype=np.float32)
-    bits = (np.arange(256, dtype=np.uint8)[:, None] >> np.arange(8, dtype=np.uint8)) & 1
-    table[:] = np.where(bits.astype(bool), np.float32(high), np.float32(low))
+    table = np.where(_bit_table(), np.float32(high), np.float32(low))
     return lut_decode(packed, torch.from_numpy(table), n)
+
+
+@lru_cache(maxsize=1)
+def _bit_table() -> np.ndarray:
+    """The 256 x 8 table of the LSB-first bits of every byte."""
+    byte = np.arange(256, dtype=np.uint8)[:, None]
+    return ((byte >> np.arange(8, dtype=np.uint8)) & 1).astype(bool)
 
 
 # ---------------------------------------------------------------- trits
@@ -122,15 +129,18 @@ def pack_trits(codes: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@lru_cache(maxsize=1)
 def trit_table() -> np.ndarray:
-    """The 243 x 5 table of base-3 digits of every packed trit byte."""
+    """The 243 x 5 table of base-3 digits of every packed trit byte (read-only)."""
     v = np.arange(243)
-    return np.stack([(v // w) % 3 for w in TRIT_WEIGHTS], axis=1).astype(np.uint8)
+    table = np.stack([(v // w) % 3 for w in TRIT_WEIGHTS], axis=1).astype(np.uint8)
+    table.flags.writeable = False
+    return table
 
 
 def unpack_trits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The first ``n`` trits of ``packed`` as uint8 codes in {0, 1, 2}."""
-    table = torch.from_numpy(trit_table())
+    table = torch.from_numpy(trit_table().copy())
     return lut_decode(packed, table, n, check=packed_trits_len(n))
 
 
