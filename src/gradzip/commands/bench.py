@@ -8,6 +8,7 @@ from typing import Any
 BENCH_MODULES = [
     "gradzip.bench.codecs",  # gradzip bench codecs
     "gradzip.bench.data",  # gradzip bench data
+    "gradzip.bench.entropy",  # gradzip bench entropy
 ]
 
 
