@@ -3,7 +3,7 @@
 Importing this package registers every built-in stage.
 """
 
-from gradzip.codecs import casts, entropy, feedback, powersgd, gradiveq, sketch, sparse, dgc  # noqa: F401  (register stages)
+from gradzip.codecs import casts, entropy, feedback, powersgd, gradiveq, sketch, quantize, sign, sparse, dgc  # noqa: F401  (register stages)
 from gradzip.codecs.base import CodecState, Compressor, LosslessCoder, Slot, Stage, Wrapper
 from gradzip.codecs.chain import Codec, NonFiniteGradientError
 from gradzip.codecs.communicator import CommCounter, Communicator
