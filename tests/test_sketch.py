@@ -5,7 +5,7 @@ import torch
 
 import gradzip
 from gradzip.codecs import Payload, PayloadError, SpecError, run_simulated
-from gradzip.codecs.sketch import _top, count_sketch, estimate
+from gradzip.codecs.sketch import _median, _top, count_sketch, estimate
 
 N = 20_000
 SPEC = "sketch(ratio=0.0005)"  # k = 10, a 5 x 120 sketch, 40 candidates
@@ -157,3 +157,9 @@ def test_fast_top_k_selection_is_exact(kind):
     want = torch.topk(v.abs(), k).indices
     assert got.numel() == k and torch.equal(got, got.unique())  # sorted, distinct
     assert torch.equal(v.abs()[got].sort().values, v.abs()[want].sort().values)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7])
+def test_pruned_median_network_matches_torch_median(rows):
+    x = torch.randn(rows, 1000, generator=torch.Generator().manual_seed(rows)).round(decimals=1)
+    assert torch.equal(_median(list(x)), x.median(dim=0).values)
