@@ -217,15 +217,12 @@ class RandomK(Compressor):
         # the flag is per instance: only the scaled variant is unbiased
         self.unbiased = bool(self.params["scale"])
 
-    def _positions(self, numel: int, k: int, seed: int) -> torch.Tensor:
-        return random_positions(numel, k, seed)
-
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
         flat = x.detach().reshape(-1).float()
         n = flat.numel()
         k = keep_count(n, self.params["ratio"], self.params["k"])
         seed = slot.seed(shared=True)
-        positions = self._positions(n, k, seed).to(flat.device)
+        positions = random_positions(n, k, seed).to(flat.device)
         return Payload({"values": flat[positions]}, {"seed": seed})
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
@@ -234,7 +231,7 @@ class RandomK(Compressor):
         k = values.numel()
         if k > n:
             raise PayloadError(f"randomk payload has {k} values for {n} entries")
-        positions = self._positions(n, k, p.int("seed"))
+        positions = random_positions(n, k, p.int("seed"))
         if self.params["scale"] and k:
             values = values * (n / k)
         return Selection(n, indices=positions.to(values.device)).scatter(values).reshape(shape)
@@ -249,9 +246,10 @@ class Threshold(Compressor):
     data. ``v`` is in gradient units and must be tuned per model and scale — the
     weakness that DGC's sampled threshold removes. The default keeps ~0.7% of the
     entries of a small LM's gradient (``gradzip.bench.samples.real_gradient_flat``)
-    but nearly all of a unit-scale tensor. Strom sends ±v instead of the values
-    (1 bit + position); here the exact values are sent, so ``threshold | sign``-style
-    quantizers can reproduce that. Biased, not summable.
+    but nearly all of a unit-scale tensor. Strom also keeps the residual (use
+    ``ef | threshold``) and sends only the sign of each kept entry, i.e. ±v (one
+    32-bit word of position + sign bit); here the exact values are sent, and a
+    following quantizer may shrink them. Biased, not summable.
     """
 
     summary = "keep entries with |x| >= v, variable count (Strom 2015)"
