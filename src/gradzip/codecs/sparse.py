@@ -214,8 +214,9 @@ class RandomK(Compressor):
 
     def validate(self) -> None:
         _check_ratio_or_k(self, 0.01)
-        # the flag is per instance: only the scaled variant is unbiased
-        self.unbiased = bool(self.params["scale"])
+        # per instance: only the scaled variant is unbiased (the class default,
+        # what ``codecs list`` shows for plain ``randomk``, stays False)
+        self.unbiased = bool(self.params["scale"])  # type: ignore[misc]
 
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
         flat = x.detach().reshape(-1).float()
