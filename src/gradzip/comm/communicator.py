@@ -60,10 +60,10 @@ class TorchCommunicator(Communicator):
             raise ValueError(
                 f"reduce_scatter_sum needs a leading dim of {self.world_size}, got {tuple(t.shape)}"
             )
-        t = t.contiguous()
-        out = torch.empty_like(t[0])
+        flat = t.contiguous().reshape(-1)  # gloo wants 1-D: world x n in, n out
+        out = torch.empty(t[0].numel(), dtype=t.dtype, device=t.device)
         start = time.perf_counter()
-        dist.reduce_scatter_tensor(out, t, op=dist.ReduceOp.SUM, group=self.group)
-        self.counter.add("reduce_scatter", t.numel() * t.element_size(),
+        dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=self.group)
+        self.counter.add("reduce_scatter", flat.numel() * flat.element_size(),
                          time.perf_counter() - start)
-        return out
+        return out.reshape(t.shape[1:])
