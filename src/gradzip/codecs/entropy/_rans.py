@@ -56,6 +56,18 @@ def encoder_tables(freq: np.ndarray) -> tuple[np.ndarray, ...]:
             (M - freq).astype(np.uint64))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _step(x, s, x_max, rcp, rshift, bias, cmpl, out, pos):
+    """Encode symbol ``s`` into state ``x``; branch-free renormalisation (at most one
+    16-bit word, written speculatively and kept only if needed)."""
+    big = x >= x_max[s]
+    out[pos - 1] = np.uint16(x & np.uint64(0xFFFF))
+    pos -= np.int64(big)
+    x >>= np.uint64(16 * big)
+    q = ((x * rcp[s]) >> np.uint64(32)) >> rshift[s]  # x // freq without a division
+    return x + bias[s] + q * cmpl[s], pos
+
+
 @njit(cache=True, nogil=True)
 def encode(v, base, lut, x_max, rcp, rshift, bias, cmpl):
     """16-bit words of the rANS code of ``v`` (symbol ``lut[v - base]``); two states are
@@ -65,28 +77,22 @@ def encode(v, base, lut, x_max, rcp, rshift, bias, cmpl):
     pos = out.size
     x0 = np.uint64(L)
     x1 = np.uint64(L)
-    sh16 = np.uint64(16)
-    sh32 = np.uint64(32)
-    m16 = np.uint64(0xFFFF)
-    for i in range(n - 1, -1, -1):
+    i = n - 1
+    if n % 2 == 1:  # the last symbol has an even index: state 0
         s = np.int64(lut[np.int64(v[i]) - base])
-        odd = (i & 1) == 1
-        x = x1 if odd else x0
-        if x >= x_max[s]:  # renormalize: one 16-bit word is always enough
-            pos -= 1
-            out[pos] = np.uint16(x & m16)
-            x >>= sh16
-        q = ((x * rcp[s]) >> sh32) >> rshift[s]  # x // freq without a division
-        x = x + bias[s] + q * cmpl[s]
-        if odd:
-            x1 = x
-        else:
-            x0 = x
+        x0, pos = _step(x0, s, x_max, rcp, rshift, bias, cmpl, out, pos)
+        i -= 1
+    while i > 0:
+        s = np.int64(lut[np.int64(v[i]) - base])
+        x1, pos = _step(x1, s, x_max, rcp, rshift, bias, cmpl, out, pos)
+        s = np.int64(lut[np.int64(v[i - 1]) - base])
+        x0, pos = _step(x0, s, x_max, rcp, rshift, bias, cmpl, out, pos)
+        i -= 2
     for x in (x1, x0):
         pos -= 1
-        out[pos] = np.uint16(x & m16)
+        out[pos] = np.uint16(x & np.uint64(0xFFFF))
         pos -= 1
-        out[pos] = np.uint16(x >> sh16)
+        out[pos] = np.uint16(x >> np.uint64(16))
     return out[pos:]
 
 
