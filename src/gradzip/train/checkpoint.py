@@ -20,6 +20,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +182,9 @@ def load_weights(
             state = {"model": model_sd, "optim": optim_sd}
         else:
             state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=str(ckpt / "dcp"))
+        with warnings.catch_warnings():  # loading without a process group is intended here
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load")
+            dcp.load(state, checkpoint_id=str(ckpt / "dcp"))
         if optimizer is not None:
             set_state_dict(model, optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])

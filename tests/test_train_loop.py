@@ -1,0 +1,160 @@
+"""The training loop in one process: learning, exact resume, checkpoints, records, commands."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+from train_helpers import flags, last_result
+
+from gradzip.cli import main
+from gradzip.train.config import OptimConfig
+from gradzip.train.loop import lr_at
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("data-cache")
+
+
+def train(cache: Path, out: Path, *extra: str) -> dict:
+    assert main(["train", *flags(cache, out, *extra)]) == 0
+    return last_result(out)
+
+
+def logged(run_dir: Path, key: str) -> list[float]:
+    """The values of one metric in rank 0's log, in step order."""
+    rows = [json.loads(line) for line in (run_dir / "logs" / "rank0.log").read_text().splitlines()
+            if line.startswith("{")]  # the JSON lines; the others are the human-readable log
+    return [r[key] for r in rows if key in r]
+
+
+def test_lr_schedule_warmup_cosine_floor() -> None:
+    o = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(5, o, 110) == 0.5 and lr_at(10, o, 110) == 1.0
+    assert lr_at(60, o, 110) == pytest.approx(0.55)  # halfway down the cosine
+    assert lr_at(110, o, 110) == pytest.approx(0.1) and lr_at(500, o, 110) == pytest.approx(0.1)
+    o.decay_steps = 210  # the schedule of a longer run, trained in pieces
+    assert lr_at(110, o, 110) == pytest.approx(0.55)
+
+
+def test_tiny_model_learns_and_writes_a_complete_run_dir(cache: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    rec = train(cache, out, "--max-steps", "30", "--eval-every", "10", "--tensorboard",
+                "--results-file", str(tmp_path / "shared.jsonl"), "--target-loss", "50")
+    losses = logged(out, "loss/train")
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.5
+    assert rec["val_loss"] < math.log(384)  # better than uniform over the vocabulary
+    assert rec["time_to_target_s"] is not None  # the target 50 is met at the first eval
+    for key in ("run_name", "world_size", "model", "dataset", "seq_len", "batch_size", "codec",
+                "codec_config", "seed", "train_loss", "step_time_ms_mean", "step_time_ms_p50",
+                "step_time_ms_p90", "tokens_per_s", "comm_time_ms_total", "comm_ratio",
+                "comm_time_ms_by_op", "bytes_raw_total", "bytes_wire_total",
+                "compression_ratio", "val_loss", "val_ppl", "encode_ms", "decode_ms",
+                "extra_collectives", "index_bytes", "density", "residual_norm",
+                "grad_rel_error", "grad_cos_sim", "mem_peak", "time_to_target_s",
+                "git_commit", "torch_version", "device"):
+        assert key in rec, key
+    assert rec["world_size"] == 1 and rec["timed_steps"] == 27 and rec["mem_peak"] > 0
+    shared = (tmp_path / "shared.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in shared] == [rec]  # the shared file got the same line
+    for path in ("config.json", "tokenizer.json", "logs/rank0.log", "plots/loss.png",
+                 "checkpoints/step_0000030/model.pt"):
+        assert (out / path).exists(), path
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+
+
+def test_resume_equals_uninterrupted_run(cache: Path, tmp_path: Path) -> None:
+    straight = train(cache, tmp_path / "a", "--max-steps", "20", "--eval-every", "0")
+    train(cache, tmp_path / "b", "--max-steps", "10", "--decay-steps", "20",
+          "--eval-every", "0", "--ckpt-every", "5", "--keep-ckpts", "1")
+    assert [p.name for p in (tmp_path / "b" / "checkpoints").iterdir()] == ["step_0000010"]
+    assert main(["train", "--resume", "--out", str(tmp_path / "b"), "--max-steps", "20"]) == 0
+    resumed = last_result(tmp_path / "b")
+    assert resumed["resumed_from_step"] == 10 and resumed["steps"] == 20
+    assert resumed["train_loss"] == straight["train_loss"]
+    assert resumed["val_loss"] == straight["val_loss"]
+
+
+def test_bf16_grad_accum_and_max_time(cache: Path, tmp_path: Path) -> None:
+    rec = train(cache, tmp_path / "r", "--dtype", "bf16", "--grad-accum", "2",
+                "--max-steps", "50", "--max-time", "1e-9")
+    # any step takes longer than a nanosecond: the run stops (and saves) after step 1
+    assert rec["steps"] == 1 and rec["global_batch_tokens"] == 2 * 4 * 32
+    assert math.isfinite(rec["train_loss"])
+    assert (tmp_path / "r" / "checkpoints" / "step_0000001" / "meta.json").is_file()
+
+
+def test_profiler_writes_traces_and_summary(cache: Path, tmp_path: Path) -> None:
+    out = tmp_path / "p"
+    train(cache, out, "--max-steps", "4", "--profile", "--profile-steps", "2:3")
+    assert list((out / "profile").glob("rank0*.pt.trace.json"))
+    summary = (out / "profile" / "summary_rank0.txt").read_text()
+    assert "communication" in summary and "backward" in summary
+
+
+def test_eval_and_generate_commands(cache: Path, tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    rec = train(cache, out, "--max-steps", "4")
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", str(out), "--steps", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    # the same batches the run evaluated at its end: the same loss
+    assert result["val_loss"] == pytest.approx(rec["val_loss"], rel=1e-6)
+    assert main(["eval", "--ckpt", str(out), "--split", "train", "--steps", "1"]) == 0
+    assert "train loss" in capsys.readouterr().out
+    assert main(["generate", "--ckpt", str(out), "--prompt", "def f(", "--max-new-tokens",
+                 "5", "--num-samples", "2"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("def f(") == 2
+
+
+def test_run_directory_mistakes_are_clear_errors(cache: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    train(cache, out, "--max-steps", "2")
+    capsys.readouterr()
+    assert main(["train", *flags(cache, out, "--max-steps", "2")]) == 2
+    assert "pass --resume" in capsys.readouterr().err
+    assert main(["train", "--resume", "--out", str(out), "--max-steps", "2"]) == 2
+    assert "raise --max-steps" in capsys.readouterr().err
+    assert main(["train", *flags(cache, tmp_path / "x", "--codec", "topk(ratio=0.1)")]) == 2
+    assert "needs --parallel ddp or fsdp" in capsys.readouterr().err
+    assert main(["eval", "--ckpt", str(tmp_path / "nothing")]) == 2
+    assert "no such run or checkpoint" in capsys.readouterr().err
+
+
+def test_damaged_checkpoints_are_clear_errors(cache: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    train(cache, out, "--max-steps", "2", "--decay-steps", "4")
+    ckpt = out / "checkpoints" / "step_0000002"
+    backup = tmp_path / "backup"
+    shutil.copytree(ckpt, backup)
+    (ckpt / "rank0.pt").unlink()
+    assert main(["train", "--resume", "--out", str(out), "--max-steps", "4"]) == 2
+    assert "missing" in capsys.readouterr().err
+    (ckpt / "meta.json").write_text("{not json")
+    assert main(["eval", "--ckpt", str(ckpt)]) == 2
+    assert "unreadable checkpoint metadata" in capsys.readouterr().err
+    shutil.rmtree(ckpt)
+    shutil.copytree(backup, ckpt)
+    (ckpt / "model.pt").unlink()
+    assert main(["generate", "--ckpt", str(out), "--prompt", "x"]) == 2
+    assert "missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("source,match", [("missing.txt", "not found"),
+                                          ("bad.jsonl", "malformed JSON")])
+def test_missing_and_malformed_data_are_clear_errors(
+        cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], source: str,
+        match: str) -> None:
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": \n')
+    argv = flags(cache, tmp_path / "run", "--max-steps", "2")
+    argv[argv.index("stdlib")] = str(tmp_path / source)
+    assert main(["train", *argv]) == 2
+    assert match in capsys.readouterr().err

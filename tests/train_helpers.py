@@ -1,0 +1,23 @@
+"""Shared by the trainer tests: a tiny, fast run configuration on real (cached) data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# Options every trainer test uses: the tiny model on 40k tokens of the standard library
+# (tokenizer training and tokenization take about a second, then come from the cache).
+DATA_FLAGS = ["--model", "tiny", "--dataset", "stdlib", "--max-tokens", "40000",
+              "--vocab-size", "384", "--batch-size", "4", "--seq-len", "32",
+              "--eval-steps", "2", "--log-every", "5", "--no-progress", "--no-tensorboard",
+              "--threads", "1"]
+
+
+def flags(cache: Path, out: Path, *extra: str) -> list[str]:
+    return [*DATA_FLAGS, "--cache-dir", str(cache), "--out", str(out), *extra]
+
+
+def last_result(run_dir: Path) -> dict[str, Any]:
+    lines = (run_dir / "results.jsonl").read_text().splitlines()
+    return json.loads(lines[-1])
