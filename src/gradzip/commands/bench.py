@@ -7,6 +7,7 @@ from typing import Any
 
 BENCH_MODULES = [
     "gradzip.bench.codecs",  # gradzip bench codecs
+    "gradzip.bench.comm",  # gradzip bench comm
     "gradzip.bench.data",  # gradzip bench data
     "gradzip.bench.entropy",  # gradzip bench entropy
 ]

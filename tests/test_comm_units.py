@@ -1,0 +1,71 @@
+"""Single-process tests of the comm package: stats arithmetic, index bytes, ops, spec errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradzip
+from gradzip.codecs.payload import Payload
+from gradzip.comm.fsdp import scaling
+from gradzip.comm.reducer import index_bytes
+from gradzip.comm.stats import CommStats, Reduction
+
+
+def test_bad_spec_fails_at_attach_before_anything_else():
+    with pytest.raises(gradzip.SpecError):
+        gradzip.attach(nn.Linear(2, 2), "topk(ratio=2.0) | nosuchcodec")
+    with pytest.raises(gradzip.SpecError):
+        gradzip.ddp_hook("ef | ef")
+
+
+def test_stats_per_step_and_totals():
+    s = CommStats()
+    assert s.summary()["bytes_wire"] == 0 and s.summary()["compression_ratio"] is None
+    s.record(Reduction(numel=100, sent_values=10, bytes_raw=400, index_bytes=20, encode_s=0.001,
+                       bytes_by_op={"all_gather": 8 + 60}, calls_by_op={"all_gather": 2},
+                       seconds_by_op={"all_gather": 0.002}))
+    s.record_residual("b0", 3.0)
+    s.record_residual("b1", 4.0)
+    s.end_step()
+    one = s.summary()
+    assert one["bytes_raw"] == 400 and one["bytes_wire"] == 68
+    assert one["compression_ratio"] == pytest.approx(400 / 68)
+    assert one["density"] == pytest.approx(0.1) and one["index_bytes"] == 20
+    assert one["extra_collectives"] == 1 and one["residual_norm"] == pytest.approx(5.0)
+    assert one["comm_ms_by_op"] == {"all_gather": pytest.approx(2.0)}
+    assert one["grad_rel_error"] is None
+    s.record(Reduction(numel=100, sent_values=100, bytes_raw=400,
+                       bytes_by_op={"all_reduce": 400}, calls_by_op={"all_reduce": 1}))
+    s.record_diagnostic(err_sq=1.0, ref_sq=4.0, est_sq=4.0, dot=3.5, nbytes=400)
+    s.end_step()
+    two = s.summary()
+    assert two["bytes_wire"] == 400 and two["grad_rel_error"] == pytest.approx(0.5)
+    assert two["grad_cos_sim"] == pytest.approx(3.5 / 4.0) and two["bytes_diagnostic"] == 400
+    tot = s.totals()
+    assert tot["steps"] == 2 and tot["bytes_wire"] == 468 and tot["bytes_raw"] == 800
+    assert tot["density"] == pytest.approx(110 / 200)
+
+
+def test_index_bytes_counts_index_fields_at_any_depth():
+    p = Payload({"values": torch.zeros(4), "indices": torch.zeros(4, dtype=torch.int32),
+                 "coded": Payload({"gap_index": b"abc", "x": torch.zeros(2, dtype=torch.int8)})})
+    assert index_bytes(p) == 16 + 3
+
+
+def test_scaling_follows_fsdp_ops():
+    assert scaling(dist.ReduceOp.AVG, 4) == (4.0, 1.0)
+    assert scaling(dist.ReduceOp.SUM, 4) == (1.0, 1.0)
+    assert scaling(dist.ReduceOp.PREMUL_SUM(0.25), 4) == (1.0, 0.25)
+    with pytest.raises(ValueError, match="AVG, SUM and PREMUL_SUM"):
+        scaling(dist.ReduceOp.MAX, 4)
+
+
+def test_import_gradzip_stays_free_of_torch_distributed_comm():
+    import subprocess
+    import sys
+
+    code = "import sys, gradzip; assert 'gradzip.comm' not in sys.modules; gradzip.attach"
+    subprocess.run([sys.executable, "-c", code], check=True)
