@@ -245,7 +245,7 @@ class JsonArraySource(Source):
             raise ValueError(f"{self.path}: empty file, expected a JSON array of records")
         if head[:1] != b"[":
             raise ValueError(f"{self.path}: expected a JSON array of records ('[' first), "
-                             f"found {head[:20]!r}")
+                             f"found {head[:20]!r} (one record per line? name it .jsonl)")
 
     def docs(self) -> Iterator[Doc]:
         import ijson
