@@ -61,7 +61,7 @@ def test_topk_keeps_exactly_the_k_largest(n, k, levels, seed):
     c = gradzip.codec(f"topk(k={k})")
     y, p = wire(c, x)
     k_eff = min(k, n)
-    assert p.tensor("values").numel() == k_eff
+    assert p.tensor("values").numel() == (n if p.meta["sel"] == "dense" else k_eff)
     assert_exact_topk(x, y, k_eff)
     # ties at the boundary go to the lowest positions
     nz = (y != 0).nonzero().reshape(-1)
@@ -111,20 +111,32 @@ def test_topk_delta_and_bitmap_forms_decode_exactly(path):
 
 
 @given(n=st.integers(0, 2000), density=st.floats(0, 1), seed=st.integers(0, 2**16))
-def test_both_forms_decode_the_same_selection(n, density, seed):
+def test_every_form_decodes_the_same_selection(n, density, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g)
     mask = torch.rand(n, generator=g) < density
     expected = torch.where(mask, x, torch.zeros(()))
-    for form in ("delta", "bitmap"):
+    sizes = {}
+    for form in ("delta", "bitmap", "dense"):
         p = sparse_payload(x, Selection(n, mask=mask.clone()), form=form)
         assert p.meta["sel"] == form
+        sizes[form] = p.wire_bytes
         q = Payload.deserialize(p.serialize())
         assert torch.equal(sparse_decode(q, torch.Size([n])), expected), form
-    # the encoder's own choice is the smaller form
+    # the encoder's own choice is the smallest on the wire
     auto = sparse_payload(x, Selection(n, mask=mask.clone()))
-    bitmap_bytes, index_bytes = math.ceil(n / 8), 4 * int(mask.sum())
-    assert auto.meta["sel"] == ("bitmap" if bitmap_bytes < index_bytes else "delta")
+    assert auto.wire_bytes == min(sizes.values())
+
+
+def test_dense_form_above_31_of_32():
+    x = heavy_tailed(3200, 1)
+    p = gradzip.codec("threshold(v=1e-9)").encode(x)  # keeps everything
+    assert p.meta["sel"] == "dense" and set(p.fields) == {"values"}
+    assert p.wire_bytes < 4 * 3200 + 64
+    y, p = wire(gradzip.codec("topk(k=3150)"), x)  # 50 dropped: still dense
+    assert p.meta["sel"] == "dense"
+    assert_exact_topk(x, y, 3150)
+    assert gradzip.codec("topk(k=3000)").encode(x).meta["sel"] == "bitmap"
 
 
 def test_deltas_are_gaps_of_sorted_positions():
