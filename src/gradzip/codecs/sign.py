@@ -9,10 +9,17 @@ zero still gets a definite side: +0.0 decodes as positive, -0.0 as negative
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from gradzip.codecs.base import Compressor, Slot
-from gradzip.codecs.bitpack import bits_to_values, count_ones, pack_signs, unpack_bits
+from gradzip.codecs.bitpack import (
+    bits_to_values,
+    count_ones,
+    pack_bits,
+    pack_signs,
+    unpack_bits,
+)
 from gradzip.codecs.communicator import Communicator
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, register
@@ -220,12 +227,25 @@ class OneBit(Compressor):
 
     @staticmethod
     def _encode_columns(x: torch.Tensor) -> Payload:
-        nneg = torch.signbit(x).sum(0)
-        pos = x.clamp(min=0).sum(0)
-        neg = x.clamp(max=0).sum(0)
-        rows = x.shape[0]
+        x = x.contiguous()
+        rows, cols = x.shape
+        mask = torch.signbit(x)
+        if x.device.type == "cpu":  # numpy's column sum of uint8 is ~5x faster here
+            nneg = torch.from_numpy(mask.numpy().view(np.uint8).sum(axis=0, dtype=np.int32))
+        else:
+            nneg = mask.view(torch.uint8).sum(0, dtype=torch.int32)
+        pos = torch.zeros(cols, dtype=torch.float64, device=x.device)
+        neg = torch.zeros_like(pos)
+        # column sums over row bands that fit in cache, accumulated in float64
+        band = max(1, _CHUNK // cols)
+        scratch = torch.empty(min(band, rows), cols, device=x.device)
+        for r in range(0, rows, band):
+            xc = x[r:r + band]
+            buf = scratch[:xc.shape[0]]
+            pos += torch.clamp(xc, min=0, out=buf).sum(0)
+            neg += torch.clamp(xc, max=0, out=buf).sum(0)
         recon = torch.stack([pos / (rows - nneg).clamp(min=1), neg / nneg.clamp(min=1)])
-        return Payload({"bits": pack_signs(x), "recon": recon.float()})
+        return Payload({"bits": pack_bits(mask), "recon": recon.float()})
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
         recon = p.tensor("recon").float()
@@ -237,7 +257,14 @@ class OneBit(Compressor):
                 f"do not fit a tensor of shape {tuple(shape)}"
             )
         try:
-            mask = unpack_bits(p.tensor("bits"), shape.numel()).to(recon.device)
+            mask = unpack_bits(p.tensor("bits"), shape.numel()).to(recon.device).view(shape)
         except (TypeError, ValueError) as e:
             raise PayloadError(f"onebit payload: {e}") from None
-        return torch.where(mask.view(shape), recon[1], recon[0])  # bit 1 = negative
+        # positive mean + bit * (negative mean - positive mean), band by band
+        pos, diff = recon[0], recon[1] - recon[0]
+        out = torch.empty(shape, dtype=torch.float32, device=recon.device)
+        band = max(1, _CHUNK // shape[1])
+        for r in range(0, shape[0], band):
+            o = out[r:r + band]
+            torch.mul(mask[r:r + band], diff, out=o).add_(pos)
+        return out
