@@ -121,6 +121,15 @@ def test_int8_follows_a_sparsifier_values_field():
     torch.testing.assert_close(y, x, atol=float(x.abs().max()) / 127, rtol=0)
 
 
+def test_topk_then_int8_quantizes_the_kept_values():
+    x = heavy((40, 25), 4)
+    y, p = roundtrip(gradzip.codec("topk(ratio=0.1) | int8(block=32)"), x)
+    kept = y != 0
+    assert int(kept.sum()) <= 100 and p.child("values").tensor("q").dtype == torch.int8
+    step = float(x.abs().max()) / 127
+    assert ((y - x)[kept].abs() <= step / 2 * 1.0001).all()
+
+
 @pytest.mark.parametrize("mode,dtype,levels", [("narrow", torch.int8, 42),
                                                ("wide", torch.int32, 127)])
 def test_int8_shared_scale_reduce_is_close_to_exact_mean(mode, dtype, levels):
