@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import gradzip
-from gradzip.codecs import Payload, PayloadError, SpecError, indices, run_simulated
+from gradzip.codecs import Payload, PayloadError, SpecError, indices, run_simulated, sparse
 from gradzip.codecs.indices import Selection, index_dtype, sparse_decode, sparse_payload
 from gradzip.codecs.sparse import EXACT_BELOW, random_positions, topk_positions
 
@@ -87,8 +87,6 @@ def test_topk_sampled_path_is_exact(path):
 
 def test_topk_fallback_when_estimate_too_high(monkeypatch):
     """If the sampled threshold selects too few candidates, topk still returns exact k."""
-    import gradzip.codecs.sparse as sparse
-
     monkeypatch.setattr(sparse, "SAMPLE", 64)  # a tiny sample: the estimate is often high
     n = EXACT_BELOW + 1000
     x = heavy_tailed(n, 5)
@@ -208,7 +206,8 @@ def test_random_positions_are_k_distinct_sorted(n, k, seed):
     pos = random_positions(n, min(k, n), seed)
     assert pos.dtype == torch.int64 and pos.numel() == min(k, n)
     assert bool((pos[1:] > pos[:-1]).all()) and (pos.numel() == 0 or int(pos[-1]) < n)
-    assert torch.equal(pos, random_positions(n, min(k, n), seed))
+    # regenerated from scratch (not the recent-positions cache): the same subset
+    assert torch.equal(pos, sparse._random_positions(n, min(k, n), seed))
 
 
 @pytest.mark.parametrize("n,k", [(20, 3), (20, 15), (300_000, 100_000)])
@@ -253,6 +252,17 @@ def test_randomk_indices_identical_across_ranks_and_summable():
     for _, _, mean, nbytes in out:
         torch.testing.assert_close(mean, expected)
         assert nbytes == 4 * 50  # all-reduce of the values only: no indices travel
+
+
+def test_randomk_decodes_in_a_fresh_process():
+    """The decoder regenerates positions from the seed alone (no cache, no encoder state)."""
+    x = heavy_tailed(5000, 8)
+    c = gradzip.codec("randomk(ratio=0.02)")
+    p = Payload.deserialize(c.encode(x, key="w").serialize())
+    sparse._RECENT.clear()
+    y = gradzip.codec("randomk(ratio=0.02)").decode(p)
+    kept = y != 0
+    assert int(kept.sum()) == 100 and torch.equal(y[kept], x[kept])
 
 
 def test_randomk_changes_positions_every_step():

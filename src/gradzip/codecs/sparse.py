@@ -19,6 +19,8 @@ except ``randomk(scale=true)``; pair the biased ones with ``ef`` for convergence
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -172,13 +174,37 @@ def _distinct_draws(n: int, k: int, g: torch.Generator) -> np.ndarray:
     return seen.astype(np.int64)
 
 
+#: recently generated random-k positions, so the decode right after an encode (the
+#: all-reduce path) does not draw them again; small entries only, a few of them
+_RECENT: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()
+_RECENT_ENTRIES = 8
+_RECENT_MAX_K = 1 << 20
+_RECENT_LOCK = threading.Lock()  # simulated ranks are threads of one process
+
+
 def random_positions(n: int, k: int, seed: int) -> torch.Tensor:
     """Ascending int64 positions of a uniform random k-subset of [0, n), from ``seed``.
 
     Always generated on the CPU (then moved by the caller): CUDA and CPU generators
     give different streams, and a payload may be decoded on another device than it
-    was encoded on, so the positions must not depend on the device.
+    was encoded on, so the positions must not depend on the device. The result may
+    be shared with later calls for the same arguments: treat it as read-only.
     """
+    key = (n, k, seed)
+    with _RECENT_LOCK:
+        hit = _RECENT.get(key)
+    if hit is not None:
+        return hit
+    positions = _random_positions(n, k, seed)
+    if k <= _RECENT_MAX_K:
+        with _RECENT_LOCK:
+            _RECENT[key] = positions
+            while len(_RECENT) > _RECENT_ENTRIES:
+                _RECENT.popitem(last=False)
+    return positions
+
+
+def _random_positions(n: int, k: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     if k >= n:
         return torch.arange(n)
