@@ -200,6 +200,16 @@ def test_qsgd_is_unbiased(levels):
                     norms / levels / 2)
 
 
+@pytest.mark.parametrize("spec", ["int8", "int8(stochastic=true)", "qsgd", "terngrad",
+                                  "natural"])
+def test_denormal_and_zero_blocks_stay_finite(spec):
+    x = torch.tensor([1e-40, -3e-42, 0.0, 0.0] * 8)
+    y, _ = roundtrip(gradzip.codec(spec), x)
+    assert torch.isfinite(y).all() and (y.abs() <= 2 * 2.0**-126).all()
+    z, _ = roundtrip(gradzip.codec(spec), torch.zeros(9))
+    assert torch.equal(z, torch.zeros(9))
+
+
 def test_qsgd_zero_bucket_and_huge_values_stay_finite():
     x = torch.zeros(20)
     x[10:] = 3e38  # the L2 norm overflows fp32

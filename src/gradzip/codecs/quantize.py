@@ -181,8 +181,13 @@ def dequantize_blocks(q: torch.Tensor, block: int, scale: torch.Tensor) -> torch
 
 
 def _safe_inverse(levels: float, norm: torch.Tensor) -> torch.Tensor:
-    """``levels / norm`` with 0 for empty (all-zero) blocks."""
-    return torch.where(norm > 0, levels / norm.clamp(min=1e-38), torch.zeros_like(norm))
+    """``levels / norm`` with 0 for all-zero blocks, finite even for a denormal norm.
+
+    For a denormal norm the fp32 inverse would overflow to inf (and 0 * inf = NaN);
+    capping it at fp32's max only makes those blocks' integers smaller.
+    """
+    inv = (levels / norm.double()).clamp(max=_FP32_MAX).float()
+    return torch.where(norm > 0, inv, torch.zeros_like(inv))
 
 
 def int_dtype(levels: int) -> torch.dtype:
