@@ -33,8 +33,9 @@ v already is DGC's error-feedback memory.
 State per tensor (``slot.data``, so it checkpoints): ``u`` and ``v``, flat float32.
 
 Wire: the shared sparse form (``gradzip.codecs.indices``): ``values`` float32 (the
-entries of v that were sent, position order) + int32 gaps or a bitmap. Biased and
-not summable (each rank sends different positions).
+entries of v that were sent, position order) + int32 gaps or a bitmap, whichever is
+smaller (or all values densely if nearly everything is sent, as at ``ratio=1``).
+Biased and not summable (each rank sends different positions).
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ class DeepGradientCompression(Compressor):
                 u = indices.empty(n, g.device)
                 u.copy_(v)
         elif m > 0:
-            assert u is not None
+            if u is None:  # state saved without momentum: start the momentum at zero
+                u = indices.zeros(n, g.device)
             if scale == 1.0:
                 torch.add(g, u, alpha=m, out=u)  # one pass: u = g + m*u
             else:

@@ -12,7 +12,8 @@
 
 All three send ``values`` (float32, the field a following quantizer may compress:
 ``topk | qsgd``) and, except randomk, the positions in the shared form of
-``gradzip.codecs.indices`` (gaps or bitmap, whichever is smaller). None is unbiased
+``gradzip.codecs.indices`` (int32 gaps, a bitmap, or all values densely above 31/32
+density: whichever serializes smallest). None is unbiased
 except ``randomk(scale=true)``; pair the biased ones with ``ef`` for convergence.
 """
 
@@ -51,9 +52,9 @@ def keep_count(numel: int, ratio: float, k: int | None) -> int:
     return min(numel, want)
 
 
-def _ratio_k_params(default_ratio: float, what: str) -> tuple[Param, Param]:
+def _ratio_k_params(default_ratio: float) -> tuple[Param, Param]:
     return (
-        Param("ratio", float, default_ratio, f"fraction of entries {what} (density), in (0, 1]",
+        Param("ratio", float, default_ratio, "fraction of entries kept (density), in (0, 1]",
               in_range(0.0, 1.0, lo_open=True)),
         Param("k", int, None, "keep exactly this many entries per tensor instead of a ratio "
               "(capped at the tensor's size)", at_least(1)),
@@ -119,13 +120,14 @@ class TopK(Compressor):
     """Exact top-k by magnitude: the k largest |x| and their positions.
 
     Wire: ``values`` float32[k] in position order + positions as int32 gaps
-    (``deltas``) or a bitmap, whichever is smaller (meta ``sel``). Biased and not
-    summable (each rank keeps different positions); use ``ef | topk`` to converge.
+    (``deltas``) or a ``bitmap``, whichever is smaller, or above 31/32 density just
+    all values with zeros (meta ``sel`` names the form). Biased and not summable
+    (each rank keeps different positions); use ``ef | topk`` to converge.
     """
 
     summary = "exact top-k by magnitude: values + index gaps or bitmap (Aji & Heafield 2017)"
     values_field = "values"
-    PARAMS = _ratio_k_params(0.01, "kept")
+    PARAMS = _ratio_k_params(0.01)
 
     def validate(self) -> None:
         _check_ratio_or_k(self, 0.01)
@@ -234,7 +236,7 @@ class RandomK(Compressor):
     summable = True
     values_field = "values"
     PARAMS = (
-        *_ratio_k_params(0.01, "kept"),
+        *_ratio_k_params(0.01),
         Param("scale", bool, False, "multiply kept values by d/k so the estimate is unbiased"),
     )
 
@@ -269,8 +271,8 @@ class RandomK(Compressor):
 class Threshold(Compressor):
     """Fixed-threshold sparsification (Strom 2015): keep every entry with |x| >= v.
 
-    Wire: like ``topk`` (``values`` + gaps or bitmap); the count varies with the
-    data. ``v`` is in gradient units and must be tuned per model and scale — the
+    Wire: like ``topk`` (``values`` + gaps, bitmap or dense); the count varies
+    with the data. ``v`` is in gradient units and must be tuned per model and scale — the
     weakness that DGC's sampled threshold removes. The default keeps ~0.7% of the
     entries of a small LM's gradient (``gradzip.bench.samples.real_gradient_flat``)
     but nearly all of a unit-scale tensor. Strom also keeps the residual (use
