@@ -3,7 +3,19 @@
 Importing this package registers every built-in stage.
 """
 
-from gradzip.codecs import casts, entropy, feedback, powersgd, gradiveq, sketch, quantize, sign, sparse, dgc  # noqa: F401  (register stages)
+# importing a stage module registers its stages
+from gradzip.codecs import (  # noqa: F401
+    casts,
+    dgc,
+    entropy,
+    feedback,
+    gradiveq,
+    powersgd,
+    quantize,
+    sign,
+    sketch,
+    sparse,
+)
 from gradzip.codecs.base import CodecState, Compressor, LosslessCoder, Slot, Stage, Wrapper
 from gradzip.codecs.chain import Codec, NonFiniteGradientError
 from gradzip.codecs.communicator import CommCounter, Communicator

@@ -158,6 +158,8 @@ class Compressor(Stage):
     values_field: ClassVar[str | None] = None
     #: overrides ``reduce`` to talk to peers in several rounds
     multi_round: ClassVar[bool] = False
+    #: keeps its own error-feedback memory (DGC, EF-signSGD): ``ef`` must not wrap it
+    own_feedback: ClassVar[bool] = False
 
     @abstractmethod
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:

@@ -114,6 +114,13 @@ class Codec:
             raise SpecError(
                 f"'{prev.name}' is multi-round and cannot be followed by lossless coders"
             )
+        if isinstance(stages[0], Wrapper):
+            for s in body:
+                if isinstance(s, Compressor) and s.own_feedback:
+                    raise SpecError(
+                        f"'{stages[0].name}' cannot wrap '{s.name}', which keeps its own "
+                        f"error-feedback memory; use '{s.name}' without '{stages[0].name}'"
+                    )
         head = [stages[0]] if isinstance(stages[0], Wrapper) else []
         return head + body
 
@@ -160,9 +167,12 @@ class Codec:
             raise TypeError(f"codec input must be a floating-point tensor, got {x.dtype}")
         if x.dtype not in _DTYPE_CODE:
             raise TypeError(f"codec input dtype {x.dtype} is not supported")
-        # one pass, no temporary: a float64 sum of float32 values cannot overflow,
-        # so it is finite exactly when every element is
-        if x.numel() == 0 or math.isfinite(float(x.sum(dtype=torch.float64))):
+        # one vectorised pass: NaN propagates through min/max and +-inf shows up in one
+        # of them, so both are finite exactly when every element is
+        if x.numel() == 0:
+            return True
+        low, high = torch.aminmax(x)
+        if math.isfinite(float(low)) and math.isfinite(float(high)):
             return True
         if self.nonfinite == "error":
             bad = int((~torch.isfinite(x)).sum())

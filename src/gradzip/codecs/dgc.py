@@ -118,6 +118,8 @@ class DeepGradientCompression(Compressor):
     **without momentum**: DGC keeps the momentum itself (momentum correction).
     """
 
+    own_feedback = True
+
     summary = "Deep Gradient Compression: momentum correction + masking, sampled top-k (Lin 2018)"
     values_field = "values"
     PARAMS = (

@@ -154,6 +154,8 @@ class EFSignSGD(Compressor):
     32x vs fp32 for large tensors. Decode returns ``copysign(scale, p)``.
     """
 
+    own_feedback = True
+
     summary = "EF-signSGD: (||p||_1/d) sign(p) with built-in error feedback (1 bit/value)"
 
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
