@@ -158,3 +158,17 @@ def test_missing_and_malformed_data_are_clear_errors(
     argv[argv.index("stdlib")] = str(tmp_path / source)
     assert main(["train", *argv]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_codec_in_one_process_and_resume_with_another_codec(
+        cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    # --parallel ddp without torchrun: a 1-rank group, so a codec runs end to end
+    rec = train(cache, out, "--parallel", "ddp", "--codec", "ef | topk(ratio=0.1)",
+                "--max-steps", "3", "--decay-steps", "6")
+    assert rec["world_size"] == 1 and rec["codec_config"][1]["name"] == "topk"
+    assert rec["bytes_wire_total"] < rec["bytes_raw_total"]
+    capsys.readouterr()
+    assert main(["train", "--resume", "--out", str(out), "--max-steps", "6",
+                 "--codec", "topk(ratio=0.2)"]) == 2
+    assert "was written with codec" in capsys.readouterr().err

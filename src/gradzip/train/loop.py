@@ -12,6 +12,7 @@ codec's stats or, for uncompressed DDP, a timing all-reduce hook.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -95,14 +96,17 @@ def train(cfg: JobConfig, *, data: Any = None,
     was_initialized = torch.distributed.is_initialized()
     info = init_distributed(cfg.train.parallel, cfg.train.device)
     try:
-        return _train(cfg, info, data, make_loader)
+        # ``cleanup`` stops the loader's prefetch thread and closes the log files and
+        # TensorBoard writer however the run ends (an error included).
+        with contextlib.ExitStack() as cleanup:
+            return _train(cfg, info, data, make_loader, cleanup)
     finally:
         if not was_initialized:
             destroy_distributed()
 
 
-def _train(cfg: JobConfig, info: DistInfo, data: Any,
-           make_loader: Callable[..., Any] | None) -> dict[str, Any]:
+def _train(cfg: JobConfig, info: DistInfo, data: Any, make_loader: Callable[..., Any] | None,
+           cleanup: contextlib.ExitStack) -> dict[str, Any]:
     t, o, r, d = cfg.train, cfg.optim, cfg.run, cfg.data
     device = info.device
     if t.dtype == "fp16" and device.type != "cuda":
@@ -162,6 +166,7 @@ def _train(cfg: JobConfig, info: DistInfo, data: Any,
     loader = make_loader(data.train, batch_size=d.batch_size, seq_len=d.seq_len,
                          rank=info.rank, world_size=info.world_size, seed=t.seed,
                          prefetch=d.prefetch)
+    cleanup.callback(loader.close)
 
     # ---- resume: weights, optimizer, and everything that makes the next step identical
     start_step = 0
@@ -175,7 +180,7 @@ def _train(cfg: JobConfig, info: DistInfo, data: Any,
         ckpt.set_rng_state(rank_state["rng"])
         loader.load_state_dict(rank_state["loader"])
         scaler.load_state_dict(rank_state["scaler"])
-        if (handle is None) != (rank_state.get("codec") is None):
+        if meta.get("codec", t.codec) != t.codec:
             raise ValueError(f"checkpoint {resume_from} was written with codec "
                              f"{meta.get('codec')!r} but this run uses {t.codec!r}")
         if handle is not None:
@@ -189,6 +194,7 @@ def _train(cfg: JobConfig, info: DistInfo, data: Any,
                          f"{t.max_steps}: raise --max-steps to train further")
 
     log = MetricLogger(run_dir, info.rank, cfg, total_steps=t.max_steps, start_step=start_step)
+    cleanup.callback(log.close)
     tokens_per_step = d.batch_size * d.seq_len * o.grad_accum * info.world_size
     log.info(f"{'resuming ' + str(resume_from) if resume_from else 'run ' + str(run_dir)}: "
              f"model {cfg.model.name} ({n_params / 1e6:.2f}M params), {info.world_size} "
@@ -323,7 +329,6 @@ def _train(cfg: JobConfig, info: DistInfo, data: Any,
             if last:
                 break
 
-    loader.close()
     record = results_record(cfg, info, n_params, step, start_step, train_loss, val, stats,
                             handle, comm_timer, trainer)
     if info.is_main:
@@ -334,7 +339,6 @@ def _train(cfg: JobConfig, info: DistInfo, data: Any,
         log.info(f"done at step {step}: train loss {train_loss:.4f}, val loss "
                  f"{record['val_loss']:.4f}, {s['tokens_per_s']:,.0f} tok/s, step "
                  f"{s['step_time_ms_p50']:.1f} ms (p50); results in {run_dir / 'results.jsonl'}")
-    log.close()
     return record
 
 
