@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -172,3 +174,29 @@ def test_codec_in_one_process_and_resume_with_another_codec(
     assert main(["train", "--resume", "--out", str(out), "--max-steps", "6",
                  "--codec", "topk(ratio=0.2)"]) == 2
     assert "was written with codec" in capsys.readouterr().err
+
+
+def test_wandb_logs_offline_without_a_key(cache: Path, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: dict[str, list] = {"init": [], "log": [], "finish": []}
+    fake = types.ModuleType("wandb")  # wandb is not a dependency: a stand-in records the calls
+    fake.init = lambda **kw: calls["init"].append(kw) or fake
+    fake.log = lambda data, step: calls["log"].append((step, data))
+    fake.finish = lambda: calls["finish"].append(True)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a key either
+    train(cache, tmp_path / "run", "--max-steps", "5", "--wandb", "--wandb-project", "p")
+    (init,) = calls["init"]
+    assert init["mode"] == "offline" and init["project"] == "p"
+    assert init["config"]["train"]["max_steps"] == 5
+    assert [step for step, _ in calls["log"]] == [5, 5]  # train metrics, then val metrics
+    assert "loss/train" in calls["log"][0][1] and calls["finish"] == [True]
+
+
+def test_wandb_requested_but_missing_is_a_clear_error(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes ``import wandb`` fail
+    assert main(["train", *flags(cache, tmp_path / "run", "--max-steps", "2", "--wandb")]) == 2
+    assert "pip install wandb" in capsys.readouterr().err
