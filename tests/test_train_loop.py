@@ -109,6 +109,11 @@ def test_eval_and_generate_commands(cache: Path, tmp_path: Path,
     assert result["val_loss"] == pytest.approx(rec["val_loss"], rel=1e-6)
     assert main(["eval", "--ckpt", str(out), "--split", "train", "--steps", "1"]) == 0
     assert "train loss" in capsys.readouterr().out
+    other = tmp_path / "other.txt"  # any text: evaluated whole, with the run's tokenizer
+    other.write_text(Path(json.__file__).read_text())
+    assert main(["eval", "--ckpt", str(out), "--dataset", str(other), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["split"] == "all" and result["batches"] > 1 and result["val_loss"] > 0
     assert main(["generate", "--ckpt", str(out), "--prompt", "def f(", "--max-new-tokens",
                  "5", "--num-samples", "2"]) == 0
     text = capsys.readouterr().out

@@ -2,7 +2,7 @@
 
 DIR is a run directory (its latest checkpoint) or one checkpoint directory. By default
 the run's own validation split; ``--dataset`` evaluates on other text with the run's
-tokenizer.
+tokenizer, all of it unless ``--split`` picks its train or validation part.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ def register(sub: Any) -> None:
     p.add_argument("--ckpt", required=True, metavar="DIR", help="run or checkpoint directory")
     p.add_argument("--dataset", nargs="+", metavar="SOURCE",
                    help="text sources to evaluate on (default: the run's)")
-    p.add_argument("--split", choices=("val", "train"), default="val",
-                   help="which split of the sources (default: val)")
+    p.add_argument("--split", choices=("val", "train", "all"),
+                   help="part of the sources to evaluate (default: val for the run's own "
+                        "data, all for --dataset)")
     p.add_argument("--steps", type=int, default=0,
                    help="batches to evaluate; 0 = one pass over the split (default: 0)")
     p.add_argument("--batch-size", type=int, default=0, help="0 = the run's (default: 0)")
@@ -47,11 +48,13 @@ def run(args: argparse.Namespace) -> int:
     model, cfg, path, _ = load_run(args.ckpt, device)
     d = cfg.data
     run_dir = path.parent.parent
+    split = args.split or ("all" if args.dataset else "val")
     data = prepare_data(DataConfig(
         sources=args.dataset or list(d.sources), cache_dir=d.cache_dir,
-        tokenizer=str(run_dir / "tokenizer.json"), val_fraction=d.val_fraction,
+        tokenizer=str(run_dir / "tokenizer.json"),
+        val_fraction=0.0 if split == "all" else d.val_fraction,  # "all": nothing held out
         max_tokens=(args.max_tokens or d.max_tokens) or None), rank=0, world_size=1)
-    shards = data.val if args.split == "val" else data.train
+    shards = data.val if split == "val" else data.train
     batch, seq = args.batch_size or d.batch_size, args.seq_len or d.seq_len
     steps = args.steps
     if steps <= 0:
@@ -60,10 +63,10 @@ def run(args: argparse.Namespace) -> int:
     result = evaluate(model, shards, make_loader=BatchLoader, batch_size=batch, seq_len=seq,
                       steps=steps, rank=0, world_size=1, device=device, dtype=args.dtype)
     out = {"checkpoint": str(path), "dataset": "+".join(args.dataset or d.sources),
-           "split": args.split, "batches": steps, "tokens": steps * batch * seq, **result}
+           "split": split, "batches": steps, "tokens": steps * batch * seq, **result}
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"{path}: {args.split} loss {result['val_loss']:.4f}, perplexity "
+        print(f"{path}: {split} loss {result['val_loss']:.4f}, perplexity "
               f"{result['val_ppl']:.2f} ({out['tokens']:,} tokens of {out['dataset']})")
     return 0
