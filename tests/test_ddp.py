@@ -80,8 +80,8 @@ def _codec_specs() -> list[str]:
     specs = []
     for name in registered():
         stage = lookup(name)
-        if name == "dgc":
-            specs.append(name)  # keeps its own momentum and residual: no ``ef``, see _LR
+        if issubclass(stage, Compressor) and stage.own_feedback:
+            specs.append(name)  # keeps its own memory (dgc, efsignsgd): no ``ef``, see _LR
         elif issubclass(stage, Compressor):
             specs.append(name if (stage.unbiased or name in ("fp16", "bf16")) else f"ef | {name}")
         elif issubclass(stage, LosslessCoder):
