@@ -36,6 +36,7 @@ from gradzip.train.metrics import (
     format_line,
     git_commit,
     peak_memory,
+    require_wandb,
 )
 from gradzip.train.model import GPT
 from gradzip.train.parallel import (
@@ -116,6 +117,8 @@ def _train(cfg: JobConfig, info: DistInfo, data: Any, make_loader: Callable[...,
         torch.set_flush_denormal(True)
     if t.threads:
         torch.set_num_threads(t.threads)
+    if r.wandb and info.is_main:
+        require_wandb()  # fail now, not after the data is prepared
     if t.codec != "none" and t.parallel == "none":
         raise ValueError("--codec compresses communication between ranks: it needs "
                          "--parallel ddp or fsdp (ddp also runs as a single process)")

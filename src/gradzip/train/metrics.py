@@ -226,11 +226,17 @@ class MetricLogger:
         self.file.close()
 
 
-def _init_wandb(run_dir: Path, cfg: Any) -> Any:
+def require_wandb() -> Any:
+    """The wandb module, or a clear error (it is optional: not a gradzip dependency)."""
     try:
         import wandb
     except ImportError:
         raise RuntimeError("--wandb needs the wandb package: pip install wandb") from None
+    return wandb
+
+
+def _init_wandb(run_dir: Path, cfg: Any) -> Any:
+    wandb = require_wandb()
     # Offline unless a key is configured: a run never blocks on a login prompt.
     has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").is_file() and (
         "api.wandb.ai" in (Path.home() / ".netrc").read_text())
