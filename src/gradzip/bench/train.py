@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     codecs = [c.strip() for c in args.codecs.split(";") if c.strip()]
     if not ranks or min(ranks) < 1 or not codecs or args.steps <= args.warmup:
         raise ValueError("need --ranks >= 1, at least one codec and --steps > --warmup")
-    records = []
+    records: list[dict[str, Any]] = []
     for codec in codecs:
         for n in ranks:
             run_dir = Path(args.out) / f"{n}rank-{len(records)}"

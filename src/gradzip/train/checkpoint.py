@@ -177,6 +177,7 @@ def load_weights(
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        state: dict[str, Any]
         if optimizer is not None:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}

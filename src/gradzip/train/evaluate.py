@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from gradzip.train.config import JobConfig, resolve
+from gradzip.train.model import GPT
 from gradzip.train.parallel import all_reduce_mean
 
 EVAL_SEED = 1234  # fixed: the validation batches must not depend on the training seed
@@ -58,7 +59,7 @@ def evaluate(
     return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
 
-def load_run(ckpt: str | Path, device: torch.device) -> tuple[nn.Module, JobConfig, Path, Any]:
+def load_run(ckpt: str | Path, device: torch.device) -> tuple[GPT, JobConfig, Path, Any]:
     """(model with checkpoint weights, the run's config, checkpoint dir, tokenizer).
 
     ``ckpt`` is a run directory (its latest checkpoint) or one checkpoint directory;
@@ -67,7 +68,6 @@ def load_run(ckpt: str | Path, device: torch.device) -> tuple[nn.Module, JobConf
     import json
 
     from gradzip.train.checkpoint import find_checkpoint, load_weights
-    from gradzip.train.model import GPT
     from gradzip.train.tokenizer import Tokenizer
 
     path = find_checkpoint(ckpt)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from gradzip.train.model import GPT
 
 
 def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float,
@@ -32,7 +33,7 @@ def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: 
 
 
 @torch.no_grad()
-def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *,
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *,
              temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0,
              stop_id: int | None = None, generator: torch.Generator | None = None
              ) -> torch.Tensor:

@@ -140,7 +140,9 @@ def _train(cfg: JobConfig, info: DistInfo, data: Any, make_loader: Callable[...,
     if data is None:
         data = load_data(cfg, info)
     if make_loader is None:
-        from gradzip.train.data import BatchLoader as make_loader
+        from gradzip.train.data import BatchLoader
+
+        make_loader = BatchLoader
     vocab = data.tokenizer.vocab_size
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = vocab
@@ -152,8 +154,8 @@ def _train(cfg: JobConfig, info: DistInfo, data: Any, make_loader: Callable[...,
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         data.tokenizer.save(run_dir / "tokenizer.json")
 
-    model = GPT(cfg.model).to(device)
-    raw_model = model  # the unwrapped module: checkpoints, parameter counts
+    raw_model = GPT(cfg.model).to(device)  # unwrapped: checkpoints, parameter counts
+    model: nn.Module = raw_model  # what forward/backward run on (maybe DDP/FSDP-wrapped)
     n_params = raw_model.num_params()
     comm_timer = handle = None
     if t.parallel == "ddp":

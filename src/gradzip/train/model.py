@@ -68,7 +68,6 @@ class Attention(nn.Module):
         kv_dim = self.n_kv_head * self.head_dim
         self.qkv = nn.Linear(cfg.dim, cfg.dim + 2 * kv_dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
-        self.proj.residual = True  # marks the output projection for the scaled init
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
@@ -100,7 +99,6 @@ class MLP(nn.Module):
         self.up = nn.Linear(cfg.dim, hidden, bias=cfg.bias)
         self.gate = nn.Linear(cfg.dim, hidden, bias=cfg.bias) if self.swiglu else None
         self.down = nn.Linear(hidden, cfg.dim, bias=cfg.bias)
-        self.down.residual = True
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,19 +148,20 @@ class GPT(nn.Module):
         else:
             self.rope = None
         self.apply(self._init_weights)
+        # GPT-2: the projections that add into the residual stream (attention output,
+        # MLP down) get std / sqrt(2 * n_layer), so the stream's variance does not grow
+        # with depth.
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.proj.weight", "mlp.down.weight")):
+                nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
 
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.cfg.init_std
         if isinstance(module, nn.Linear):
-            # GPT-2: scale the projections that add into the residual stream so its
-            # variance does not grow with depth.
-            if getattr(module, "residual", False):
-                std = std / math.sqrt(2 * self.cfg.n_layer)
-            nn.init.normal_(module.weight, mean=0.0, std=std)
+            nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
+            nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count; tied weights count once. non_embedding drops the input tables."""

@@ -20,11 +20,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from gradzip.train.model import GPT
 
 
 @dataclass
@@ -117,16 +119,11 @@ class AllReduceTimer:
         with self._lock:
             spans, nbytes = sorted(self._spans), self._bytes
             self._spans, self._bytes = [], 0
-        busy, cur_start, cur_end = 0.0, None, None
-        for s, e in spans:  # union of intervals
-            if cur_end is None or s > cur_end:
-                if cur_end is not None:
-                    busy += cur_end - cur_start
-                cur_start, cur_end = s, e
-            else:
-                cur_end = max(cur_end, e)
-        if cur_end is not None:
-            busy += cur_end - cur_start
+        busy, covered_to = 0.0, float("-inf")
+        for s, e in spans:  # length of the union of the intervals, sorted by start
+            if e > covered_to:
+                busy += e - max(s, covered_to)
+                covered_to = e
         self.bytes_total += nbytes
         self.comm_ms_total += busy * 1e3
         return {"comm_ms": busy * 1e3, "bytes_raw": nbytes, "bytes_wire": nbytes}
@@ -166,7 +163,7 @@ def settle_ddp_buckets(ddp: nn.Module, sample: torch.Tensor) -> None:
         torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def apply_fsdp(model: nn.Module, info: DistInfo) -> nn.Module:
+def apply_fsdp(model: GPT, info: DistInfo) -> nn.Module:
     """FSDP2: shard every block, then the root (embeddings, final norm, head).
 
     Sharding block by block lets FSDP all-gather one block's parameters at a time
@@ -201,14 +198,14 @@ def no_sync(model: nn.Module, parallel: str, enabled: bool) -> Iterator[None]:
     if not enabled or parallel == "none":
         yield
     elif parallel == "ddp":
-        with model.no_sync():
+        with cast(Any, model).no_sync():
             yield
     else:  # FSDP2
-        model.set_requires_gradient_sync(False)
+        cast(Any, model).set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
+            cast(Any, model).set_requires_gradient_sync(True)
 
 
 def all_reduce_mean(values: list[float], device: torch.device) -> list[float]:
