@@ -353,7 +353,9 @@ def results_record(cfg: JobConfig, info: DistInfo, n_params: int, step: int, sta
     """The one JSON line this run appends to results.jsonl.
 
     Timing and communication totals cover the steps this process ran (after a resume:
-    since the resume); the losses are those at the final step.
+    since the resume); the losses are those at the final step. FSDP without a codec has
+    no communication figures (None): its collectives run inside FSDP, visible only in
+    ``--profile`` traces.
     """
     import gradzip
 
