@@ -139,7 +139,7 @@ class _Plan:
         if self.cfg.max_tokens is None:
             return [(None, None)] * len(self.sources)
         vf = self.cfg.val_fraction
-        out = []
+        out: list[tuple[int | None, int | None]] = []
         for p in normalize(self.weights):
             train = math.ceil(p * self.cfg.max_tokens)
             out.append((train, math.ceil(train * vf / (1 - vf))))
@@ -154,6 +154,15 @@ def _train_tokenizer(plan: _Plan) -> Tokenizer:
 
     stream = interleave([texts(s) for s in plan.sources], plan.weights, plan.train_chars())
     return Tokenizer.train(stream, plan.cfg.vocab_size)
+
+
+def _progress(status: Callable[[str], None], what: str) -> Callable[[dict[str, Any]], None]:
+    """An ``on_commit`` callback reporting the tokens built so far for ``what``."""
+
+    def report(meta: dict[str, Any]) -> None:
+        status(f"tokenizing {what}: {meta['tokens']:,} tokens")
+
+    return report
 
 
 def _build(plan: _Plan, status: Callable[[str], None]) -> dict[str, Any]:
@@ -177,7 +186,7 @@ def _build(plan: _Plan, status: Callable[[str], None]) -> dict[str, Any]:
         build_key = _hash({"v": FORMAT_VERSION, "source": fp, "tokenizer": tok.fingerprint(),
                            "val": cfg.val_fraction, "caps": [cap_train, cap_val]})
         base = plan.cache / f"tokens-{build_key}"
-        dirs = {}
+        dirs: dict[str, str | None] = {}
         for split, cap in (("train", cap_train), ("val", cap_val)):
             dirs[split] = str(base / split)
             if split == "val" and cfg.val_fraction == 0:
@@ -185,9 +194,7 @@ def _build(plan: _Plan, status: Callable[[str], None]) -> dict[str, Any]:
                 continue
             status(f"tokenizing {name} ({split})")
             build_tokens(base / split, src, tok, split, cfg.val_fraction, cap,
-                         cfg.shard_tokens,
-                         on_commit=lambda m, n=name, s=split: status(
-                             f"tokenizing {n} ({s}): {m['tokens']:,} tokens"))
+                         cfg.shard_tokens, on_commit=_progress(status, f"{name} ({split})"))
         parts.append({"spec": name, "fingerprint": fp, "train": dirs["train"],
                       "val": dirs["val"]})
     return {"format": FORMAT_VERSION, "config": asdict(cfg), "tokenizer": tok_path,
@@ -200,7 +207,7 @@ class _Heartbeat:
     def __init__(self, path: Path, period: float = 5.0) -> None:
         self.path = path
         self.period = period
-        self.state = {"state": "building", "stage": "starting", "pid": os.getpid(),
+        self.state: dict[str, Any] = {"state": "building", "stage": "starting", "pid": os.getpid(),
                       "host": socket.gethostname(), "updated": time.time(), "beat": 0}
         self._stop = threading.Event()
         self._lock = threading.Lock()

@@ -139,7 +139,7 @@ class StdlibSource(Source):
         """The files in visiting order (hash order of the relative path); listed once."""
         if self._files is None:
             skip = {"site-packages", "dist-packages", "__pycache__"}
-            paths = []
+            paths: list[Path] = []
             for dirpath, dirnames, filenames in os.walk(self.root):
                 dirnames[:] = [d for d in dirnames if d not in skip]
                 paths.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
