@@ -25,6 +25,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -117,7 +118,7 @@ def _coders() -> list[tuple[str, Callable, Callable, int]]:
                 lambda t: expgolomb.encode(t, 0, "sign_always"), expgolomb.decode, 99))
     for coder, cap in ((Zstd(level=3), 99), (Zstd(level=19), 1), (Lz4(), 99)):
         out.append((coder.spec.replace("(level=", "-").rstrip(")"),
-                    lambda t, c=coder: c.encode_field(t, None), coder.decode_field, cap))
+                    coder.encode_field, coder.decode_field, cap))
     return out
 
 
@@ -148,8 +149,8 @@ def bench_symbols(name: str, t: torch.Tensor, repeat: int) -> list[dict[str, Any
     rows = []
     for coder, enc, dec, cap in _coders():
         enc(t[:4096]), dec(enc(t[:4096]))  # compile / warm up
-        te, p = _best_time(lambda enc=enc: enc(t), min(repeat, cap))
-        td, y = _best_time(lambda dec=dec, p=p: dec(p), min(repeat, cap))
+        te, p = _best_time(partial(enc, t), min(repeat, cap))
+        td, y = _best_time(partial(dec, p), min(repeat, cap))
         if not torch.equal(y, t):
             raise RuntimeError(f"{coder} did not round-trip exactly on {name}")
         rows.append(_row(name, coder, n, h_bits, p.wire_bytes, n / te / 1e6, n / td / 1e6,
@@ -172,19 +173,21 @@ def _row(data: str, coder: str, n: int, h_bits: float, nbytes: int, enc: float |
 
 def bench_floats(seed: int, repeat: int) -> list[dict[str, Any]]:
     from gradzip.bench.samples import real_gradient_flat
+    from gradzip.codecs.base import CodecState
     from gradzip.codecs.entropy.bytecoders import Zstd
     from gradzip.codecs.entropy.floatcodec import LosslessFloat
 
     g = real_gradient_flat(seed)
     rows = []
     codec, zstd = LosslessFloat(), Zstd()
+    slot = CodecState().slot(0, "bench")  # the float codec keeps no state; encode wants one
     for dtype, zname in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
         x = g.to(dtype)
         raw = x.numel() * x.element_size()
         candidates: list[tuple[str, Callable, Callable]] = [
-            ("lossless", lambda x=x: codec.encode(x, None),
+            ("lossless", partial(codec.encode, x, slot),
              lambda p, x=x: codec.decode(p, x.shape, None)),
-            ("zstd-3 raw bytes", lambda x=x: zstd.encode_field(x, None), zstd.decode_field),
+            ("zstd-3 raw bytes", partial(zstd.encode_field, x), zstd.decode_field),
         ]
         try:
             import zipnn
@@ -197,7 +200,7 @@ def bench_floats(seed: int, repeat: int) -> list[dict[str, Any]]:
             pass
         for name, enc, dec in candidates:
             te, p = _best_time(enc, repeat)
-            td, y = _best_time(lambda dec=dec, p=p: dec(p), repeat)
+            td, y = _best_time(partial(dec, p), repeat)
             exact = torch.equal(y.reshape(-1).view(torch.uint8), x.view(torch.uint8))
             rows.append({"input": f"real gradients {zname}", "coder": name, "numel": x.numel(),
                          "raw_bytes": raw, "wire_bytes": p.wire_bytes,

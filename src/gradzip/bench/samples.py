@@ -33,6 +33,8 @@ def _stdlib_bytes(nbytes: int) -> bytes:
 class _TinyLM(nn.Module):
     """A byte-level transformer LM (~1.3M parameters): just enough to give real gradients."""
 
+    mask: torch.Tensor  # a registered buffer (typed here: nn.Module attributes are not)
+
     def __init__(self, dim: int = 128, layers: int = 4, seq: int = 128) -> None:
         super().__init__()
         self.embed = nn.Embedding(256, dim)

@@ -183,8 +183,12 @@ class LosslessCoder(Stage):
         return not t.dtype.is_floating_point and t.dtype != torch.bool
 
     @abstractmethod
-    def encode_field(self, t: torch.Tensor, slot: Slot) -> Payload:
-        """Code one tensor exactly into a payload."""
+    def encode_field(self, t: torch.Tensor, slot: Slot | None = None) -> Payload:
+        """Code one tensor exactly into a payload.
+
+        ``slot`` is the chain's state for this stage and key; ``None`` when the coder is
+        used on its own (benchmarks, the ``lossless`` float codec's planes).
+        """
 
     @abstractmethod
     def decode_field(self, p: Payload) -> torch.Tensor:

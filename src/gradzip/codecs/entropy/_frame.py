@@ -17,7 +17,14 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from gradzip.codecs.payload import _DTYPE_CODE, _DTYPES, Payload, PayloadError, _varint_len
+from gradzip.codecs.payload import (
+    _DTYPE_CODE,
+    _DTYPES,
+    MetaValue,
+    Payload,
+    PayloadError,
+    _varint_len,
+)
 
 STORED = "raw"
 _CHECKED_META = ("m", "dt", "sh", "k", "map", "lo", "cw", "ck", "np", "lvl", "v")
@@ -72,6 +79,15 @@ def header(p: Payload) -> tuple[torch.dtype, tuple[int, ...], int]:
     return _DTYPES[code], shape, numel
 
 
+def meta_int(p: Payload, name: str, stage: str, default: int | None = None) -> int:
+    """The integer header value ``name`` (``default`` when absent); raises if malformed."""
+    value = p.meta.get(name, default)
+    if not isinstance(value, int):
+        raise EntropyCodingError(f"{stage}: header value {name!r} missing or not an int: "
+                                 f"{value!r}")
+    return value
+
+
 def _crc(p: Payload) -> int:
     head = repr([(k, p.meta[k]) for k in _CHECKED_META if k in p.meta]).encode()
     crc = zlib.crc32(head)
@@ -81,9 +97,12 @@ def _crc(p: Payload) -> int:
         if isinstance(value, bytes | bytearray | memoryview):
             crc = zlib.crc32(value, crc)
         elif isinstance(value, torch.Tensor):
-            crc = zlib.crc32(to_numpy(value).view(np.uint8), crc)
-        else:
-            crc = zlib.crc32(value.meta.get("crc", 0).to_bytes(4, "little"), crc)
+            crc = zlib.crc32(to_numpy(value).view(np.uint8).data, crc)
+        else:  # a nested coded field: its own checksum covers its content
+            child = value.meta.get("crc", 0)
+            if not isinstance(child, int) or not 0 <= child < 1 << 32:
+                raise EntropyCodingError(f"nested coded field {name!r} has a bad checksum")
+            crc = zlib.crc32(child.to_bytes(4, "little"), crc)
     return crc
 
 
@@ -113,10 +132,8 @@ def blob(p: Payload, name: str, stage: str) -> bytes:
 
 def stored(t: torch.Tensor) -> Payload:
     """The raw bytes of ``t`` (the 'coding does not pay' fallback)."""
-    return Payload(
-        {"d": to_numpy(t).view(np.uint8).tobytes()},
-        {"m": STORED, "dt": dtype_code(t), "sh": tuple(t.shape)},
-    )
+    meta: dict[str, MetaValue] = {"m": STORED, "dt": dtype_code(t), "sh": tuple(t.shape)}
+    return Payload({"d": to_numpy(t).view(np.uint8).tobytes()}, meta)
 
 
 def unstore(p: Payload, stage: str) -> torch.Tensor:
@@ -134,7 +151,8 @@ def unstore(p: Payload, stage: str) -> torch.Tensor:
 def stored_wire_bytes(t: torch.Tensor) -> int:
     """``stored(t).wire_bytes`` without copying the data."""
     nbytes = t.numel() * t.element_size()
-    empty = Payload({"d": b""}, {"m": STORED, "dt": dtype_code(t), "sh": tuple(t.shape)})
+    meta: dict[str, MetaValue] = {"m": STORED, "dt": dtype_code(t), "sh": tuple(t.shape)}
+    empty = Payload({"d": b""}, meta)
     return empty.wire_bytes + nbytes + _varint_len(nbytes) - 1
 
 

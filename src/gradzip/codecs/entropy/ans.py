@@ -31,7 +31,7 @@ import torch
 
 from gradzip.codecs.base import LosslessCoder, Slot
 from gradzip.codecs.entropy import _frame, _kernels, _rans
-from gradzip.codecs.payload import Payload
+from gradzip.codecs.payload import MetaValue, Payload
 from gradzip.codecs.registry import Param, in_range, register
 
 #: alphabets up to this span are coded directly; wider ones by byte planes
@@ -76,7 +76,7 @@ class Ans(LosslessCoder):
               choices=BACKENDS),
     )
 
-    def encode_field(self, t: torch.Tensor, slot: Slot) -> Payload:
+    def encode_field(self, t: torch.Tensor, slot: Slot | None = None) -> Payload:
         return encode(t, self.params["chunk"], self.params["backend"])
 
     def decode_field(self, p: Payload) -> torch.Tensor:
@@ -95,7 +95,7 @@ def encode(t: torch.Tensor, chunk: int = DEFAULT_CHUNK, backend: str = "rans") -
 def _code(v: np.ndarray, t: torch.Tensor, chunk: int, backend: str) -> Payload | None:
     if v.size == 0:
         return None
-    meta = {"dt": _frame.dtype_code(t), "sh": tuple(t.shape)}
+    meta: dict[str, MetaValue] = {"dt": _frame.dtype_code(t), "sh": tuple(t.shape)}
     if v.dtype.itemsize == 1:  # histogram over the whole byte range, no min/max pass
         base = -128 if v.dtype == np.int8 else 0
         counts = _kernels.hist(v, base, 256)
@@ -142,7 +142,7 @@ def _code(v: np.ndarray, t: torch.Tensor, chunk: int, backend: str) -> Payload |
 
 
 def _code_planes(v: np.ndarray, t: torch.Tensor, lo: int, hi: int, chunk: int,
-                 backend: str, meta: dict) -> Payload:
+                 backend: str, meta: dict[str, MetaValue]) -> Payload:
     """Byte planes of v - lo, each ANS-coded (or stored) on its own."""
     u = (v.astype(np.int64) - lo).view(np.uint64)
     nplanes = (int(hi - lo).bit_length() + 7) // 8
@@ -176,11 +176,12 @@ def decode(p: Payload) -> torch.Tensor:
             if plane.size != numel:
                 raise _frame.EntropyCodingError("ans: byte plane has the wrong length")
             u |= plane.astype(np.uint64) << np.uint64(8 * i)
-        out = (u.view(np.int64) + np.int64(lo)).astype(np_dtype)
-        return _frame.from_numpy(out, dtype, shape)
+        joined: np.ndarray = (u.view(np.int64) + np.int64(lo)).astype(np_dtype)
+        return _frame.from_numpy(joined, dtype, shape)
     if mode not in ("ans", "rans"):
         raise _frame.EntropyCodingError(f"ans: unknown coding mode {mode!r}")
-    present, counts = _read_table(_frame.blob(p, "t", "ans"), int(p.meta.get("v", 0)))
+    used = _frame.meta_int(p, "v", "ans", default=0)
+    present, counts = _read_table(_frame.blob(p, "t", "ans"), used)
     sizes = p.meta.get("cw")
     chunk = p.meta.get("ck")
     data = _frame.blob(p, "d", "ans")
@@ -190,8 +191,8 @@ def decode(p: Payload) -> torch.Tensor:
             or int(counts.sum()) != total or not isinstance(chunk, int) or chunk < 1
             or len(sizes) != -(-numel // chunk)):
         raise _frame.EntropyCodingError("ans: header does not match the data")
-    values = (present + lo).astype(np_dtype)
-    out = np.empty(numel, np_dtype)
+    values: np.ndarray = (present + lo).astype(np_dtype)
+    out: np.ndarray = np.empty(numel, np_dtype)
     if mode == "rans":
         words = np.frombuffer(data, "<u2").astype(np.uint16)
         freq = counts.astype(np.uint64)

@@ -34,7 +34,7 @@ class _ByteCoder(LosslessCoder):
     def decompress(self, data: bytes, size: int) -> bytes:
         raise TypeError("abstract")  # pragma: no cover
 
-    def encode_field(self, t: torch.Tensor, slot: Slot) -> Payload:
+    def encode_field(self, t: torch.Tensor, slot: Slot | None = None) -> Payload:
         raw = _frame.to_numpy(t).view(np.uint8)
         if raw.size == 0:
             return _frame.pick(None, t)

@@ -23,7 +23,7 @@ import torch
 
 from gradzip.codecs.base import LosslessCoder, Slot
 from gradzip.codecs.entropy import _frame, _kernels, measures
-from gradzip.codecs.payload import Payload
+from gradzip.codecs.payload import MetaValue, Payload
 from gradzip.codecs.registry import Param, in_range, register
 
 _MODES = {name: i for i, name in enumerate(measures.MAPPINGS)}
@@ -71,7 +71,7 @@ class ExpGolomb(LosslessCoder):
               choices=("auto", *measures.MAPPINGS)),
     )
 
-    def encode_field(self, t: torch.Tensor, slot: Slot) -> Payload:
+    def encode_field(self, t: torch.Tensor, slot: Slot | None = None) -> Payload:
         return encode(t, self.params["k"], self.params["mapping"])
 
     def decode_field(self, p: Payload) -> torch.Tensor:
@@ -142,8 +142,8 @@ def encode(t: torch.Tensor, k: int | str = "auto", mapping: str = "auto") -> Pay
     choice = _choose(values, counts, k, mapping)
     if choice is None or choice.payload_bits >= 8 * v.nbytes:
         return _frame.pick(None, t)
-    meta = {"m": "eg", "dt": _frame.dtype_code(t), "sh": tuple(t.shape), "k": choice.k,
-            "map": choice.mapping}
+    meta: dict[str, MetaValue] = {"m": "eg", "dt": _frame.dtype_code(t), "sh": tuple(t.shape),
+                                  "k": choice.k, "map": choice.mapping}
     fields: dict[str, bytes] = {}
     lut = _NO_TABLE
     if choice.mapping == "rank":
@@ -178,11 +178,11 @@ def decode(p: Payload) -> torch.Tensor:
     k, mapping = p.meta.get("k"), p.meta.get("map")
     if not isinstance(k, int) or not 0 <= k <= measures.MAX_K or mapping not in _MODES:
         raise _frame.EntropyCodingError(f"eg: bad header k={k!r} mapping={mapping!r}")
-    lo = int(p.meta.get("lo", 0))
+    lo = _frame.meta_int(p, "lo", "eg", default=0)
     table = _NO_TABLE
     if mapping == "rank":
         raw = np.frombuffer(_frame.blob(p, "t", "eg"), np.uint8)
-        table, used = _kernels.varint_unpack(raw, int(p.meta.get("v", 0)))
+        table, used = _kernels.varint_unpack(raw, _frame.meta_int(p, "v", "eg", default=0))
         if used != raw.size:
             raise _frame.EntropyCodingError("eg: malformed rank table")
         table = table + lo
@@ -190,7 +190,7 @@ def decode(p: Payload) -> torch.Tensor:
     buf = np.zeros(len(data) + 16, np.uint8)
     buf[: len(data)] = np.frombuffer(data, np.uint8)
     np_dtype = _frame._NP_DTYPES[dtype]
-    out = np.empty(numel, np_dtype)
+    out: np.ndarray = np.empty(numel, np_dtype)
     dval, dlen = _peek_table(table, k, mapping, lo)
     read = _kernels.eg_decode_lut(buf, len(data), out, _MODES[mapping], k, lo, table,
                                   _kernels._LZ8, dval, dlen)

@@ -26,7 +26,7 @@ import torch
 
 from gradzip.codecs.base import Compressor, Slot
 from gradzip.codecs.entropy import _frame, ans, bytecoders, measures
-from gradzip.codecs.payload import _DTYPE_CODE, _DTYPES, Payload, PayloadError
+from gradzip.codecs.payload import _DTYPE_CODE, _DTYPES, MetaValue, Payload, PayloadError
 from gradzip.codecs.registry import Param, in_range, register
 
 #: tensors smaller than this are sent raw (plane headers would outweigh any saving)
@@ -37,30 +37,31 @@ ANS_GAIN = 0.03
 
 def split_planes(x: torch.Tensor) -> list[np.ndarray]:
     """The byte planes of a float tensor (see the module docstring), each uint8."""
-    w = _frame.to_numpy(x)
-    if x.dtype == torch.bfloat16:
-        w = w.view(np.uint16)
-        return [((w >> 7) & 0xFF).astype(np.uint8),
-                (((w >> 8) & 0x80) | (w & 0x7F)).astype(np.uint8)]
-    if x.dtype == torch.float16:
-        w = w.view(np.uint16)
-        return [((w >> 10) & 0x1F).astype(np.uint8),
-                (((w >> 13) & 0x4) | ((w >> 8) & 0x3)).astype(np.uint8),
-                (w & 0xFF).astype(np.uint8)]
+    a = _frame.to_numpy(x)
+    if x.dtype in (torch.bfloat16, torch.float16):
+        h = a.view(np.uint16)
+        if x.dtype == torch.bfloat16:
+            return [((h >> 7) & 0xFF).astype(np.uint8),
+                    (((h >> 8) & 0x80) | (h & 0x7F)).astype(np.uint8)]
+        return [((h >> 10) & 0x1F).astype(np.uint8),
+                (((h >> 13) & 0x4) | ((h >> 8) & 0x3)).astype(np.uint8),
+                (h & 0xFF).astype(np.uint8)]
     if x.dtype == torch.float32:
-        w = w.view(np.uint32)
+        w = a.view(np.uint32)
         return [((w >> 23) & 0xFF).astype(np.uint8),
                 (((w >> 24) & 0x80) | ((w >> 16) & 0x7F)).astype(np.uint8),
                 ((w >> 8) & 0xFF).astype(np.uint8),
                 (w & 0xFF).astype(np.uint8)]
     if x.dtype == torch.float64:
-        b = w.view(np.uint8).reshape(-1, 8)
+        b = a.view(np.uint8).reshape(-1, 8)
         return [np.ascontiguousarray(b[:, i]) for i in range(7, -1, -1)]
     raise TypeError(f"lossless codes floating-point tensors, got {x.dtype}")
 
 
 def join_planes(planes: list[np.ndarray], dtype: torch.dtype) -> np.ndarray:
     """Inverse of ``split_planes``: the raw words (bf16 as uint16)."""
+    e: np.ndarray  # the exponent and sign+mantissa planes, widened to the word size
+    sm: np.ndarray
     if dtype == torch.bfloat16:
         e, sm = (p.astype(np.uint16) for p in planes)
         return ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
@@ -97,7 +98,7 @@ class LosslessFloat(Compressor):
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
         if x.dtype not in _PLANES:
             raise TypeError(f"lossless codes fp32/bf16/fp16/fp64 tensors, got {x.dtype}")
-        meta = {"fl": _DTYPE_CODE[x.dtype]}
+        meta: dict[str, MetaValue] = {"fl": _DTYPE_CODE[x.dtype]}
         flat = x.detach().reshape(-1)
         if flat.numel() < MIN_NUMEL:
             return Payload({"raw": _frame.stored(flat)["d"]}, meta)
@@ -117,7 +118,7 @@ class LosslessFloat(Compressor):
                 return ans.encode(t)
         if rest == "raw":
             return _frame.pick(None, t)
-        return bytecoders.Zstd(level=self.params["level"]).encode_field(t, None)  # type: ignore[arg-type]
+        return bytecoders.Zstd(level=self.params["level"]).encode_field(t)
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
         code = p.meta.get("fl")

@@ -54,8 +54,8 @@ def histogram(x: np.ndarray | torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     lo, hi = int(a.min()), int(a.max())
     if hi - lo < (1 << 24):
         counts = np.bincount((a.astype(np.int64) - lo), minlength=hi - lo + 1)
-        keep = np.nonzero(counts)[0]
-        return keep.astype(np.int64) + lo, counts[keep].astype(np.int64)
+        present = np.nonzero(counts)[0]
+        return present.astype(np.int64) + lo, counts[present].astype(np.int64)
     values, counts = np.unique(a.astype(np.int64), return_counts=True)
     return values, counts.astype(np.int64)
 
