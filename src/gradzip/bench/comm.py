@@ -58,7 +58,7 @@ def _rank_main(rank: int, specs: list[str], width: int, depth: int, steps: int, 
                 times.append(time.perf_counter() - start)
             if handle:
                 handle.stats.end_step()
-        row = {"spec": spec or "(no hook: DDP all-reduce)",
+        row: dict[str, Any] = {"spec": spec or "(no hook: DDP all-reduce)",
                "params": sum(p.numel() for p in model.parameters()),
                "step_ms": statistics.median(times) * 1e3}
         if handle:

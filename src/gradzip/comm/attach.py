@@ -69,6 +69,7 @@ def attach(
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
+    group: dist.ProcessGroup | None  # None: the default group
     if isinstance(model, DistributedDataParallel):
         group = process_group if process_group is not None else model.process_group
         state = DDPCommState(codec, group, diagnose=diagnose)

@@ -89,7 +89,9 @@ class CompressedReduceScatter(ReduceScatter):
             return None
         done: torch.futures.Future = torch.futures.Future()
         done.set_result([output_tensor])
-        return torch._C._distributed_c10d._create_work_from_future(done)
+        # a completed Work; torch's stubs lack this private helper (FSDP2 itself calls
+        # the reduce-scatter synchronously, so this path serves other callers only)
+        return torch._C._distributed_c10d._create_work_from_future(done)  # type: ignore[attr-defined]
 
 
 class FSDP1CommState:

@@ -64,8 +64,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
-        results = []
-        errors = []
+        results: list[Any] = []
+        errors: list[str] = []
         for rank in range(world_size):
             path = Path(tmp) / f"result{rank}.pkl"
             if not path.exists():

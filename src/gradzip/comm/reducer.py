@@ -88,8 +88,10 @@ class Reducer:
         value = p.fields.get(name) if name else None
         if isinstance(value, torch.Tensor):
             return value.numel()
-        if isinstance(value, Payload) and isinstance(value.meta.get("n"), int):
-            return int(value.meta["n"])
+        if isinstance(value, Payload):
+            n = value.meta.get("n")
+            if isinstance(n, int):
+                return n
         return numel
 
     def _begin(self, comm: TorchCommunicator) -> float:
