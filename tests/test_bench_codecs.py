@@ -80,3 +80,13 @@ def test_command_writes_json_and_markdown(tmp_path, capsys):
 def test_command_rejects_a_bad_size(capsys):
     assert main(["bench", "codecs", "--size", "lots", "--no-real", "--quiet"]) == 2
     assert "size must look like" in capsys.readouterr().err
+
+
+def test_bars_hold_the_flat_bucket_but_not_the_per_parameter_rows():
+    slow = dict(numel=1024, wire_bytes=4096, ratio_fp32=1.0, ratio_bf16=0.5, rel_l2_error=0.0,
+                cosine=1.0, encode_mbps=100.0, decode_mbps=100.0, roundtrip_mbps=50.0,
+                meets_speed_bar=False)
+    flat = bench.CodecResult(spec="fp16", input=bench.REAL_FLAT, **slow)
+    per_param = bench.CodecResult(spec="fp16", input=bench.REAL_PER_PARAM, **slow)
+    assert bench._bars([per_param]) == []
+    assert "fp16 on " + bench.REAL_FLAT in bench._bars([flat])[0]

@@ -29,6 +29,8 @@ import torch
 BAR_MBPS = 200.0  # encode+decode per core: faster than a 1 Gbit/s link needs
 SIGN_BAR_RATIO = 30.0
 EXEMPT_FROM_SPEED_BAR = ("gradiveq", "sketch")
+REAL_FLAT = "real LM gradient, flat bucket"
+REAL_PER_PARAM = "real LM gradient, per parameter"
 
 
 @dataclass
@@ -153,13 +155,21 @@ def run(args: argparse.Namespace) -> int:
          {"x": heavy_tailed(numel, args.seed).view(_square_shape(numel))})
     ]
     if not args.no_real:
-        inputs.append(("real LM gradient", real_gradients(seed=args.seed)))
+        grads = real_gradients(seed=args.seed)
+        # The DDP hook and the FSDP reduce-scatter hand most codecs one flat bucket;
+        # per-parameter tensors are what shape-aware codecs (PowerSGD) see, and show
+        # the fixed per-call cost on many small tensors.
+        inputs.append((REAL_FLAT, {"bucket": torch.cat([g.reshape(-1) for g in grads.values()])}))
+        inputs.append((REAL_PER_PARAM, grads))
     results: list[CodecResult] = []
     from tqdm import tqdm
 
     jobs = [(s, label, ts) for label, ts in inputs for s in specs]
     for spec, label, tensors in tqdm(jobs, desc="codecs", unit="codec", disable=args.quiet):
-        results.append(measure(spec, tensors, label, args.repeats, args.clock))
+        result = measure(spec, tensors, label, args.repeats, args.clock)
+        if label == REAL_PER_PARAM:
+            result.meets_speed_bar = None  # see _bars
+        results.append(result)
     _print_table(results)
     failures = _bars(results)
     if args.out:
@@ -183,14 +193,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bars(results: list[CodecResult]) -> list[str]:
+    """The issue's bars, checked on the heavy-tailed tensor and the flat real bucket.
+
+    The per-parameter rows are reported but not held to the speed bar: there a fixed
+    Python cost per call (~0.1 ms) on 52 tensors, 33 of them 128 values long, is what
+    they measure, not the codec's throughput."""
     out = []
     for r in results:
-        if r.input.startswith("heavy") and r.meets_speed_bar is False:
-            out.append(f"{r.spec}: {r.roundtrip_mbps:.0f} MB/s < {BAR_MBPS:.0f} MB/s")
-        if r.input.startswith("heavy") and r.spec in ("signsgd", "onebit") and (
-            r.ratio_fp32 < SIGN_BAR_RATIO
-        ):
-            out.append(f"{r.spec}: ratio {r.ratio_fp32:.1f}x < {SIGN_BAR_RATIO:.0f}x")
+        if r.input == REAL_PER_PARAM:
+            continue
+        where = f"{r.spec} on {r.input}"
+        if r.meets_speed_bar is False:
+            out.append(f"{where}: {r.roundtrip_mbps:.0f} MB/s < {BAR_MBPS:.0f} MB/s")
+        if r.spec in ("signsgd", "onebit") and r.ratio_fp32 < SIGN_BAR_RATIO:
+            out.append(f"{where}: ratio {r.ratio_fp32:.1f}x < {SIGN_BAR_RATIO:.0f}x")
     return out
 
 
