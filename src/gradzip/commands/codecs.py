@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 
@@ -63,7 +64,8 @@ def run_list(args: argparse.Namespace) -> int:
         props = ", ".join(k for k in ("summable", "unbiased", "multi_round") if r[k]) or "-"
         params = "\n".join(f"{p['name']}={p['default']}: {p['help']}" for p in r["params"]) or "-"
         table.add_row(r["name"], r["kind"], props, params, r["summary"])
-    Console().print(table)
+    # piped output (a file, `less`) would otherwise wrap at rich's default 80 columns
+    Console(width=None if sys.stdout.isatty() else 140).print(table)
     return 0
 
 
