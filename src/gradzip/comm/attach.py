@@ -13,7 +13,13 @@ import torch.distributed as dist
 from torch import nn
 
 from gradzip.codecs.chain import Codec
-from gradzip.comm.ddp import DDPCommState, build_codec, gradzip_hook
+from gradzip.comm.ddp import (
+    START_ITERATION,
+    START_ITERATION_STATIC_GRAPH,
+    DDPCommState,
+    build_codec,
+    gradzip_hook,
+)
 from gradzip.comm.fsdp import CommCache, CompressedReduceScatter, FSDP1CommState, fsdp1_hook
 from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import CommStats
@@ -72,7 +78,8 @@ def attach(
     group: dist.ProcessGroup | None  # None: the default group
     if isinstance(model, DistributedDataParallel):
         group = process_group if process_group is not None else model.process_group
-        state = DDPCommState(codec, group, diagnose=diagnose)
+        start = START_ITERATION_STATIC_GRAPH if model.static_graph else START_ITERATION
+        state = DDPCommState(codec, group, diagnose=diagnose, start_iteration=start)
         model.register_comm_hook(state, gradzip_hook)
         return Handle("ddp", codec, state.stats, ddp_state=state)
     if isinstance(model, FullyShardedDataParallel):

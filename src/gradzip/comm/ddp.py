@@ -7,10 +7,14 @@ PyTorch's ``allreduce_hook``), holding the bucket buffer overwritten with the
 mean gradient.
 
 State is keyed by bucket index. DDP rebuilds its buckets once, after the first
-synchronized backward, so the same index may then hold other parameters; as in
-PyTorch's ``powerSGD_hook``, the first synchronized iteration of each process
-uses the plain fp32 all-reduce (counted in the stats like any other traffic) and
-compression starts with the second, on the final bucket layout.
+synchronized backward (after the second with ``static_graph=True``), so the same
+index may then hold other parameters; as in PyTorch's ``powerSGD_hook``, the
+synchronized iterations before the rebuild use the plain fp32 all-reduce (counted
+in the stats like any other traffic) and compression starts on the final bucket
+layout. ``attach`` reads ``static_graph`` from the model; as a safety net the hook
+also remembers which parameters each bucket index held when it compressed it, and
+if that ever changes it drops that bucket's codec state (with a warning) instead
+of applying a residual to the wrong parameters.
 
 Codecs that exploit tensor shape — the multi-round ones, PowerSGD's low-rank
 matrices above all — get each parameter's gradient as its own tensor (a view of
@@ -21,6 +25,7 @@ bucket (one payload, one collective per bucket).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -34,6 +39,8 @@ from gradzip.comm.worker import CommWorker
 
 #: synchronized iterations run uncompressed before DDP's bucket layout is final
 START_ITERATION = 1
+#: the same with ``static_graph=True`` (DDP records the ready order in iteration 2)
+START_ITERATION_STATIC_GRAPH = 2
 
 
 def private_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -60,14 +67,18 @@ def private_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
 class DDPCommState:
     """Everything the hook needs: codec, stats, communicator, worker thread.
 
-    ``iteration`` counts synchronized backward passes seen by this process.
+    ``iteration`` counts synchronized backward passes seen by this process;
+    compression starts at ``start_iteration`` (``START_ITERATION``, or
+    ``START_ITERATION_STATIC_GRAPH`` for a ``static_graph=True`` model).
     ``per_tensor`` reduces each parameter's gradient separately (default: for
     multi-round codecs, whose compression depends on the tensor's shape).
     """
 
     def __init__(self, codec: Codec, process_group: dist.ProcessGroup | None = None,
-                 diagnose: bool = False, per_tensor: bool | None = None) -> None:
+                 diagnose: bool = False, per_tensor: bool | None = None,
+                 start_iteration: int = START_ITERATION) -> None:
         self.codec = codec
+        self.start_iteration = start_iteration
         self.per_tensor = codec.multi_round if per_tensor is None else per_tensor
         self.stats = CommStats()
         self.group = private_group(process_group)
@@ -75,6 +86,26 @@ class DDPCommState:
         self.reducer = Reducer(codec, self.stats, diagnose=diagnose)
         self.worker = CommWorker()
         self.iteration = 0
+        # bucket index -> identities of its parameters when it was last compressed
+        self._layouts: dict[int, tuple[int, ...]] = {}
+
+    def check_layout(self, index: int, layout: tuple[int, ...]) -> None:
+        """Drop bucket ``index``'s codec state if it now holds other parameters.
+
+        Runs on the communication thread, in order with the jobs that use the state.
+        """
+        old = self._layouts.get(index)
+        self._layouts[index] = layout
+        if old is None or old == layout:
+            return
+        prefix = f"bucket{index}"
+        records = self.codec.state.records
+        for stage_key in [k for k in records if k[1] == prefix
+                          or k[1].startswith(prefix + "/")]:
+            del records[stage_key]
+        warnings.warn(
+            f"gradzip: DDP bucket {index} changed its parameters (bucket rebuild after "
+            f"compression started); its codec state was reset", RuntimeWarning, stacklevel=1)
 
     def state_dict(self) -> dict[str, Any]:
         """Codec state (EF residuals, PowerSGD Q, momentum) keyed by bucket index."""
@@ -92,15 +123,19 @@ class DDPCommState:
 def gradzip_hook(state: DDPCommState, bucket: dist.GradBucket) -> torch.futures.Future:
     """DDP comm hook: mean of ``bucket`` over ranks through ``state.codec``."""
     buffer = bucket.buffer()
-    key = f"bucket{bucket.index()}"
-    compress = state.iteration >= START_ITERATION
-    shapes = [p.shape for p in bucket.parameters()] if state.per_tensor else []
+    index = bucket.index()
+    key = f"bucket{index}"
+    compress = state.iteration >= state.start_iteration
+    params = bucket.parameters()
+    layout = tuple(id(p) for p in params)
+    shapes = [p.shape for p in params] if state.per_tensor else []
     if bucket.is_last():
         state.iteration += 1
 
     def job() -> torch.Tensor:
         if not compress:
             return state.reducer.reduce_plain(buffer, state.comm)
+        state.check_layout(index, layout)
         if shapes:
             offset = 0  # a bucket is its parameters' gradients back to back
             for j, shape in enumerate(shapes):
@@ -128,14 +163,19 @@ def ddp_hook(
     seed: int = 0,
     diagnose: bool = False,
     nonfinite: str = "error",
+    static_graph: bool = False,
 ) -> tuple[DDPCommState, Any]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
     Collective: call on every rank (it creates gradzip's own process group).
-    ``process_group`` must hold the same ranks as the DDP model's group.
+    ``process_group`` must hold the same ranks as the DDP model's group;
+    ``static_graph`` must say whether the model was built with ``static_graph=True``
+    (its buckets are rebuilt one iteration later, so compression starts later).
     """
     codec = build_codec(spec, seed=seed, nonfinite=nonfinite)
-    return DDPCommState(codec, process_group, diagnose=diagnose), gradzip_hook
+    start = START_ITERATION_STATIC_GRAPH if static_graph else START_ITERATION
+    return DDPCommState(codec, process_group, diagnose=diagnose,
+                        start_iteration=start), gradzip_hook
 
 
 def build_codec(spec: str | Codec, *, seed: int, nonfinite: str) -> Codec:
