@@ -64,6 +64,46 @@ def test_text_file_and_large_file_blocks(tmp_path, monkeypatch):
     assert len({d.key for d in docs}) == len(docs)
 
 
+@pytest.mark.parametrize("read_bytes", [7, 64, 1 << 20])
+def test_text_file_streams_the_same_units_as_whole_text(tmp_path, monkeypatch, read_bytes):
+    monkeypatch.setattr(sources, "BLOCK_CHARS", 50)
+    # multi-byte characters split by small reads, a line longer than a block, a block
+    # starting with a newline, and a file that is exactly one block or just over
+    texts = ["", "short", "x" * 50, "x" * 51, "é€😀 line\n" * 40, "\n" + "y" * 120 + "\nend",
+             "".join(f"l{i} ☃\n" for i in range(300))]
+    for i, text in enumerate(texts):
+        path = tmp_path / f"t{i}.txt"
+        path.write_text(text, encoding="utf-8")
+        streamed = list(sources._stream_units(path, "k", read_bytes=read_bytes))
+        assert streamed == list(sources._text_units("k", text)) if text else streamed == []
+
+
+def test_text_file_streams_a_file_larger_than_it_keeps_in_memory(tmp_path):
+    path = tmp_path / "big.txt"
+    with open(path, "w") as f:
+        for i in range(16):
+            f.write(f"block {i}\n" + ("word " * 20 + "\n") * 10_000)  # 1 MiB each
+    size = path.stat().st_size
+    tracemalloc.start()
+    try:
+        chars = sum(len(d.text) for d in TextSource(path).docs())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert chars == size  # ASCII: one byte per character, nothing lost
+    # a few blocks in flight (buffer, read, decode, slice), whatever the file's size
+    assert peak < 6 * sources.BLOCK_CHARS < size / 2, f"peak {peak} B reading {size} B"
+
+
+def test_text_file_not_utf8_names_the_byte_offset(tmp_path):
+    path = tmp_path / "bad.txt"
+    path.write_bytes(b"ok \xc3\xa9 " * 10 + b"\xc3\xff")  # "\xc3" starts a character
+    for read_bytes in (1, 3, 1 << 20):
+        with pytest.raises(ValueError, match=r"bad\.txt: not UTF-8 text \(bad byte at offset "
+                                             r"60\)"):
+            list(sources._stream_units(path, "k", read_bytes=read_bytes))
+
+
 def test_jsonl_records_titles_and_blank_lines(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"id": 1, "title": "T", "text": "body"}\n\n"just a string"\n'

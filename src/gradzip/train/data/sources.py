@@ -2,7 +2,8 @@
 
 A source yields :class:`Doc` records — a stable ``key``, the ``text``, and whether an
 end-of-text token follows — always in the same order, so a cache build can resume by
-skipping the documents it already tokenized. Every source streams: nothing is read whole.
+skipping the documents it already tokenized. Every source streams, so a file larger than
+RAM is fine (only the standard library's small files are read whole).
 
 Sources by spec string (see :func:`parse_spec`):
 
@@ -25,6 +26,7 @@ corpus instead of the alphabetically first modules.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import math
@@ -110,7 +112,11 @@ def _read_text(path: Path, strict: bool = True) -> str | None:
 
 
 def _text_units(key: str, text: str) -> Iterator[Doc]:
-    """A file as split units: whole if small, else 1 MiB blocks cut after a newline."""
+    """A file as split units: whole if small, else 1 MiB blocks cut after a newline.
+
+    The standard library's files are small and read whole (so a non-UTF-8 one can be
+    skipped); user text files go through :func:`_stream_units`, which cuts identically.
+    """
     if len(text) <= BLOCK_CHARS:
         yield Doc(key, text)
         return
@@ -157,8 +163,42 @@ class StdlibSource(Source):
             sorted(self.files()))
 
 
+def _stream_units(path: Path, key: str, read_bytes: int = 1 << 18) -> Iterator[Doc]:
+    """The units of :func:`_text_units`, decoded incrementally: memory stays about two blocks.
+
+    A block is cut only once more than ``BLOCK_CHARS`` characters are buffered (or the file
+    ended), so the cuts, keys and ``eot`` flags equal those of the whole-text version.
+    """
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below; a generator holds it
+    except FileNotFoundError:
+        raise FileNotFoundError(f"data file not found: {path}") from None
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    buf, block, offset, eof = "", 0, 0, False
+    with f:
+        while True:
+            while not eof and len(buf) <= BLOCK_CHARS:
+                raw = f.read(read_bytes)
+                eof = not raw
+                pending = len(decoder.getstate()[0])  # bytes of a character split by the read
+                try:
+                    buf += decoder.decode(raw, final=eof)
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}: not UTF-8 text (bad byte at offset "
+                                     f"{offset - pending + e.start})") from None
+                offset += len(raw)
+            if len(buf) <= BLOCK_CHARS:  # the file ended: the rest is the last unit
+                if buf:
+                    yield Doc(f"{key}#{block}" if block else key, buf)
+                return
+            nl = buf.rfind("\n", 0, BLOCK_CHARS)
+            end = nl + 1 if nl > 0 else BLOCK_CHARS
+            yield Doc(f"{key}#{block}", buf[:end], eot=False)
+            buf, block = buf[end:], block + 1
+
+
 class TextSource(Source):
-    """One text file (any suffix but .json/.jsonl), read as UTF-8."""
+    """One text file (any suffix but .json/.jsonl), streamed as UTF-8 in blocks."""
 
     def __init__(self, path: Path, key: str | None = None) -> None:
         self.path = path
@@ -166,9 +206,8 @@ class TextSource(Source):
         self.key = key or path.name
 
     def docs(self) -> Iterator[Doc]:
-        text = _read_text(self.path)
-        if text:
-            yield from _text_units(self.key, text)
+        # Streamed, not read whole: a single multi-GB text file must not need its size in RAM.
+        yield from _stream_units(self.path, self.key)
 
     def fingerprint(self) -> str:
         return _stat_fingerprint([self.path])
