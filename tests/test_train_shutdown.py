@@ -1,0 +1,138 @@
+"""Ending a run early: Ctrl-C and a failed rank stop every process, quietly and promptly.
+
+The runs are real processes (``python -m gradzip train``, ``torchrun``); a run is found
+by its unique ``--out`` in ``/proc/*/cmdline``, which also catches torchrun's workers
+(they live in sessions of their own, so the launcher's process group does not hold them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from train_helpers import flags
+
+from gradzip.train import checkpoint as ckpt
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("data-cache")
+
+
+def processes_of(out: Path) -> list[int]:
+    """Pids of live processes whose command line names the run directory ``out``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # ended while we looked
+            continue
+        if str(out).encode() in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
+class Run:
+    """A training process whose output is read line by line on a thread (never blocks)."""
+
+    def __init__(self, argv: list[str], out: Path) -> None:
+        self.out = out
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env, start_new_session=True)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.text: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for(self, needle: str, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            self.text.append(line)
+            if needle in line:
+                return
+        self.kill()
+        pytest.fail(f"no {needle!r} in the output:\n{''.join(self.text)}")
+
+    def finish(self, timeout: float = 60) -> tuple[int, str]:
+        """Exit code and the whole output; fails if the run does not end in ``timeout``."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"still running {timeout} s after the signal:\n{''.join(self.text)}")
+        while (line := self.lines.get(timeout=10)) is not None:
+            self.text.append(line)
+        return self.proc.returncode, "".join(self.text)
+
+    def kill(self) -> None:
+        for pid in [self.proc.pid, *processes_of(self.out)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def gone(out: Path, within: float = 10) -> bool:
+    """True once no process of the run is left (a killed child may take a moment)."""
+    deadline = time.monotonic() + within
+    while processes_of(out):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_ctrl_c_stops_a_training_process_cleanly(cache: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run = Run([sys.executable, "-m", "gradzip", "train",
+               *flags(cache, out, "--max-steps", "100000", "--ckpt-every", "5")], out)
+    run.wait_for("checkpoint")  # mid-run, prefetch thread busy, TensorBoard/log files open
+    os.killpg(run.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    code, text = run.finish()
+    assert code == 130 and "interrupted" in text, text
+    assert "Traceback" not in text and "Exception in thread" not in text, text
+    assert gone(out)
+    assert ckpt.step_dirs(out)  # the checkpoints written before the interrupt are intact
+
+
+@pytest.mark.dist
+def test_ctrl_c_and_a_failed_rank_end_every_torchrun_process(cache: Path, tmp_path: Path
+                                                             ) -> None:
+    out = tmp_path / "run"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", "2", "-m", "gradzip", "train"]
+    run = Run([*torchrun, *flags(cache, out, "--max-steps", "100000", "--ckpt-every", "5",
+                                 "--parallel", "ddp", "--codec", "ef | topk(ratio=0.1)")], out)
+    run.wait_for("checkpoint")  # step 5 is saved by both ranks
+    os.killpg(run.proc.pid, signal.SIGINT)  # the launcher stops its workers
+    code, text = run.finish()
+    assert code != 0 and gone(out), text
+
+    # Rank 1 fails on resume (its checkpoint file is gone) while rank 0 goes on into a
+    # collective: the launcher must notice and end rank 0 too, not leave it waiting.
+    (out / "checkpoints" / "step_0000005" / "rank1.pt").unlink()
+    run = Run([*torchrun, "--resume", "--out", str(out), "--max-steps", "10"], out)
+    code, text = run.finish(timeout=120)
+    assert code != 0 and "checkpoint is missing" in text and "rank1.pt" in text, text
+    assert gone(out)
