@@ -239,6 +239,7 @@ def test_bad_parameters_name_the_stage(spec, stage):
 
 
 def test_vote_flag_controls_multi_round():
+    assert gradzip.registered()["signsgd"].multi_round  # the class flag shows the default
     assert gradzip.codec("signsgd").multi_round
     assert not gradzip.codec("signsgd(vote=false)").multi_round
     assert str(gradzip.codec("signsgd(scale=l1, vote=false)")) == "signsgd(scale=l1, vote=false)"
@@ -263,3 +264,18 @@ def test_majority_vote_of_one_rank_is_its_own_sign():
 
     mean, local = stage.reduce(torch.tensor([1.0, -2.0, 0.0]), None, Solo(), True)
     assert mean.tolist() == [1.0, -1.0, 1.0] and local.tolist() == [1.0, -1.0, 1.0]
+
+
+@pytest.mark.parametrize("spec,shape", [
+    ("efsignsgd", (64, 300)), ("signsgd(scale=l1)", (64, 300)),
+    ("onebit", (300, 64)), ("onebit(scope=tensor)", (64, 300)),
+])
+def test_magnitudes_near_the_float32_limit_stay_finite(spec, shape):
+    """Sums of |x| near float32's limit overflow in float32; the codecs must not send inf/NaN."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(shape, generator=g).add_(0.5) * 2e38 * torch.randn(shape, generator=g).sign()
+    y = gradzip.codec(spec).decode(gradzip.codec(spec).encode(x, key="w"))
+    assert torch.isfinite(y).all(), spec
+    assert torch.equal(torch.signbit(y), torch.signbit(x))
+    mean = x.abs().double().mean()  # every decoded magnitude is some side's mean of |x|
+    assert float(y.abs().double().mean()) == pytest.approx(float(mean), rel=0.2)

@@ -9,6 +9,8 @@ zero still gets a definite side: +0.0 decodes as positive, -0.0 as negative
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -29,17 +31,26 @@ _CHUNK = 1 << 17
 
 
 def _l1(flat: torch.Tensor) -> float:
-    """sum |x|, chunked through a small buffer (a full ``abs()`` temporary costs more)."""
+    """sum |x|, chunked through a small buffer (a full ``abs()`` temporary costs more).
+
+    Chunk sums are float32 (fast); if one overflows (|x| near float32's limit, where a
+    finite input would otherwise decode to NaN) the sum is redone in float64.
+    """
     scratch = torch.empty(min(flat.numel(), _CHUNK), device=flat.device)
     total = 0.0
     for s in range(0, flat.numel(), _CHUNK):
         c = flat[s:s + _CHUNK]
         total += float(torch.abs(c, out=scratch[:c.numel()]).sum())
+    if not math.isfinite(total):
+        total = float(flat.abs().sum(dtype=torch.float64))
     return total
 
 
 def _side_sums(flat: torch.Tensor) -> tuple[float, float]:
-    """(sum of x > 0, sum of x < 0), each accumulated on its own (no cancellation)."""
+    """(sum of x > 0, sum of x < 0), each accumulated on its own (no cancellation).
+
+    Like ``_l1``: float32 chunk sums, redone in float64 if one overflowed.
+    """
     scratch = torch.empty(min(flat.numel(), _CHUNK), device=flat.device)
     pos = neg = 0.0
     for s in range(0, flat.numel(), _CHUNK):
@@ -47,6 +58,9 @@ def _side_sums(flat: torch.Tensor) -> tuple[float, float]:
         buf = scratch[:c.numel()]
         pos += float(torch.clamp(c, min=0, out=buf).sum())
         neg += float(torch.clamp(c, max=0, out=buf).sum())
+    if not (math.isfinite(pos) and math.isfinite(neg)):
+        pos = float(flat.clamp(min=0).sum(dtype=torch.float64))
+        neg = float(flat.clamp(max=0).sum(dtype=torch.float64))
     return pos, neg
 
 
@@ -85,6 +99,9 @@ class SignSGD(Compressor):
     """
 
     summary = "signSGD: 1 bit/value, majority-vote reduce (Bernstein et al. 2018)"
+    # the class flag describes the default (vote=true), as ``codecs list`` shows it;
+    # each instance sets its own from ``vote``
+    multi_round = True
     PARAMS = (
         Param("scale", str, "one",
               "decoded magnitude: one (+-1, as in the paper) or l1 (+-||x||_1/d, one fp32 sent)",
@@ -246,6 +263,10 @@ class OneBit(Compressor):
             buf = scratch[:xc.shape[0]]
             pos += torch.clamp(xc, min=0, out=buf).sum(0)
             neg += torch.clamp(xc, max=0, out=buf).sum(0)
+        if not (torch.isfinite(pos).all() and torch.isfinite(neg).all()):
+            # a float32 band sum overflowed (|x| near float32's limit): redo in float64
+            pos = x.clamp(min=0).sum(0, dtype=torch.float64)
+            neg = x.clamp(max=0).sum(0, dtype=torch.float64)
         recon = torch.stack([pos / (rows - nneg).clamp(min=1), neg / nneg.clamp(min=1)])
         return Payload({"bits": pack_bits(mask), "recon": recon.float()})
 
@@ -264,6 +285,8 @@ class OneBit(Compressor):
             raise PayloadError(f"onebit payload: {e}") from None
         # positive mean + bit * (negative mean - positive mean), band by band
         pos, diff = recon[0], recon[1] - recon[0]
+        if not torch.isfinite(diff).all():  # means near float32's limit: the gap overflows
+            return torch.where(mask, recon[1], recon[0])
         out = torch.empty(shape, dtype=torch.float32, device=recon.device)
         band = max(1, _CHUNK // shape[1])
         for r in range(0, shape[0], band):
