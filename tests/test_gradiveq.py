@@ -161,3 +161,16 @@ def test_flags_and_bad_payload():
     p.meta["shape"] = (49 * D,)
     with pytest.raises(PayloadError, match="gradiveq"):
         c.decode(p)
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e18])
+def test_basis_fit_is_scale_invariant(scale):
+    """The basis of x * scale is the basis of x (a float32 Gram matrix of raw values
+    would underflow to a useless basis, or overflow to NaN)."""
+    g = torch.Generator().manual_seed(0)
+    noise = 0.01 * torch.randn(500, D, generator=g)
+    slices = torch.randn(500, K, generator=g) @ subspace().T + noise
+    u1 = fit_basis(slices, K)
+    us = fit_basis(slices * scale, K)
+    assert torch.isfinite(us).all()
+    torch.testing.assert_close(us, u1, rtol=1e-4, atol=1e-5)

@@ -54,7 +54,13 @@ def fit_basis(slices: torch.Tensor, k: int) -> torch.Tensor:
     Uncentred: eigenvectors of the d x d second moment Sᵀ S (accumulated in float32,
     decomposed in float64), largest eigenvalue first, each column's sign fixed so its
     largest-magnitude entry is positive (deterministic output for identical input).
+    The slices are scaled to a largest magnitude of 1 first: the eigenvectors do not
+    change, but a float32 Sᵀ S of raw values would overflow for |x| above ~1e17 and
+    underflow to denormals (then NaN) below ~1e-20.
     """
+    peak = float(slices.abs().amax()) if slices.numel() else 0.0
+    if peak > 0 and peak != 1.0:
+        slices = slices * (1.0 / peak)
     gram = (slices.T @ slices).double()
     _, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues
     u = vecs[:, -k:].flip(-1)
