@@ -130,7 +130,8 @@ def test_small_tensors_go_uncompressed(shape):
 
 
 @pytest.mark.parametrize("spec", ["sketch(ratio=0)", "sketch(ratio=1.5)", "sketch(rows=0)",
-                                  "sketch(width=0)", "sketch(candidates=0)", "sketch(cols=3)"])
+                                  "sketch(width=0)", "sketch(width=inf)", "sketch(candidates=0)",
+                                  "sketch(cols=3)"])
 def test_bad_params_are_spec_errors(spec):
     with pytest.raises(SpecError, match="sketch"):
         gradzip.codec(spec)

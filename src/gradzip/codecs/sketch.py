@@ -60,7 +60,7 @@ import torch
 from gradzip.codecs.base import Compressor, Slot
 from gradzip.codecs.communicator import Communicator
 from gradzip.codecs.payload import Payload, PayloadError
-from gradzip.codecs.registry import Param, at_least, in_range, positive, register
+from gradzip.codecs.registry import Param, at_least, in_range, register
 
 #: coordinates per hash block: the random per-coordinate hashes are drawn for one
 #: block and re-used, shifted, by every block (see module docstring); small enough
@@ -69,6 +69,8 @@ BLOCK = 1 << 16
 #: blocks per group: a group's per-row estimates (rows x GROUP x BLOCK floats) are
 #: the largest temporaries
 GROUP = 16
+#: largest ``width`` accepted
+MAX_WIDTH = 1e6
 
 
 @dataclass
@@ -214,8 +216,10 @@ class Sketch(Compressor):
               in_range(0.0, 1.0, lo_open=True)),
         Param("rows", int, 5, "sketch rows (independent hashes; the estimate is their median)",
               at_least(1)),
+        # bounded above so cols stays an integer (any width past ~1/(rows*ratio) already
+        # makes the sketch as large as the tensor, which is then sent uncompressed)
         Param("width", float, 12.0, "sketch columns per heavy hitter: cols = ceil(width * k)",
-              positive),
+              in_range(0.0, MAX_WIDTH, lo_open=True)),
         Param("candidates", int, 4,
               "P: heavy-hitter candidates per kept coordinate queried exactly in round two",
               at_least(1)),
