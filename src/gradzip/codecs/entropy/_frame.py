@@ -27,7 +27,7 @@ from gradzip.codecs.payload import (
 )
 
 STORED = "raw"
-_CHECKED_META = ("m", "dt", "sh", "k", "map", "lo", "cw", "ck", "np", "lvl", "v")
+_CHECKED_META = ("m", "dt", "sh", "k", "map", "lo", "cw", "ck", "np", "lvl", "v", "fl")
 _NP_DTYPES = {
     torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
     torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_,

@@ -13,8 +13,10 @@ rotated into a byte of its own (the sign moves to the mantissa side):
 
 The exponent plane (and any plane whose histogram promises a saving) is ANS-coded
 with its own frequency table; the others are zstd-coded when that is smaller, else
-sent raw. Every plane is exact and checksummed, so the codec is lossless for any input,
-including inf/NaN bit patterns, and any rank can decode any payload.
+sent raw. Every plane is exact and checksummed, and so is the whole payload (dtype code,
+raw bytes of small tensors, the planes' checksums), so the codec is lossless for any
+input, including inf/NaN bit patterns, any rank can decode any payload, and a damaged
+one raises instead of decoding to other values.
 """
 
 from __future__ import annotations
@@ -101,12 +103,13 @@ class LosslessFloat(Compressor):
         meta: dict[str, MetaValue] = {"fl": _DTYPE_CODE[x.dtype]}
         flat = x.detach().reshape(-1)
         if flat.numel() < MIN_NUMEL:
-            return Payload({"raw": _frame.stored(flat)["d"]}, meta)
+            return _frame.seal(Payload({"raw": _frame.stored(flat)["d"]}, meta))
         fields: dict[str, Payload] = {}
         for i, plane in enumerate(split_planes(flat)):
             exponent = i == 0 and x.dtype != torch.float64
             fields[f"p{i}"] = self._code_plane(plane, exponent)
-        return Payload(dict(fields), meta)
+        # the checksum covers the dtype code, raw bytes and each plane's own checksum
+        return _frame.seal(Payload(dict(fields), meta))
 
     def _code_plane(self, plane: np.ndarray, exponent: bool) -> Payload:
         t = torch.from_numpy(plane)
@@ -121,6 +124,7 @@ class LosslessFloat(Compressor):
         return bytecoders.Zstd(level=self.params["level"]).encode_field(t)
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
+        _frame.check(p, "lossless")
         code = p.meta.get("fl")
         if not isinstance(code, int) or not 0 <= code < len(_DTYPES) \
                 or _DTYPES[code] not in _PLANES:
