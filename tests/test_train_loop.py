@@ -191,12 +191,18 @@ def test_wandb_logs_offline_without_a_key(cache: Path, tmp_path: Path,
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a key either
-    train(cache, tmp_path / "run", "--max-steps", "5", "--wandb", "--wandb-project", "p")
+    train(cache, tmp_path / "run", "--max-steps", "5", "--decay-steps", "10", "--wandb",
+          "--wandb-project", "p")
     (init,) = calls["init"]
     assert init["mode"] == "offline" and init["project"] == "p"
     assert init["config"]["train"]["max_steps"] == 5
     assert [step for step, _ in calls["log"]] == [5, 5]  # train metrics, then val metrics
     assert "loss/train" in calls["log"][0][1] and calls["finish"] == [True]
+    # --resume continues the same W&B run: the same id, resume allowed, later steps
+    assert main(["train", "--resume", "--out", str(tmp_path / "run"), "--max-steps", "10"]) == 0
+    first, again = calls["init"]
+    assert again["id"] == first["id"] and again["resume"] == "allow"
+    assert [step for step, _ in calls["log"]] == [5, 5, 10, 10]
 
 
 def test_wandb_requested_but_missing_is_a_clear_error(

@@ -19,6 +19,7 @@ import resource
 import subprocess
 import sys
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -235,11 +236,19 @@ def require_wandb() -> Any:
     return wandb
 
 
+WANDB_ID_FILE = "wandb_id.txt"
+
+
 def _init_wandb(run_dir: Path, cfg: Any) -> Any:
     wandb = require_wandb()
     # Offline unless a key is configured: a run never blocks on a login prompt.
     has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").is_file() and (
         "api.wandb.ai" in (Path.home() / ".netrc").read_text())
+    # The W&B run id lives in the run directory, so ``--resume`` continues the same W&B
+    # run (resume="allow" only resumes when it is given an id it has seen before).
+    id_file = run_dir / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:16]
+    id_file.write_text(run_id + "\n")
     return wandb.init(project=cfg.run.wandb_project, name=cfg.run.run_name or run_dir.name,
-                      dir=str(run_dir), config=cfg.to_dict(), resume="allow",
+                      dir=str(run_dir), config=cfg.to_dict(), id=run_id, resume="allow",
                       mode="online" if has_key else "offline")

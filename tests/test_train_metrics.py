@@ -1,0 +1,90 @@
+"""Metrics and sinks: which rank logs where, the log line, timing statistics."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from gradzip.train.config import JobConfig
+from gradzip.train.metrics import MetricLogger, RunStats, format_line
+from gradzip.train.parallel import AllReduceTimer
+
+
+def sinks_config() -> JobConfig:
+    cfg = JobConfig()
+    cfg.run.wandb = cfg.run.tensorboard = cfg.run.progress = True
+    return cfg
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    inits: list[dict] = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: inits.append(kw) or fake
+    fake.log = lambda data, step: None
+    fake.finish = lambda: None
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    return inits
+
+
+def test_only_rank_0_has_a_progress_bar_tensorboard_and_wandb(
+        tmp_path: Path, fake_wandb: list[dict], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # where tqdm draws the bar
+    other = MetricLogger(tmp_path, 1, sinks_config(), total_steps=10, start_step=0)
+    other.info("hello from rank 1")
+    other.scalars(3, {"loss/train": 2.5, "note": "not a number"})
+    other.close()
+    assert other.bar is None and other.tb is None and other.wandb is None
+    assert fake_wandb == [] and not (tmp_path / "tb").exists()
+    lines = (tmp_path / "logs" / "rank1.log").read_text().splitlines()
+    assert lines[0].endswith("hello from rank 1")
+    assert json.loads(lines[1]) == {"step": 3, "loss/train": 2.5}  # its own log, numbers only
+
+    main = MetricLogger(tmp_path, 0, sinks_config(), total_steps=10, start_step=4)
+    assert main.bar is not None and main.bar.n == 4  # a resumed run's bar starts where it was
+    assert main.tb is not None and len(fake_wandb) == 1
+    main.advance()
+    assert main.bar.n == 5
+    main.close()
+    assert (tmp_path / "logs" / "rank0.log").is_file() and list((tmp_path / "tb").iterdir())
+
+
+def test_log_line_shows_loss_lr_throughput_comm_and_ratio() -> None:
+    m = {"loss/train": 3.14159, "optim/lr": 3e-4, "throughput/tokens_per_s": 12345.6,
+         "time/step(ms)": 41.7}
+    assert format_line(7, 20, m) == "step 7/20 | loss 3.1416 | lr 3.00e-04 | 12,346 tok/s | " \
+                                    "step 42ms"
+    m.update({"comm/share(%)": 31.2, "comm/compression_ratio": 49.71, "loss/val": 2.5,
+              "loss/val_ppl": 12.18})
+    assert format_line(20, 20, m).endswith(
+        "| step 42ms | comm 31% | ratio 49.7x | val 2.5000 (ppl 12.2)")
+
+
+def test_run_stats_exclude_warmup_from_timing_but_not_from_totals() -> None:
+    stats = RunStats(warmup=2)
+    for ms in (1000.0, 500.0, 10.0, 20.0, 30.0, 40.0, 50.0):
+        stats.add_step(ms, {"forward": ms / 2, "comm": 1.0}, tokens=100)
+    s = stats.summary()
+    assert s["timed_steps"] == 5 and s["step_time_ms_mean"] == 30.0
+    assert s["step_time_ms_p50"] == 30.0 and s["step_time_ms_p90"] == pytest.approx(46.0)
+    assert s["tokens_per_s"] == pytest.approx(500 / 0.150)
+    assert s["phase_share"]["forward"] == pytest.approx(0.5)
+    assert s["comm_time_ms_total"] == 7.0  # every step: it must match the byte totals
+    assert stats.train_time_s == pytest.approx(1.65)
+
+
+def test_all_reduce_timer_counts_overlapping_buckets_once() -> None:
+    timer = AllReduceTimer(world_size=2)
+    timer._spans = [(0.0, 0.004), (0.001, 0.003), (0.010, 0.012), (0.011, 0.015)]
+    timer._bytes = 4096
+    out = timer.end_step()
+    assert out["comm_ms"] == pytest.approx(9.0)  # [0, 4] and [10, 15] ms
+    assert out["bytes_raw"] == out["bytes_wire"] == 4096
+    assert timer.end_step()["comm_ms"] == 0.0 and timer.bytes_total == 4096
+    assert timer.comm_ms_total == pytest.approx(9.0)
+
