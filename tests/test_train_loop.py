@@ -155,6 +155,20 @@ def test_damaged_checkpoints_are_clear_errors(cache: Path, tmp_path: Path,
     assert "missing" in capsys.readouterr().err
 
 
+def test_a_crashed_save_is_never_resumed_from_and_is_cleaned_up(cache: Path,
+                                                                 tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    train(cache, out, "--max-steps", "2", "--decay-steps", "4", "--eval-every", "0")
+    ckpts = out / "checkpoints"
+    # A save killed midway leaves its temp directory (model written, meta.json not yet).
+    crashed = ckpts / ".tmp-step_0000003"
+    crashed.mkdir()
+    shutil.copy(ckpts / "step_0000002" / "model.pt", crashed / "model.pt")
+    assert main(["train", "--resume", "--out", str(out), "--max-steps", "4"]) == 0
+    assert last_result(out)["resumed_from_step"] == 2
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_0000002", "step_0000004"]
+
+
 @pytest.mark.parametrize("source,match", [("missing.txt", "not found"),
                                           ("bad.jsonl", "malformed JSON")])
 def test_missing_and_malformed_data_are_clear_errors(

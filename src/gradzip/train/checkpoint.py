@@ -107,7 +107,10 @@ def save(
     final = root / f"{PREFIX}{step:07d}"
     tmp = root / f".tmp-{final.name}"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crashed save
+        # Debris of saves that crashed (only rank 0 renames, one save at a time): never
+        # loaded, since step_dirs wants a step_* name with meta.json, but it takes space.
+        for debris in root.glob(".tmp-*") if root.is_dir() else ():
+            shutil.rmtree(debris, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
     if sharded:
