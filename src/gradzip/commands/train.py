@@ -59,8 +59,10 @@ def register(sub: Any) -> None:
         "train", help="train a GPT language model (one process or torchrun)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # --model must never be mistaken for --model-vocab-size
-        epilog=f"model presets: {', '.join(presets())}. Config files use the same "
-               f"sections and field names, e.g. [optim]\\nlr = 3e-4.")
+        epilog=f"model presets: {', '.join(presets())}. A preset may also set data and optim\n"
+               "options (tiny: --vocab-size 512, --seq-len 32, ...); the defaults shown above\n"
+               "are those before a preset. A config file (--config run.toml or .json) uses the\n"
+               "sections and field names above, e.g.\n\n    [optim]\n    lr = 3e-4\n")
     p.add_argument("--config", metavar="FILE", help="TOML or JSON file with options by section")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved configuration as JSON and exit")

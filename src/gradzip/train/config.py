@@ -76,17 +76,22 @@ class DataOptions:
     """What to train on and how it is batched (see ``gradzip.train.data``)."""
 
     sources: list[str] = field(default_factory=lambda: ["stdlib"], metadata={"flag": "--dataset"})
-    """Text sources: "stdlib" (Python's standard library, no download) or file/directory paths."""
+    """Text sources: "stdlib" (Python's standard library, no download), a text file or
+    directory, *.jsonl, *.json (an array of {id, title, text} records, streamed) or a Hugging
+    Face datasets directory. SOURCE:WEIGHT mixes sources by token share (a.jsonl:3 b.txt:1)."""
     cache_dir: str = "runs/.cache/data"
     """Where tokenized shards and the trained tokenizer are cached between runs."""
     tokenizer: str = ""
-    """Tokenizer file to use; empty = train a byte-level BPE on the sources (cached)."""
+    """A tokenizer.json file or a directory holding one; empty = train a byte-level BPE on
+    the training split of the sources (cached)."""
     vocab_size: int = 4096
     """Vocabulary size of a trained tokenizer (small enough for CPU models)."""
     val_fraction: float = 0.05
-    """Share of the tokens held out for validation."""
+    """Share of files / records (1 MiB blocks of big text files) held out for validation,
+    chosen by a hash of their name: the same split on every machine and every run."""
     max_tokens: int = 0
-    """Use at most this many tokens of the sources; 0 = all."""
+    """Cap on training tokens (validation gets the matching val_fraction share); the tiny
+    preset sets 1M so a first run tokenizes in seconds. 0 = all of the sources."""
     seq_len: int = 128
     """Tokens per training sequence (context length)."""
     batch_size: int = 8
@@ -111,11 +116,11 @@ class OptimConfig:
     weight_decay: float = 0.1
     """AdamW decoupled weight decay, applied to matrices only (not norms, biases)."""
     beta1: float = 0.9
-    """Adam beta1."""
+    """Adam beta1: decay of the gradient's moving average (the usual 0.9)."""
     beta2: float = 0.95
     """Adam beta2 (0.95 rather than 0.999 is steadier for LLMs)."""
     eps: float = 1e-8
-    """Adam epsilon."""
+    """Adam epsilon, added to the root of the second moment (guards against dividing by 0)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 = no clipping."""
     grad_accum: int = 1
@@ -147,7 +152,8 @@ class TrainConfig:
     eval_every: int = 50
     """Evaluate validation loss every N steps (and at the end); 0 = only at the end."""
     eval_steps: int = 10
-    """Validation batches per evaluation (per rank)."""
+    """Validation batches per evaluation and rank; always the same batches (fixed seed), so
+    every evaluation of every run is on identical data."""
     target_loss: float = 0.0
     """Record time_to_target_s, the training time until val loss first reaches this; 0 = off."""
     threads: int = 0
@@ -163,7 +169,8 @@ class RunConfig:
     run_name: str = ""
     """Name in the results record; empty = the run directory's name."""
     resume: bool = False
-    """Continue the run in --out from its latest checkpoint."""
+    """Continue the run in --out from its latest checkpoint; its saved config.json replaces
+    defaults and preset, and flags given now override it (typically --max-steps)."""
     ckpt_every: int = 0
     """Save a checkpoint every N steps (always at the end); 0 = only at the end."""
     keep_ckpts: int = 2
