@@ -55,6 +55,17 @@ def test_index_bytes_counts_index_fields_at_any_depth():
     assert index_bytes(p) == 16 + 3
 
 
+def test_index_bytes_of_real_sparse_payloads():
+    # topk sends its positions as ``deltas`` or a ``bitmap``; an entropy coder may re-code them
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    for spec, form in (("topk(ratio=0.01)", "deltas"), ("topk(ratio=0.5)", "bitmap")):
+        p = gradzip.codec(spec).encode(x)
+        assert index_bytes(p) == p.fields[form].numel() * p.fields[form].element_size(), spec
+    coded = gradzip.codec("topk(ratio=0.01) | eg").encode(x)
+    assert isinstance(coded.fields["deltas"], Payload)
+    assert 0 < index_bytes(coded) < coded.wire_bytes
+
+
 def test_scaling_follows_fsdp_ops():
     assert scaling(dist.ReduceOp.AVG, 4) == (4.0, 1.0)
     assert scaling(dist.ReduceOp.SUM, 4) == (1.0, 1.0)

@@ -25,7 +25,9 @@ from gradzip.codecs.payload import Payload
 from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.stats import CommStats, Reduction
 
-_INDEX_NAMES = ("index", "indices", "idx")
+#: field names (or ``_``-separated parts of them) that carry positions: the sparse
+#: payloads' ``deltas`` / ``bitmap`` (codecs/indices.py) and generic index names
+_INDEX_NAMES = ("index", "indices", "idx", "deltas", "bitmap", "positions")
 
 
 def _is_index_name(name: str) -> bool:

@@ -9,8 +9,9 @@ Every number comes from what was actually done, never from a formula:
 * ``comm_ms`` / ``comm_ms_by_op``: wall time inside collectives, per collective.
 * ``encode_ms`` / ``decode_ms``: codec compute time (multi-round codecs interleave
   their compute with their collectives; all of it is reported as ``encode_ms``).
-* ``index_bytes``: payload bytes of index fields (a field path component that
-  names indices: ``index``, ``indices``, ``idx``), the positional overhead of sparsifiers.
+* ``index_bytes``: payload bytes of position fields (a field path component named
+  ``deltas``, ``bitmap``, ``index``, ``indices``, ``idx`` or ``positions``), the
+  positional overhead of sparsifiers.
 * ``density``: sent values / gradient entries (1.0 for dense codecs).
 * ``extra_collectives``: collective calls beyond one per reduced tensor.
 * ``residual_norm``: L2 norm over all error-feedback residuals after the step.
