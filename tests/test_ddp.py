@@ -185,7 +185,7 @@ def _count_bytes(rank: int, specs: list[str]) -> dict:
 
 
 def test_bytes_wire_equals_bytes_passed_to_collectives():
-    specs = ["none", "fp16", "ef | powersgd", "none | zstd" if "zstd" in registered() else "none"]
+    specs = ["none", "fp16", "ef | powersgd", "ef | topk(ratio=0.1)", "none | zstd"]
     r0, _ = run_ranks(_count_bytes, 2, specs)
     for spec, r in r0.items():
         t = r["totals"]
@@ -201,6 +201,17 @@ def test_bytes_wire_equals_bytes_passed_to_collectives():
     assert fp16["bytes_wire"] * 2 == fp16["bytes_raw"]
     assert 0 < fp16["grad_rel_error"] < 1e-2
     assert r0["ef | powersgd"]["last"]["extra_collectives"] > 0
+    # summable payloads are all-reduced, the others all-gathered (sizes first)
+    assert set(r0["none"]["last"]["calls_by_op"]) == {"all_reduce"}
+    assert set(r0["fp16"]["last"]["calls_by_op"]) == {"all_reduce"}
+    for spec in ("ef | topk(ratio=0.1)", "none | zstd"):
+        last = r0[spec]["last"]
+        assert set(last["calls_by_op"]) == {"all_gather"}, spec
+        assert last["extra_collectives"] == last["calls_by_op"]["all_gather"] // 2, spec
+    topk = r0["ef | topk(ratio=0.1)"]["last"]
+    assert topk["density"] == pytest.approx(0.1, abs=0.01)
+    assert 0 < topk["index_bytes"] < topk["bytes_wire"] < topk["bytes_raw"] / 4
+    assert topk["residual_norm"] > 0
 
 
 # ---------------------------------------------------------------- checkpointed state
@@ -301,3 +312,57 @@ def test_state_survives_ddp_bucket_rebuild():
     assert not r0[(False, False)]["resets"] and not r0[(True, True)]["resets"]
     assert r0[(True, False)]["resets"]  # compressed too early: state dropped, not misapplied
     assert r0["attach_start"] == 2  # attach reads static_graph from the model
+
+
+# ---------------------------------------------------------------- overlap
+class _FakeBucket:
+    """The part of ``dist.GradBucket`` the hook uses."""
+
+    def __init__(self, buffer: torch.Tensor, index: int = 0) -> None:
+        self._buffer = buffer
+        self._index = index
+        self._param = nn.Parameter(torch.zeros_like(buffer))
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return self._index
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self._param]
+
+    def is_last(self) -> bool:
+        return True
+
+
+def _overlap(rank: int, spec: str) -> dict:
+    from datetime import timedelta
+
+    state, hook = gradzip.ddp_hook(spec)
+    # rank 1 enters each collective only after rank 0's hook has returned, so a
+    # hook that blocked on its collective would deadlock (and time out here)
+    gate = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    pending, results = [], []
+    for step in range(2):  # iteration 0 plain all-reduce, iteration 1 through the codec
+        buffer = torch.full((1000,), float(rank + 1 + step))
+        if rank == 0:
+            fut = hook(state, _FakeBucket(buffer))
+            pending.append(not fut.done())
+            dist.barrier(group=gate)
+        else:
+            dist.barrier(group=gate)
+            fut = hook(state, _FakeBucket(buffer))
+        out = fut.wait()
+        results.append((out is buffer, float(out.min()), float(out.max())))
+        state.stats.end_step()
+    state.close()
+    return {"pending": pending, "results": results, "ops": state.stats.totals()["calls_by_op"]}
+
+
+def test_hook_returns_a_pending_future_without_blocking():
+    r0, r1 = run_ranks(_overlap, 2, "fp16", timeout=120.0)
+    assert r0["pending"] == [True, True]
+    for r in (r0, r1):  # in place, the mean of 1, 2 then of 2, 3 (exact in fp16)
+        assert r["results"] == [(True, 1.5, 1.5), (True, 2.5, 2.5)]
+    assert r0["ops"] == {"all_reduce": 2}
