@@ -7,8 +7,9 @@ import copy
 import pytest
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, ShardingStrategy, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 import gradzip
 from gradzip.codecs.registry import registered
@@ -74,6 +75,20 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 # ---------------------------------------------------------------- FSDP2
 def _fsdp2_checks(rank: int, lossy: list[str]) -> dict:
+    import torch.distributed as dist
+
+    from gradzip.comm import fsdp
+
+    ops_seen: set[str] = set()
+    scaling = fsdp.scaling
+
+    def recording(op, world_size):  # which reduce ops FSDP really hands us
+        kind = getattr(op, "op", op)
+        ops_seen.add({dist.ReduceOp.AVG: "AVG", dist.ReduceOp.SUM: "SUM",
+                      dist.ReduceOp.PREMUL_SUM: "PREMUL_SUM"}.get(kind, str(op)))
+        return scaling(op, world_size)
+
+    fsdp.scaling = recording
     base = _model()
     out: dict = {}
     plain = _fsdp2(base)
@@ -102,26 +117,40 @@ def _fsdp2_checks(rank: int, lossy: list[str]) -> dict:
         out[spec] = {"losses": losses, "totals": h.stats.totals(), "seen": rec.bytes}
 
     # the op FSDP passes: a custom divide factor arrives as PREMUL_SUM(1/factor)
+    # and with force_sum_reduction_for_comms a SUM around FSDP's own pre/post divides
     grads = {}
-    for factor in (None, 4.0):
+    for setting in ("avg", "premul", "sum", "sum-plain"):
         m = _fsdp2(base)
-        gradzip.attach(m, "none")
+        if setting != "sum-plain":
+            gradzip.attach(m, "none")
         for module in m.modules():
-            if factor is not None and isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(factor)  # per FSDP module
+            if setting == "premul" and isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(4.0)  # per FSDP module
+            if setting.startswith("sum") and isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
         x, y = _batch(0, rank)
         nn.functional.mse_loss(m(x), y).backward()
-        grads[factor] = _grads(m)
+        grads[setting] = _grads(m)
     out["premul_exact"] = all(torch.equal(a * 0.5, b)
-                              for a, b in zip(grads[None], grads[4.0], strict=True))
+                              for a, b in zip(grads["avg"], grads["premul"], strict=True))
+    out["sum_exact"] = all(torch.equal(a, b)
+                           for a, b in zip(grads["sum-plain"], grads["sum"], strict=True))
+    out["ops_seen"] = sorted(ops_seen)
 
-    # FSDP refuses a custom reduce-scatter for several param groups: attach says so
-    m = _fsdp2(base)
+    # FSDP refuses a custom reduce-scatter for several param groups (here the biases
+    # of layer 2 on a second mesh): attach says which module and what to do
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        ShardPlacementResult,
+    )
+    from torch.distributed.tensor import Shard
 
-    def refuse(comm):
-        raise ValueError("set_custom_reduce_scatter is not supported with multiple param groups")
-
-    m[2].set_custom_reduce_scatter = refuse
+    other = FSDPMeshInfo(DeviceMesh.from_group(dist.new_group([0, 1]), "cpu"), shard_mesh_dim=0)
+    m = copy.deepcopy(base)
+    fully_shard(m[2], mesh=init_device_mesh("cpu", (2,)), shard_placement_fn=lambda p: (
+        ShardPlacementResult(Shard(0), other) if p.ndim == 1 else None))
+    fully_shard(m)
     try:
         gradzip.attach(m, "none")
         out["refusal"] = None
@@ -136,7 +165,8 @@ def test_fsdp2_compressed_reduce_scatter():
     r0, r1 = run_ranks(_fsdp2_checks, 2, lossy)
     for r in (r0, r1):
         assert r["none_identical"]
-        assert r["premul_exact"]
+        assert r["premul_exact"] and r["sum_exact"]
+        assert r["ops_seen"] == ["AVG", "PREMUL_SUM", "SUM"]
         assert 0 < r["fp16_diff"] < 1e-3
     t = r0["none_totals"]
     assert t["bytes_wire"] == t["bytes_raw"] == r0["none_seen"]
@@ -171,6 +201,29 @@ def _fsdp1_checks(rank: int) -> dict:
     _train(fp16, rank, 3, h)
     out["fp16_diff"] = _max_diff(ref, _local(fp16))
     out["kind"] = h.kind
+
+    # NO_SHARD: FSDP1 calls hook(state, grad) and expects the mean in place
+    no_shard = {"device_id": torch.device("cpu"), "sharding_strategy": ShardingStrategy.NO_SHARD}
+    plain = FSDP1(copy.deepcopy(base), **no_shard)
+    _train(plain, rank, 3)
+    none = FSDP1(copy.deepcopy(base), **no_shard)
+    h = gradzip.attach(none, "none")
+    _train(none, rank, 3, h)
+    out["no_shard_identical"] = all(torch.equal(a, b)
+                                    for a, b in zip(_local(plain), _local(none), strict=True))
+
+    # several FSDP units share one hook: state keyed per unit and destination, the
+    # same keys every step (FSDP1's own parameter all-gathers share the group, so
+    # bytes are checked against the collectives in the FSDP2 test, same reducer)
+    units = FSDP1(copy.deepcopy(base), device_id=torch.device("cpu"),
+                  auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    h = gradzip.attach(units, "ef | topk(ratio=0.25)")
+    keys, losses = [], []
+    for _ in range(4):
+        losses += _train(units, rank, 1, h)
+        keys.append(sorted({k.split(":", 1)[1] for k in h.state_dict()["codec"]["state"][
+            "records"]}))
+    out["units"] = {"keys": keys, "losses": losses, "totals": h.stats.totals()}
     return out
 
 
@@ -179,6 +232,14 @@ def test_fsdp1_comm_hook():
     for r in (r0, r1):
         assert r["none_identical"]
         assert 0 < r["fp16_diff"] < 1e-3
+        assert r["no_shard_identical"]
     assert r0["kind"] == "fsdp1"
     t = r0["none_totals"]
     assert t["bytes_wire"] == t["bytes_raw"] > 0
+    u = r0["units"]
+    assert u["keys"][0] == sorted(f"fsdp1/unit{i}/to{j}" for i in range(3) for j in range(2))
+    assert all(k == u["keys"][0] for k in u["keys"])  # no new keys in later steps
+    assert u["losses"][-1] < u["losses"][0], u["losses"]
+    t = u["totals"]
+    assert t["compression_ratio"] > 1.0 and t["density"] == 0.25 and t["index_bytes"] > 0
+    assert t["residual_norm"] > 0
