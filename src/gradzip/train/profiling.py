@@ -68,6 +68,19 @@ def summary_table(prof: torch.profiler.profile, sp: StepProfiler, on_cuda: bool)
     return "\n".join(lines)
 
 
+def _all_threads() -> Any:
+    """Profiler config that records every thread, or None where torch cannot.
+
+    By default only the thread that starts the profiler is recorded, and gradzip's codec
+    collectives run on a communication thread of their own: without this the traces and
+    the table would show almost no communication.
+    """
+    try:
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):  # an older torch: the training thread only
+        return None
+
+
 @contextlib.contextmanager
 def maybe_enable_profiling(enabled: bool, steps: tuple[int, int], run_dir: Path, rank: int,
                            start_step: int, log: Any) -> Iterator[StepProfiler]:
@@ -91,7 +104,8 @@ def maybe_enable_profiling(enabled: bool, steps: tuple[int, int], run_dir: Path,
     handler = torch.profiler.tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{rank}")
     with torch.profiler.profile(activities=activities, schedule=schedule,
                                 on_trace_ready=handler, record_shapes=False,
-                                profile_memory=False, with_stack=False) as prof:
+                                profile_memory=False, with_stack=False,
+                                experimental_config=_all_threads()) as prof:
         sp = StepProfiler(prof, max(first, start_step + 1), last)
         yield sp
     if sp.phases:
