@@ -14,7 +14,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import gradzip
-from gradzip.codecs import Compressor, LosslessCoder, Payload, registered, run_simulated
+from gradzip.codecs import (
+    Compressor,
+    LosslessCoder,
+    Payload,
+    PayloadError,
+    registered,
+    run_simulated,
+)
 
 COMPRESSORS = sorted(n for n, c in registered().items() if issubclass(c, Compressor))
 CODERS = sorted(n for n, c in registered().items() if issubclass(c, LosslessCoder))
@@ -45,19 +52,22 @@ def test_shapes_dtypes_roundtrip(name, dtype):
             y, _ = roundtrip(c, x, key=f"t{i}")
             assert y.shape == x.shape and y.dtype == x.dtype, (name, shape)
             assert torch.isfinite(y.float()).all(), (name, shape)
+            Payload({"y": y}).serialize()  # an ordinary tensor (empty ones too)
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)
 @given(data=st.data())
 def test_property_roundtrip_is_honest(name, data):
-    shape = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=3))
+    shape = data.draw(st.lists(st.integers(0, 40), min_size=0, max_size=3))
     scale = data.draw(st.sampled_from([1e-6, 1.0, 1e4]))
+    dtype = data.draw(st.sampled_from(DTYPES))
     seed = data.draw(st.integers(0, 2**16))
     c = gradzip.codec(name)
-    x = heavy_tailed(shape, seed) * scale
+    limit = torch.finfo(dtype).max  # finite in every dtype (fp16 ends at 65504)
+    x = (heavy_tailed(shape, seed) * scale).clamp(-limit, limit).to(dtype)
     y, p = roundtrip(c, x)
-    assert y.shape == x.shape
-    assert torch.isfinite(y).all()
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert torch.isfinite(y).all(), "a finite input decodes to finite values"
     # a codec never sends more than raw fp32 plus a small, bounded header
     assert p.wire_bytes <= 2 * (4 * x.numel()) + 256, (name, p.wire_bytes, x.numel())
 
@@ -75,9 +85,10 @@ def test_state_pickles_and_restores(name):
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)
-def test_nonfinite_input_is_an_error(name):
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_input_is_an_error(name, bad):
     x = heavy_tailed((10,))
-    x[3] = float("nan")
+    x[3] = bad
     with pytest.raises(gradzip.NonFiniteGradientError, match="non-finite"):
         gradzip.codec(name).encode(x, key="bad")
     nan = gradzip.codec(name, nonfinite="propagate")
@@ -105,7 +116,35 @@ def test_reduce_over_simulated_group(name):
     assert all(nbytes > 0 for _, nbytes in results)
 
 
-@pytest.mark.parametrize("name", [n for n in COMPRESSORS if registered()[n].summable])
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0), (1,)])
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_reduce_of_scalars_and_empty_tensors(name, shape):
+    """0-d and empty tensors aggregate too, in low precision, over the simulated group."""
+    dtype = DTYPES[len(shape) % len(DTYPES)]
+
+    def work(rank, comm):
+        c = gradzip.codec(name, rank=rank)
+        outs = []
+        for step in range(2):
+            x = heavy_tailed(shape, seed=10 * step + rank, dtype=dtype)
+            mean, local = c.reduce(x, "w", comm, want_local=True)
+            assert mean.shape == x.shape and mean.dtype == x.dtype
+            assert local is not None and local.shape == x.shape
+            assert torch.isfinite(mean.float()).all()
+            outs.append(mean)
+        return outs
+
+    results = run_simulated(2, work)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b), name
+
+
+SUMMABLE = [n for n in COMPRESSORS if registered()[n].summable] + [
+    "randomk(ratio=0.2) | fp16", "randomk(ratio=0.2) | bf16", "randomk(ratio=0.3, scale=true)",
+]
+
+
+@pytest.mark.parametrize("name", SUMMABLE)
 def test_summable_codecs_sum(name):
     """decode(sum of payloads) == sum of decodes, through the simulated all-reduce."""
     xs = [heavy_tailed((50, 4), seed=r) for r in range(3)]
@@ -114,7 +153,9 @@ def test_summable_codecs_sum(name):
         c = gradzip.codec(name, rank=rank)
         own = c.decode(c.encode(xs[rank] / 3, key="w"))
         c2 = gradzip.codec(name, rank=rank)
+        assert c2.summable, name
         mean, _ = c2.reduce(xs[rank], "w", comm)
+        assert set(comm.counter.bytes) == {"all_reduce"}, "summable payloads are all-reduced"
         return own, mean
 
     out = run_simulated(3, work)
@@ -124,10 +165,44 @@ def test_summable_codecs_sum(name):
         torch.testing.assert_close(mean, expected, rtol=1e-2, atol=atol)
 
 
+def _coded_fields(p):
+    """How many fields of ``p`` (at any depth) a lossless stage re-coded."""
+    return sum(
+        ("@" in v.meta) + _coded_fields(v) for v in p.fields.values() if isinstance(v, Payload)
+    )
+
+
+@pytest.mark.parametrize("lossy", ["int8(block=64)", "topk(ratio=0.1) | qsgd", "terngrad",
+                                   "natural", "none"])
 @pytest.mark.parametrize("name", CODERS)
-def test_lossless_stage_is_exact_after_a_quantizer(name):
-    base = gradzip.codec("none")
-    chained = gradzip.codec(f"none | {name}")
-    x = heavy_tailed((300,))
-    y, _ = roundtrip(chained, x)
-    assert torch.equal(y, base.decode(base.encode(x)))
+def test_lossless_stage_is_exact_after_a_quantizer(name, lossy):
+    base = gradzip.codec(lossy)
+    chained = gradzip.codec(f"{lossy} | {name}")
+    x = heavy_tailed((3000,))
+    y, p = roundtrip(chained, x, key="k")
+    assert torch.equal(y, base.decode(base.encode(x, key="k")))  # the same random draws
+    if lossy != "none" or chained.coders[0][1].accepts(x):
+        assert _coded_fields(p) > 0, f"{name} coded nothing after {lossy}"
+
+
+@pytest.mark.parametrize("name", CODERS)
+@pytest.mark.parametrize("kind", ["peaked", "wide", "constant"])
+def test_lossless_stage_catches_every_flipped_bit(name, kind):
+    """A coded field with one bit flipped anywhere raises PayloadError, or (if the flip
+    hit something that does not change the result) decodes to the exact input."""
+    g = torch.Generator().manual_seed(0)
+    t = {
+        "peaked": (torch.randn(400, generator=g) * 4).round().to(torch.int8),
+        "wide": torch.randint(-(2**20), 2**20, (300,), generator=g, dtype=torch.int32),
+        "constant": torch.full((200,), 7, dtype=torch.int16),
+    }[kind]
+    coder = registered()[name]()
+    wire = Payload({"f": coder.encode_field(t)}).serialize()
+    for i in range(len(wire)):
+        bad = bytearray(wire)
+        bad[i] ^= 1 << (i % 8)
+        try:
+            y = coder.decode_field(Payload.deserialize(bytes(bad)).child("f"))
+        except PayloadError:
+            continue
+        assert y.dtype == t.dtype and torch.equal(y, t), f"flip at byte {i} decoded silently"

@@ -246,7 +246,7 @@ class Codec:
         dtype = _dtype(p.int("dtype"))
         if p.meta.get("nan"):
             return torch.full(shape, float("nan"), dtype=dtype)
-        return self._decode_body(p, key, shape).to(dtype)
+        return _cast(self._decode_body(p, key, shape), dtype)
 
     def _decode_body(self, p: Payload, key: str | None, shape: torch.Size) -> torch.Tensor:
         for index, coder in reversed(self.coders):
@@ -314,7 +314,7 @@ class Codec:
             slot.advance()
         else:
             mean, local = self._reduce_body(x, key, comm, want_local)
-        return mean.to(x.dtype), (local.to(x.dtype) if local is not None else None)
+        return _cast(mean, x.dtype), (_cast(local, x.dtype) if local is not None else None)
 
     def _reduce_body(
         self, x: torch.Tensor, key: str, comm: Communicator, want_local: bool
@@ -346,6 +346,25 @@ class Codec:
             total = part if total is None else total + part
         assert total is not None
         return total / world, (local if want_local else None)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A decoded tensor in the caller's ``dtype``, saturating instead of overflowing.
+
+    A codec may decode a finite fp16 input to a little more than fp16 can hold
+    (``natural`` rounds 40000 up to 65536; a QSGD level is a bucket norm), and the cast
+    would turn that into inf. As the ``fp16`` cast does, such values saturate at the
+    dtype's largest finite value (NaN stays NaN). Empty results get ordinary strides
+    (some decoders build them from NumPy with stride 0, which cannot be serialized).
+    """
+    if t.numel() == 0:
+        return torch.empty(t.shape, dtype=dtype, device=t.device)
+    if t.dtype == dtype:
+        return t
+    if t.dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(t.dtype).max:
+        limit = torch.finfo(dtype).max
+        t = t.clamp(-limit, limit)
+    return t.to(dtype)
 
 
 def _dtype(code: int) -> torch.dtype:

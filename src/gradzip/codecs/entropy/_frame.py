@@ -51,6 +51,8 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 def from_numpy(a: np.ndarray, dtype: torch.dtype, shape: Iterable[int]) -> torch.Tensor:
     """The inverse of ``to_numpy``: a tensor of ``dtype`` and ``shape`` owning its data."""
+    if a.size == 0:  # torch.from_numpy gives empty arrays stride 0, which cannot be viewed
+        return torch.empty(tuple(shape), dtype=dtype)
     a = np.ascontiguousarray(a)
     if dtype == torch.bfloat16:
         t = torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
