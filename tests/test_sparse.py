@@ -265,6 +265,18 @@ def test_randomk_decodes_in_a_fresh_process():
     assert int(kept.sum()) == 100 and torch.equal(y[kept], x[kept])
 
 
+def test_randomk_refuses_a_payload_with_another_value_count():
+    """Positions are regenerated for the number of values: a payload cut short, or one
+    from another ratio, must not scatter its values to other places."""
+    x = heavy_tailed(1000, 2)
+    p = gradzip.codec("randomk(ratio=0.1)").encode(x, key="w")
+    short = Payload({"values": p.tensor("values")[:-1]}, p.meta)
+    with pytest.raises(PayloadError, match="keeps 100 of 1000"):
+        gradzip.codec("randomk(ratio=0.1)").decode(short)
+    with pytest.raises(PayloadError):
+        gradzip.codec("randomk(ratio=0.2)").decode(p)
+
+
 def test_randomk_changes_positions_every_step():
     c = gradzip.codec("randomk(ratio=0.1)")
     x = heavy_tailed(1000, 1)

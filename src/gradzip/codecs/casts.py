@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 
 from gradzip.codecs.base import Compressor, Slot
-from gradzip.codecs.payload import Payload
+from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import register
 
 
@@ -29,7 +29,17 @@ class Identity(Compressor):
         return Payload({"values": x.reshape(-1)})
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
-        return p.tensor("values").reshape(shape)
+        return _values(p, shape, self.name)
+
+
+def _values(p: Payload, shape: torch.Size, stage: str) -> torch.Tensor:
+    """The ``values`` field, checked to hold exactly one value per element of ``shape``."""
+    values = p.tensor("values")
+    if values.numel() != shape.numel():
+        raise PayloadError(
+            f"{stage}: payload has {values.numel()} values for shape {tuple(shape)}"
+        )
+    return values.reshape(shape)
 
 
 class _Cast(Compressor):
@@ -43,7 +53,7 @@ class _Cast(Compressor):
         return Payload({"values": x.reshape(-1).clamp(-limit, limit).to(self.dtype)})
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
-        return p.tensor("values").float().reshape(shape)
+        return _values(p, shape, self.name).float()
 
 
 @register("fp16")

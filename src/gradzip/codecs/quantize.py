@@ -455,7 +455,10 @@ class TernGrad(Compressor):
         return Payload({"trits": pack_trits(codes), "scale": scale})
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
-        s = float(p.tensor("scale").reshape(-1)[0])
+        scale = p.tensor("scale")
+        if scale.numel() != 1:
+            raise PayloadError(f"terngrad payload needs one scale, has {scale.numel()}")
+        s = float(scale.reshape(-1)[0])
         try:
             out = trits_to_values(p.tensor("trits"), shape.numel(), (-s, 0.0, s))
         except (TypeError, ValueError) as e:

@@ -258,8 +258,11 @@ class RandomK(Compressor):
         n = math.prod(shape)
         values = p.tensor("values").reshape(-1).float()
         k = values.numel()
-        if k > n:
-            raise PayloadError(f"randomk payload has {k} values for {n} entries")
+        # the positions are regenerated for k values: a wrong count would silently
+        # scatter every value to another place
+        want = keep_count(n, self.params["ratio"], self.params["k"])
+        if k != want:
+            raise PayloadError(f"randomk payload has {k} values; {self.spec} keeps {want} of {n}")
         positions = random_positions(n, k, p.int("seed"))
         if self.params["scale"] and k:
             values = values * (n / k)
