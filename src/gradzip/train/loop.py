@@ -353,7 +353,10 @@ def results_record(cfg: JobConfig, info: DistInfo, n_params: int, step: int, sta
     """The one JSON line this run appends to results.jsonl.
 
     Timing and communication totals cover the steps this process ran (after a resume:
-    since the resume); the losses are those at the final step. FSDP without a codec has
+    since the resume); the losses are those at the final step. The byte totals are what
+    this process sent, so a DDP run resumed with a codec also counts the one uncompressed
+    synchronization that rebuilds DDP's buckets (``settle_ddp_buckets``), as an
+    uninterrupted run counts its uncompressed first step. FSDP without a codec has
     no communication figures (None): its collectives run inside FSDP, visible only in
     ``--profile`` traces.
     """
