@@ -154,9 +154,12 @@ def _least_squares(rank: int, specs: list[str], steps: int) -> dict:
 
 def test_error_feedback_converges_on_least_squares():
     # a biased compressor behind ``ef`` still reaches the exact solution, because
-    # what it drops is fed back (the 4 x 16 weight really is rank-1 compressed)
-    specs = ["ef | powersgd(rank=1)"] + (["ef | topk(ratio=0.1)"] if "topk" in registered()
-                                         else [])
+    # what it drops is fed back (the 4 x 16 weight really is rank-1 compressed).
+    # One per path: multi-round (powersgd, int8's shared scale), all-gathered
+    # (topk, onebit) and all-reduced (randomk's summable payload: its residual needs
+    # this rank's own payload after the all-reduce, which must not overwrite it)
+    specs = ["ef | powersgd(rank=1)", "ef | int8(shared=narrow)", "ef | topk(ratio=0.1)",
+             "ef | onebit", "ef | randomk(ratio=0.5)"]
     r0, _ = run_ranks(_least_squares, 2, specs, 200)
     for spec in specs:
         assert r0[spec]["err"] < 1e-3, (spec, r0[spec]["err"])

@@ -33,9 +33,12 @@ class TorchCommunicator(Communicator):
 
     # ------------------------------------------------------------ transport
     def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        t = t.contiguous()
-        dist.all_reduce(t, op=_OPS[op], group=self.group)
-        return t
+        # on a copy: callers may still read the tensor they passed (a summable codec
+        # decodes its own payload after the all-reduce for error feedback's residual),
+        # and the simulated communicator leaves inputs untouched too
+        out = t.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=_OPS[op], group=self.group)
+        return out
 
     def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         t = t.contiguous()
