@@ -239,3 +239,14 @@ def test_mismatched_payloads_raise_payload_errors(name):
         except PayloadError:
             continue
         assert y.shape == bad.shape() and torch.isfinite(y).all(), name
+
+
+@pytest.mark.parametrize("bad, message", [
+    (torch.arange(6), "floating-point"),
+    (torch.ones(3, dtype=torch.bool), "floating-point"),
+    ([1.0, 2.0], "torch.Tensor"),
+    (torch.ones(3, dtype=torch.complex64), "floating-point"),
+])
+def test_non_float_input_is_a_clear_type_error(bad, message):
+    with pytest.raises(TypeError, match=message):
+        gradzip.codec("topk").encode(bad, key="w")

@@ -171,7 +171,7 @@ class Codec:
         # of them, so both are finite exactly when every element is
         if x.numel() == 0:
             return True
-        low, high = torch.aminmax(x)
+        low, high = torch.aminmax(x.detach())
         if math.isfinite(float(low)) and math.isfinite(float(high)):
             return True
         if self.nonfinite == "error":
@@ -185,8 +185,9 @@ class Codec:
 
     def encode(self, x: torch.Tensor, key: str = "") -> Payload:
         """Compress ``x``; stateful stages update their state for ``key``."""
+        finite = self._check_input(x, key)  # first: it also rejects non-tensors clearly
         x = x.detach()
-        if not self._check_input(x, key):
+        if not finite:
             return Payload({}, {"shape": tuple(x.shape), "dtype": _DTYPE_CODE[x.dtype], "nan": 1})
         if self.wrapper is not None:
             slot = self.state.slot(0, key)
@@ -299,8 +300,8 @@ class Codec:
         world size, as PyTorch's built-in hooks do); multi-round codecs run their
         own protocol; everything else is all-gathered and decoded per rank.
         """
-        x = x.detach()
         finite = self._check_input(x, key)
+        x = x.detach()
         if self.nonfinite == "propagate":
             flag = torch.tensor([0.0 if finite else 1.0], device=x.device)
             if float(comm.all_reduce([flag], op="max")[0]) > 0:
