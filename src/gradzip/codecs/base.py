@@ -146,7 +146,12 @@ class CodecState:
 
 
 class Compressor(Stage):
-    """A lossy (or identity) stage: tensor -> Payload -> tensor."""
+    """A lossy (or identity) stage: tensor -> Payload -> tensor.
+
+    The class flags below describe the stage with its default parameters (what
+    ``gradzip codecs list`` shows); a stage whose flags depend on its parameters
+    (``int8(stochastic=true)``, ``signsgd(vote=false)``) sets them per instance.
+    """
 
     #: decode(sum of payloads) == sum of decodes, so payloads may be all-reduced
     summable: ClassVar[bool] = False
