@@ -151,7 +151,11 @@ def _train(cfg: JobConfig, info: DistInfo, data: Any, make_loader: Callable[...,
                          f"tokenizer's vocabulary ({vocab})")
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        from gradzip.train.data.atomic import atomic_write_bytes
+
+        # atomic: --resume reads it back, and a resumed run rewrites it
+        atomic_write_bytes(run_dir / "config.json",
+                           (json.dumps(cfg.to_dict(), indent=2) + "\n").encode())
         data.tokenizer.save(run_dir / "tokenizer.json")
 
     raw_model = GPT(cfg.model).to(device)  # unwrapped: checkpoints, parameter counts
