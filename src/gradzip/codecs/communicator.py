@@ -63,7 +63,8 @@ class Communicator(ABC):
     # ------------------------------------------------------------ transport
     @abstractmethod
     def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        """Reduce ``t`` over ranks; may work in place; returns the result."""
+        """Reduce ``t`` over ranks and return the result; ``t`` itself must be left
+        unchanged (callers such as error feedback still read their own payload)."""
 
     @abstractmethod
     def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
