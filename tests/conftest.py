@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -16,3 +17,12 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile("gradzip")
+
+
+@pytest.fixture(autouse=True)
+def _keep_denormals():
+    """Commands run in-process (``gradzip bench``, ``gradzip train``) flush denormals to
+    zero for speed, as training should; that flag is process-wide and would leak into
+    later tests (hypothesis refuses to draw floats without subnormals)."""
+    yield
+    torch.set_flush_denormal(False)
