@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -261,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 140)  # piped: no 80-col wrap
     for name, _ in inputs:
         rows = [r for r in sym if r["input"] == name]
         table = Table(title=f"{name}: {rows[0]['symbols']:,} int8 symbols, entropy "
