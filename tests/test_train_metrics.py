@@ -88,3 +88,16 @@ def test_all_reduce_timer_counts_overlapping_buckets_once() -> None:
     assert timer.end_step()["comm_ms"] == 0.0 and timer.bytes_total == 4096
     assert timer.comm_ms_total == pytest.approx(9.0)
 
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(
+        tmp_path: Path, fake_wandb: list[dict], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    for start in (0, 5):  # a run, then its --resume in the same directory
+        MetricLogger(tmp_path, 0, sinks_config(), total_steps=10, start_step=start).close()
+    first, resumed = fake_wandb
+    assert first["id"] and first["id"] == resumed["id"] and resumed["resume"] == "allow"
+    assert not list(tmp_path.glob("*.tmp*"))  # the id file was written atomically
+    other = tmp_path / "other"
+    MetricLogger(other, 0, sinks_config(), total_steps=10, start_step=0).close()
+    assert fake_wandb[2]["id"] != first["id"]  # another run directory, another W&B run

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from gradzip.train.data.atomic import atomic_write_bytes
+
 PHASES = ("data", "forward", "backward", "comm", "optimizer")
 
 
@@ -247,8 +249,11 @@ def _init_wandb(run_dir: Path, cfg: Any) -> Any:
     # The W&B run id lives in the run directory, so ``--resume`` continues the same W&B
     # run (resume="allow" only resumes when it is given an id it has seen before).
     id_file = run_dir / WANDB_ID_FILE
-    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:16]
-    id_file.write_text(run_id + "\n")
+    if id_file.is_file():
+        run_id = id_file.read_text().strip()
+    else:
+        run_id = uuid.uuid4().hex[:16]
+        atomic_write_bytes(id_file, (run_id + "\n").encode())
     return wandb.init(project=cfg.run.wandb_project, name=cfg.run.run_name or run_dir.name,
                       dir=str(run_dir), config=cfg.to_dict(), id=run_id, resume="allow",
                       mode="online" if has_key else "offline")
