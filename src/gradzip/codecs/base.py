@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -27,6 +27,10 @@ from gradzip.codecs.registry import Param, SpecError
 
 if TYPE_CHECKING:
     from gradzip.codecs.communicator import Communicator
+
+
+#: shapes of the tensors inside a flat bucket, back to back (numels sum to the bucket's)
+Shapes = Sequence[torch.Size]
 
 
 def _format_value(v: Any) -> str:
@@ -166,6 +170,10 @@ class Compressor(Stage):
     #: keeps its own error-feedback memory (DGC, EF-signSGD): ``ef`` must not wrap it
     own_feedback: ClassVar[bool] = False
 
+    #: computes its statistics (scales, norms, column means) per tensor when told the
+    #: shapes of the tensors inside a flat bucket (``encode_tensors``)
+    per_tensor: ClassVar[bool] = False
+
     @abstractmethod
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
         """Compress ``x`` (float32 unless ``keeps_dtype``) into a payload."""
@@ -174,11 +182,33 @@ class Compressor(Stage):
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
         """Rebuild a float32 tensor of ``shape`` from a payload (any rank's)."""
 
+    def encode_tensors(self, x: torch.Tensor, slot: Slot, shapes: Shapes) -> Payload:
+        """Compress a flat bucket ``x`` that holds tensors of ``shapes`` back to back.
+
+        A DDP bucket or an FSDP shard is one flat tensor, but a paper's statistics are
+        per tensor (TernGrad's scale, 1-bit SGD's column means): ``per_tensor`` codecs
+        override this to keep that granularity in one vectorized pass. The default
+        compresses the bucket as a whole.
+        """
+        return self.encode(x, slot)
+
+    def decode_tensors(self, p: Payload, shape: torch.Size, slot: Slot | None,
+                       shapes: Shapes) -> torch.Tensor:
+        """The inverse of ``encode_tensors`` (the same ``shapes`` on every rank)."""
+        return self.decode(p, shape, slot)
+
     def reduce(
         self, x: torch.Tensor, slot: Slot, comm: Communicator, want_local: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Multi-round aggregation: (mean over ranks, this rank's own estimate)."""
         raise TypeError(f"{self.name} has no multi-round reduce")
+
+    def reduce_tensors(
+        self, x: torch.Tensor, slot: Slot, comm: Communicator, want_local: bool,
+        shapes: Shapes,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``reduce`` of a flat bucket holding tensors of ``shapes`` (default: as a whole)."""
+        return self.reduce(x, slot, comm, want_local)
 
 
 class LosslessCoder(Stage):

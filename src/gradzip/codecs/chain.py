@@ -20,7 +20,15 @@ from typing import Any
 
 import torch
 
-from gradzip.codecs.base import CodecState, Compressor, LosslessCoder, Slot, Stage, Wrapper
+from gradzip.codecs.base import (
+    CodecState,
+    Compressor,
+    LosslessCoder,
+    Shapes,
+    Slot,
+    Stage,
+    Wrapper,
+)
 from gradzip.codecs.communicator import Communicator
 from gradzip.codecs.payload import _DTYPE_CODE, _DTYPES, Payload, PayloadError
 from gradzip.codecs.registry import SpecError, lookup
@@ -183,30 +191,39 @@ class Codec:
             )
         return False
 
-    def encode(self, x: torch.Tensor, key: str = "") -> Payload:
-        """Compress ``x``; stateful stages update their state for ``key``."""
+    def encode(self, x: torch.Tensor, key: str = "", shapes: Shapes | None = None) -> Payload:
+        """Compress ``x``; stateful stages update their state for ``key``.
+
+        ``shapes``: ``x`` is a flat bucket of tensors of these shapes, back to back;
+        ``per_tensor`` compressors then keep per-tensor statistics (decode needs the same).
+        """
         finite = self._check_input(x, key)  # first: it also rejects non-tensors clearly
         x = x.detach()
+        shapes = checked_shapes(shapes, x.numel())
         if not finite:
             return Payload({}, {"shape": tuple(x.shape), "dtype": _DTYPE_CODE[x.dtype], "nan": 1})
         if self.wrapper is not None:
             slot = self.state.slot(0, key)
             p = self.wrapper.encode(
                 x.float(), slot,
-                lambda t: self._encode_body(t, key),
-                lambda q: self._decode_body(q, key, x.shape),
+                lambda t: self._encode_body(t, key, shapes),
+                lambda q: self._decode_body(q, key, x.shape, shapes),
             )
             slot.advance()
         else:
-            p = self._encode_body(x, key)
+            p = self._encode_body(x, key, shapes)
         p.meta["shape"] = tuple(x.shape)
         p.meta["dtype"] = _DTYPE_CODE[x.dtype]
         return p
 
-    def _encode_body(self, x: torch.Tensor, key: str) -> Payload:
+    def _encode_body(self, x: torch.Tensor, key: str, shapes: Shapes | None = None) -> Payload:
         index, first = self.compressors[0]
         slot = self.state.slot(index, key)
-        payload = first.encode(x if first.keeps_dtype else x.float(), slot)
+        x = x if first.keeps_dtype else x.float()
+        if shapes is not None and first.per_tensor:
+            payload = first.encode_tensors(x, slot, shapes)
+        else:
+            payload = first.encode(x, slot)
         slot.advance()
         # later compressors work on the previous stage's values field, nested
         parent, prev = payload, first
@@ -241,15 +258,22 @@ class Codec:
         return Payload(fields, dict(p.meta))
 
     # ------------------------------------------------------------ decode
-    def decode(self, p: Payload, key: str | None = None) -> torch.Tensor:
-        """Rebuild the tensor (its shape and dtype) from any rank's payload."""
+    def decode(self, p: Payload, key: str | None = None,
+               shapes: Shapes | None = None) -> torch.Tensor:
+        """Rebuild the tensor (its shape and dtype) from any rank's payload.
+
+        ``shapes`` must be what ``encode`` was given (the bucket layout is the same on
+        every rank, so it never travels).
+        """
         shape = p.shape("shape")
         dtype = _dtype(p.int("dtype"))
         if p.meta.get("nan"):
             return torch.full(shape, float("nan"), dtype=dtype)
-        return _cast(self._decode_body(p, key, shape), dtype)
+        shapes = checked_shapes(shapes, shape.numel())
+        return _cast(self._decode_body(p, key, shape, shapes), dtype)
 
-    def _decode_body(self, p: Payload, key: str | None, shape: torch.Size) -> torch.Tensor:
+    def _decode_body(self, p: Payload, key: str | None, shape: torch.Size,
+                     shapes: Shapes | None = None) -> torch.Tensor:
         for index, coder in reversed(self.coders):
             p = self._undo_recode(p, index, coder)
         # walk down the nested values fields, then decode from the innermost out
@@ -268,8 +292,11 @@ class Codec:
                 assert prev_field is not None
                 node = Payload({**node.fields, prev_field: decoded}, node.meta)
             slot = self.state.slot(index, key) if key is not None else None
-            node_shape = shape if n == 0 else torch.Size((node.int("n"),))
-            out = comp.decode(node, node_shape, slot)
+            if n == 0 and shapes is not None and comp.per_tensor:
+                out = comp.decode_tensors(node, shape, slot, shapes)
+            else:
+                node_shape = shape if n == 0 else torch.Size((node.int("n"),))
+                out = comp.decode(node, node_shape, slot)
             if n > 0:
                 out = out.to(_dtype(node.int("vdtype")))
             decoded = out
@@ -347,6 +374,20 @@ class Codec:
             total = part if total is None else total + part
         assert total is not None
         return total / world, (local if want_local else None)
+
+
+def checked_shapes(shapes: Shapes | None, numel: int) -> tuple[torch.Size, ...] | None:
+    """``shapes`` as a tuple of ``torch.Size``, checked to tile ``numel`` values exactly."""
+    if shapes is None:
+        return None
+    sizes = tuple(torch.Size(s) for s in shapes)
+    total = sum(s.numel() for s in sizes)
+    if total != numel:
+        raise ValueError(
+            f"tensor shapes {[tuple(s) for s in sizes]} hold {total} values, the flat "
+            f"bucket has {numel}; pass the shapes of the tensors inside it, in order"
+        )
+    return sizes
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
