@@ -187,13 +187,13 @@ def _count_bytes(rank: int, specs: list[str]) -> dict:
     return out
 
 
-def test_bytes_wire_equals_bytes_passed_to_collectives():
+def test_bytes_handed_equals_bytes_passed_to_collectives():
     specs = ["none", "fp16", "ef | powersgd", "ef | topk(ratio=0.1)", "none | zstd"]
     r0, _ = run_ranks(_count_bytes, 2, specs)
     for spec, r in r0.items():
         t = r["totals"]
         # diagnostic all-reduces go to the same group but are reported apart
-        assert r["seen"] == t["bytes_wire"] + t["bytes_diagnostic"], spec
+        assert r["seen"] == t["bytes_handed"] + t["bytes_diagnostic"], spec
         assert t["bytes_diagnostic"] > 0
         assert sum(t["bytes_by_op"].values()) == t["bytes_wire"]
         last = r["last"]

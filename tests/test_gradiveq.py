@@ -102,9 +102,9 @@ def test_codes_are_summable_under_the_shared_basis():
         c = gradzip.codec(SPEC, rank=rank)
         out = []
         for xs in steps:
-            before = comm.counter.bytes["all_reduce"]
+            before = comm.counter.handed["all_reduce"]
             mean, local = c.reduce(xs[rank], "w", comm, want_local=True)
-            out.append((mean, local, comm.counter.bytes["all_reduce"] - before))
+            out.append((mean, local, comm.counter.handed["all_reduce"] - before))
         return out, c.state.slot(0, "w").data["basis"]
 
     results = run_simulated(3, work)

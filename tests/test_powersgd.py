@@ -134,7 +134,7 @@ def test_reduce_q_identical_across_ranks_and_bytes_counted():
     for out, _, counter in results:
         assert torch.equal(out[-1][0], results[0][0][-1][0])
         # P (20x3) and Q (30x3) in fp32 per step, nothing else
-        assert counter.bytes["all_reduce"] == 3 * (20 + 30) * 3 * 4
+        assert counter.handed["all_reduce"] == 3 * (20 + 30) * 3 * 4
         assert counter.calls["all_reduce"] == 2 * 3
 
 
@@ -153,7 +153,7 @@ def test_reduce_uncompressed_tensors_are_plain_means():
     for rank, (out, _, counter) in enumerate(results):
         torch.testing.assert_close(out[0][0], sum(xs) / 3)
         assert torch.equal(out[0][1], xs[rank])
-        assert counter.bytes["all_reduce"] == 9 * 4
+        assert counter.handed["all_reduce"] == 9 * 4
 
 
 def test_error_feedback_residual_stays_bounded_and_nothing_is_lost():

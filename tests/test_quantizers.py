@@ -141,7 +141,7 @@ def test_int8_shared_scale_reduce_is_close_to_exact_mean(mode, dtype, levels):
         c = gradzip.codec(f"int8(block={block}, shared={mode})", rank=rank)
         assert c.multi_round and not c.summable
         mean, local = c.reduce(xs[rank], "w", comm, want_local=True)
-        return mean, local, dict(comm.counter.bytes)
+        return mean, local, dict(comm.counter.handed)
 
     out = run_simulated(world, work)
     blocks = -(-n // block)

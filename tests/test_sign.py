@@ -101,7 +101,7 @@ def test_majority_vote(world):
     def work(rank, comm):
         c = gradzip.codec("signsgd", rank=rank)
         mean, local = c.reduce(xs[rank], "w", comm, want_local=True)
-        return mean, local, comm.counter.bytes["all_gather"]
+        return mean, local, comm.counter.handed["all_gather"]
 
     out = run_simulated(world, work)
     one_payload = gradzip.codec("signsgd").compressors[0][1].encode(xs[0], None).wire_bytes

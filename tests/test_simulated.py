@@ -11,7 +11,7 @@ def test_collectives_and_byte_counts():
         g = comm.all_gather_bytes(torch.arange(rank + 1, dtype=torch.uint8))
         chunks = [torch.full((rank + dst,), dst, dtype=torch.uint8) for dst in range(3)]
         a = comm.all_to_all_bytes(chunks)
-        return s, m, g, a, dict(comm.counter.bytes)
+        return s, m, g, a, dict(comm.counter.handed)
 
     out = run_simulated(3, work)
     for rank, (s, m, g, a, counted) in enumerate(out):

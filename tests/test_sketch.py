@@ -76,9 +76,9 @@ def _reduce_all(spec, xs_by_step, world):
         c = gradzip.codec(spec, rank=rank)
         out = []
         for xs in xs_by_step:
-            before = comm.counter.bytes["all_reduce"]
+            before = comm.counter.handed["all_reduce"]
             mean, local = c.reduce(xs[rank], "w", comm, want_local=True)
-            out.append((mean, local, comm.counter.bytes["all_reduce"] - before))
+            out.append((mean, local, comm.counter.handed["all_reduce"] - before))
         return out, c
 
     return run_simulated(world, work)

@@ -240,7 +240,7 @@ def test_randomk_indices_identical_across_ranks_and_summable():
         positions = (c.decode(p) != 0).nonzero().reshape(-1)
         c2 = gradzip.codec("randomk(ratio=0.05)", rank=rank)
         mean, _ = c2.reduce(xs[rank], "w", comm)
-        return p.meta["seed"], positions, mean, comm.counter.total_bytes
+        return p.meta["seed"], positions, mean, comm.counter.total_handed
 
     out = run_simulated(3, work)
     assert len({seed for seed, *_ in out}) == 1

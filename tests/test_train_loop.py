@@ -195,7 +195,8 @@ def test_codec_in_one_process_and_resume_with_another_codec(
     rec = train(cache, out, "--parallel", "ddp", "--codec", "ef | topk(ratio=0.1)",
                 "--max-steps", "3", "--decay-steps", "6", "--diagnose")
     assert rec["world_size"] == 1 and rec["codec_config"][1]["name"] == "topk"
-    assert rec["bytes_wire_total"] < rec["bytes_raw_total"]
+    # one rank: nothing crosses a link, and the record says so instead of a ratio
+    assert rec["bytes_wire_total"] == rec["bytes_raw_total"] == 0
     # --diagnose compares with the exact mean gradient: top-10% loses some of it
     assert 0 < rec["grad_rel_error"] < 1 and 0 < rec["grad_cos_sim"] < 1
     capsys.readouterr()

@@ -16,6 +16,7 @@ A chain that starts with a lossless coder gets an implicit ``none`` in front
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
@@ -40,6 +41,25 @@ _CODED = "@"  # meta key marking a field re-coded by lossless stage N
 
 class NonFiniteGradientError(ValueError):
     """A tensor handed to a codec holds NaN or Inf."""
+
+
+class CodecObserver:
+    """Told what a codec's encode and decode calls did (the hooks' stats use it).
+
+    Every call through the chain's stages reports here when an observer is set:
+    ``encoded`` with the input's size, the payload and the seconds spent, ``decoded``
+    with the seconds. Multi-round codecs interleave compute with collectives, so
+    the reducer measures those as a whole.
+    """
+
+    def encoded(self, numel: int, payload: Payload, seconds: float) -> None:
+        """One encode of ``numel`` values produced ``payload`` in ``seconds``."""
+
+    def decoded(self, seconds: float) -> None:
+        """One decode took ``seconds``."""
+
+    def aggregated(self, path: str) -> None:
+        """One reduction went through aggregation ``path`` (see ``aggregate.py``)."""
 
 
 class Codec:
@@ -75,6 +95,8 @@ class Codec:
             (i, s) for i, s in enumerate(self.stages) if isinstance(s, LosslessCoder)
         ]
         self._first = first
+        #: told about every encode/decode (timings, payloads); None: nobody listens
+        self.observer: CodecObserver | None = None
 
     # ------------------------------------------------------------ building
     @classmethod
@@ -217,6 +239,14 @@ class Codec:
         return p
 
     def _encode_body(self, x: torch.Tensor, key: str, shapes: Shapes | None = None) -> Payload:
+        if self.observer is None:
+            return self._encode_stages(x, key, shapes)
+        start = time.perf_counter()
+        p = self._encode_stages(x, key, shapes)
+        self.observer.encoded(x.numel(), p, time.perf_counter() - start)
+        return p
+
+    def _encode_stages(self, x: torch.Tensor, key: str, shapes: Shapes | None) -> Payload:
         index, first = self.compressors[0]
         slot = self.state.slot(index, key)
         x = x if first.keeps_dtype else x.float()
@@ -274,6 +304,15 @@ class Codec:
 
     def _decode_body(self, p: Payload, key: str | None, shape: torch.Size,
                      shapes: Shapes | None = None) -> torch.Tensor:
+        if self.observer is None:
+            return self._decode_stages(p, key, shape, shapes)
+        start = time.perf_counter()
+        out = self._decode_stages(p, key, shape, shapes)
+        self.observer.decoded(time.perf_counter() - start)
+        return out
+
+    def _decode_stages(self, p: Payload, key: str | None, shape: torch.Size,
+                       shapes: Shapes | None) -> torch.Tensor:
         for index, coder in reversed(self.coders):
             p = self._undo_recode(p, index, coder)
         # walk down the nested values fields, then decode from the innermost out

@@ -4,9 +4,11 @@ Codecs never import torch.distributed. They call these four collectives; the rea
 implementation (``gradzip.comm``) maps them onto a process group, and the simulated
 one (``gradzip.codecs.simulated``) runs N virtual workers in threads of one process.
 
-Byte accounting is done here, once, for every implementation: a collective's bytes
-are the bytes this rank hands to it (padding included), so ``bytes_sent`` is what
-was really put on the wire by this rank, not a formula.
+Byte accounting is done here, once, for every implementation, in two numbers per
+collective: ``handed``, the bytes this rank hands to it (padding included), and
+``wire``, the bytes this rank puts on its link for it, from the algorithm the
+backend runs (``linkmodel.py``: a ring all-reduce sends 2(W-1)/W of its input, an
+all-gather (W-1) times it). Only ``wire`` is reported as bytes on the wire.
 """
 
 from __future__ import annotations
@@ -18,32 +20,47 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gradzip.codecs.linkmodel import link_bytes
+
 REDUCE_OPS = ("sum", "max", "min")
 
 
 @dataclass
 class CommCounter:
-    """Bytes, calls and wall time per collective, since the last ``reset``."""
+    """Per collective, since the last ``reset``: link bytes, bytes handed, calls, time.
 
-    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    ``wire[op]``: bytes this rank put on its link (the link model of ``op``);
+    ``handed[op]``: bytes this rank handed to ``op`` (what a naive count would say).
+    """
+
+    world_size: int = 1
+    wire: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    handed: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     def add(self, op: str, nbytes: int, seconds: float) -> None:
-        self.bytes[op] += nbytes
+        """Count one ``op`` call that was handed ``nbytes`` by this rank."""
+        self.handed[op] += nbytes
+        self.wire[op] += link_bytes(op, nbytes, self.world_size)
         self.calls[op] += 1
         self.seconds[op] += seconds
 
     @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
+    def total_wire(self) -> int:
+        return sum(self.wire.values())
+
+    @property
+    def total_handed(self) -> int:
+        return sum(self.handed.values())
 
     @property
     def total_calls(self) -> int:
         return sum(self.calls.values())
 
     def reset(self) -> None:
-        self.bytes.clear()
+        self.wire.clear()
+        self.handed.clear()
         self.calls.clear()
         self.seconds.clear()
 
@@ -58,7 +75,7 @@ class Communicator(ABC):
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.counter = CommCounter()
+        self.counter = CommCounter(world_size=world_size)
 
     # ------------------------------------------------------------ transport
     @abstractmethod
@@ -77,6 +94,10 @@ class Communicator(ABC):
         All chunks have the same shape and dtype on every rank.
         """
 
+    @abstractmethod
+    def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` (shape ``[world_size, n]``) over ranks and return row ``rank``."""
+
     # ------------------------------------------------------------ public
     def all_reduce(self, tensors: list[torch.Tensor], op: str = "sum") -> list[torch.Tensor]:
         """Element-wise reduce each tensor over ranks (``sum``, ``max`` or ``min``)."""
@@ -88,6 +109,17 @@ class Communicator(ABC):
             out.append(self._all_reduce(t, op))
             self.counter.add("all_reduce", _nbytes(t), time.perf_counter() - start)
         return out
+
+    def reduce_scatter_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` (shape ``[world_size, ...]``) over ranks; return this rank's row."""
+        if t.dim() < 1 or t.shape[0] != self.world_size:
+            raise ValueError(
+                f"reduce_scatter_sum needs a leading dim of {self.world_size}, got {tuple(t.shape)}"
+            )
+        start = time.perf_counter()
+        out = self._reduce_scatter(t.reshape(self.world_size, -1))
+        self.counter.add("reduce_scatter", _nbytes(t), time.perf_counter() - start)
+        return out.reshape(t.shape[1:])
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's tensor; shapes must agree across ranks."""

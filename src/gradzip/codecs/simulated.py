@@ -61,6 +61,13 @@ class SimulatedCommunicator(Communicator):
             raise RuntimeError(f"all_gather shapes differ across ranks: {sorted(shapes)}")
         return [p.clone() for p in parts]
 
+    def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        parts = self._ex.swap(self.rank, t.clone())
+        out = parts[0][self.rank].clone()
+        for p in parts[1:]:
+            out += p[self.rank]
+        return out
+
     def _all_to_all(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
         parts = self._ex.swap(self.rank, [c.clone() for c in chunks])
         return [parts[src][self.rank].clone() for src in range(self.world_size)]

@@ -1,16 +1,14 @@
 """``TorchCommunicator``: the codec ``Communicator`` over a torch.distributed process group.
 
 Codecs never import torch.distributed; the hooks in this package hand them one of
-these. Byte counting happens in the base class (bytes this rank hands to each
-collective, padding included), so every collective a codec issues — the payload
+these. Byte counting happens in the base class (the link bytes of each collective, and
+the bytes handed to it), so every collective a codec issues — the payload
 itself, size exchanges, PowerSGD's second round, a max all-reduce of scales — is
 counted the same way. Device-agnostic: tensors stay on whatever device they are on
 (gloo on CPU, NCCL on CUDA).
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.distributed as dist
@@ -52,21 +50,8 @@ class TorchCommunicator(Communicator):
         dist.all_to_all(out, chunks, group=self.group)
         return out
 
-    # ------------------------------------------------------------ extra
-    def reduce_scatter_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` (shape ``[world_size, ...]``) over ranks; return this rank's row.
-
-        Used by the compressed reduce-scatter for summable payloads; counted as
-        ``reduce_scatter`` with the whole input as this rank's bytes.
-        """
-        if t.dim() < 1 or t.shape[0] != self.world_size:
-            raise ValueError(
-                f"reduce_scatter_sum needs a leading dim of {self.world_size}, got {tuple(t.shape)}"
-            )
+    def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         flat = t.contiguous().reshape(-1)  # gloo wants 1-D: world x n in, n out
-        out = torch.empty(t[0].numel(), dtype=t.dtype, device=t.device)
-        start = time.perf_counter()
+        out = torch.empty(t.shape[1], dtype=t.dtype, device=t.device)
         dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=self.group)
-        self.counter.add("reduce_scatter", flat.numel() * flat.element_size(),
-                         time.perf_counter() - start)
-        return out.reshape(t.shape[1:])
+        return out

@@ -7,9 +7,8 @@ paths reduce-scatter (``reduce_scatter``: each rank encodes one payload per
 destination chunk; summable payloads are reduce-scattered leaf by leaf, the rest
 are exchanged with ``all_to_all``, decoded and summed).
 
-Encode and decode time are measured by timing the codec's chain body calls on this
-codec instance (the only place the split is visible); the payloads those calls
-return are also what ``index_bytes`` and ``density`` are read from. Bytes and
+Encode and decode time, and the payloads ``index_bytes`` and ``density`` are read
+from, reach the reducer as the codec's ``CodecObserver``. Bytes and
 collective time come from the communicator's counters.
 """
 
@@ -20,7 +19,8 @@ from typing import Any
 
 import torch
 
-from gradzip.codecs.chain import Codec
+from gradzip.codecs.chain import Codec, CodecObserver
+from gradzip.codecs.linkmodel import link_bytes
 from gradzip.codecs.payload import Payload
 from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.stats import CommStats, Reduction
@@ -48,7 +48,7 @@ def index_bytes(p: Payload, inside: bool = False) -> int:
     return total
 
 
-class Reducer:
+class Reducer(CodecObserver):
     """One codec plus its stats; reduces tensors through a communicator."""
 
     def __init__(self, codec: Codec, stats: CommStats, diagnose: bool = False) -> None:
@@ -58,30 +58,19 @@ class Reducer:
         self._encode_s = 0.0
         self._decode_s = 0.0
         self._payloads: list[tuple[int, Payload]] = []
-        self._instrument()
+        self._paths: list[str] = []
+        codec.observer = self
 
-    # ------------------------------------------------------------ instrumentation
-    def _instrument(self) -> None:
-        """Time this codec instance's encode/decode bodies and keep their payloads."""
-        codec = self.codec
-        encode_body = codec._encode_body
-        decode_body = codec._decode_body
+    # ------------------------------------------------------------ observer
+    def encoded(self, numel: int, payload: Payload, seconds: float) -> None:
+        self._encode_s += seconds
+        self._payloads.append((numel, payload))
 
-        def timed_encode(x: torch.Tensor, key: str) -> Payload:
-            start = time.perf_counter()
-            p = encode_body(x, key)
-            self._encode_s += time.perf_counter() - start
-            self._payloads.append((x.numel(), p))
-            return p
+    def decoded(self, seconds: float) -> None:
+        self._decode_s += seconds
 
-        def timed_decode(p: Payload, key: str | None, shape: torch.Size) -> torch.Tensor:
-            start = time.perf_counter()
-            out = decode_body(p, key, shape)
-            self._decode_s += time.perf_counter() - start
-            return out
-
-        codec._encode_body = timed_encode  # type: ignore[method-assign]
-        codec._decode_body = timed_decode  # type: ignore[method-assign]
+    def aggregated(self, path: str) -> None:
+        self._paths.append(path)
 
     def _sent_values(self, numel: int, p: Payload) -> int:
         """Values this payload carries for a tensor of ``numel`` entries."""
@@ -102,8 +91,10 @@ class Reducer:
         self._payloads = []
         return time.perf_counter()
 
-    def _finish(self, comm: TorchCommunicator, numel: int, start: float,
-                plain: bool = False) -> None:
+    def _finish(self, comm: TorchCommunicator, x: torch.Tensor, start: float,
+                plain: bool = False, baseline: str = "all_reduce") -> None:
+        """Record one reduction of ``x``; ``baseline`` is PyTorch's collective for it."""
+        numel = x.numel()
         total = time.perf_counter() - start
         c = comm.counter
         comm_s = sum(c.seconds.values())
@@ -118,9 +109,11 @@ class Reducer:
             sent = sum(self._sent_values(n, p) for n, p in self._payloads)
             idx = sum(index_bytes(p) for _, p in self._payloads)
         self.stats.record(Reduction(
-            numel=numel, sent_values=sent, bytes_raw=4 * numel, index_bytes=idx,
+            numel=numel, sent_values=sent, index_bytes=idx,
+            bytes_raw=link_bytes(baseline, numel * x.element_size(), comm.world_size),
+            bytes_handed=c.total_handed,
             encode_s=encode_s, decode_s=self._decode_s,
-            seconds_by_op=dict(c.seconds), bytes_by_op=dict(c.bytes), calls_by_op=dict(c.calls),
+            seconds_by_op=dict(c.seconds), bytes_by_op=dict(c.wire), calls_by_op=dict(c.calls),
         ))
         self._payloads = []
 
@@ -156,7 +149,7 @@ class Reducer:
         out = comm.all_reduce([x], op="sum")[0]
         if out is not x:
             x.copy_(out)
-        self._finish(comm, x.numel(), start, plain=True)
+        self._finish(comm, x, start, plain=True)
         if self.diagnose:
             self._compare(x, x.float(), 0)
         return x
@@ -166,10 +159,10 @@ class Reducer:
         ref = self._exact_mean(x, comm) if self.diagnose else None
         start = self._begin(comm)
         mean, _ = self.codec.reduce(x, key, comm)
-        self._finish(comm, x.numel(), start)
+        self._finish(comm, x, start)
         self._record_residual(key)
         if ref is not None:
-            self._compare(mean, ref, 4 * x.numel())
+            self._compare(mean, ref, link_bytes("all_reduce", 4 * x.numel(), comm.world_size))
         return mean
 
     # ------------------------------------------------------------ reduce-scatter
@@ -204,7 +197,7 @@ class Reducer:
                                 device=flat.device)
             if float(comm.all_reduce([flag], op="max")[0]) > 0:
                 out.fill_(float("nan"))
-                self._finish(comm, inp.numel(), start)
+                self._finish(comm, inp, start, baseline="reduce_scatter")
                 return
         if codec.multi_round:
             mean, _ = codec.reduce(flat.reshape(-1), key, comm)
@@ -223,11 +216,11 @@ class Reducer:
             else:
                 result = self._scatter_bytes(payloads, comm, n, out.device)
         out.copy_(result.reshape(out.shape))
-        self._finish(comm, inp.numel(), start)
+        self._finish(comm, inp, start, baseline="reduce_scatter")
         for j in range(world):
             self._record_residual(f"{key}/to{j}")
         if ref is not None:
-            self._compare(out, ref, 4 * inp.numel())
+            self._compare(out, ref, link_bytes("all_reduce", 4 * inp.numel(), comm.world_size))
 
     def _scatter_summable(self, payloads: list[Payload], comm: TorchCommunicator
                           ) -> torch.Tensor:

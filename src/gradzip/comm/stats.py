@@ -2,10 +2,16 @@
 
 Every number comes from what was actually done, never from a formula:
 
-* ``bytes_raw``: 4 bytes x numel of the gradients reduced — what an uncompressed
-  fp32 all-reduce would have handed to the collective (the baseline of the ratio).
-* ``bytes_wire``: the bytes this rank handed to collectives (``Communicator``
-  counters: payloads, padding, size exchanges, every extra round).
+* ``bytes_wire``: the bytes this rank put on its links, per collective it ran, from
+  the real tensor sizes and the algorithm the backend runs for that collective
+  (``gradzip.codecs.linkmodel``: ring all-reduce 2(W-1)/W x n, all-gather
+  (W-1) x n, reduce-scatter and all-to-all (W-1)/W x n): payloads, padding, size
+  exchanges, every extra round.
+* ``bytes_raw``: the same link model for PyTorch's uncompressed collective of the
+  same gradients in their own dtype (ring all-reduce for DDP, reduce-scatter for
+  FSDP): the baseline of ``compression_ratio`` (a bf16 model's ``none`` is 1.0x).
+* ``bytes_handed``: the bytes this rank handed to collectives. Not wire bytes (an
+  all-gather's input crosses the link W-1 times); kept to compare with other tools.
 * ``comm_ms`` / ``comm_ms_by_op``: wall time inside collectives, per collective.
 * ``encode_ms`` / ``decode_ms``: codec compute time (multi-round codecs interleave
   their compute with their collectives; all of it is reported as ``encode_ms``).
@@ -41,6 +47,7 @@ class _Acc:
     sent_values: int = 0
     bytes_raw: int = 0
     bytes_wire: int = 0
+    bytes_handed: int = 0
     index_bytes: int = 0
     encode_s: float = 0.0
     decode_s: float = 0.0
@@ -57,7 +64,7 @@ class _Acc:
 
     def merge(self, o: _Acc) -> None:
         for name in ("reductions", "numel", "sent_values", "bytes_raw", "bytes_wire",
-                     "index_bytes", "encode_s", "decode_s", "bytes_diagnostic",
+                     "bytes_handed", "index_bytes", "encode_s", "decode_s", "bytes_diagnostic",
                      "err_sq", "ref_sq", "est_sq", "dot"):
             setattr(self, name, getattr(self, name) + getattr(o, name))
         for op, v in o.seconds_by_op.items():
@@ -82,6 +89,7 @@ class _Acc:
             "steps": steps,
             "bytes_raw": self.bytes_raw,
             "bytes_wire": self.bytes_wire,
+            "bytes_handed": self.bytes_handed,
             "compression_ratio": self.bytes_raw / self.bytes_wire if self.bytes_wire else None,
             "index_bytes": self.index_bytes,
             "density": self.sent_values / self.numel if self.numel else None,
@@ -106,6 +114,7 @@ class Reduction:
     numel: int
     sent_values: int
     bytes_raw: int
+    bytes_handed: int = 0
     index_bytes: int = 0
     encode_s: float = 0.0
     decode_s: float = 0.0
@@ -134,6 +143,7 @@ class CommStats:
             a.numel += r.numel
             a.sent_values += r.sent_values
             a.bytes_raw += r.bytes_raw
+            a.bytes_handed += r.bytes_handed
             a.index_bytes += r.index_bytes
             a.encode_s += r.encode_s
             a.decode_s += r.decode_s

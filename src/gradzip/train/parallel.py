@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradzip.codecs.linkmodel import link_bytes
 from gradzip.train.model import GPT
 
 
@@ -86,7 +87,8 @@ class AllReduceTimer:
     Communication runs inside backward, overlapped with it, so it cannot be timed by
     wrapping a phase; instead each bucket records when its all-reduce was launched and
     when it completed, and a step's comm time is the union of those intervals.
-    Bytes are the bucket payload each rank hands to all_reduce (raw == wire: no codec).
+    Bytes are the link bytes of each bucket's ring all-reduce (``gradzip.codecs.linkmodel``;
+    raw == wire: no codec).
     """
 
     def __init__(self, world_size: int) -> None:
@@ -104,7 +106,8 @@ class AllReduceTimer:
         buf.div_(self.world_size)  # what DDP's default hook does: average, not sum
         t0 = time.perf_counter()
         with self._lock:
-            self._bytes += buf.numel() * buf.element_size()
+            self._bytes += link_bytes("all_reduce", buf.numel() * buf.element_size(),
+                                      self.world_size)
         fut = dist.all_reduce(buf, async_op=True).get_future()
 
         def done(f: torch.futures.Future) -> torch.Tensor:
