@@ -369,3 +369,45 @@ def test_hook_returns_a_pending_future_without_blocking():
     for r in (r0, r1):  # in place, the mean of 1, 2 then of 2, 3 (exact in fp16)
         assert r["results"] == [(True, 1.5, 1.5), (True, 2.5, 2.5)]
     assert r0["ops"] == {"all_reduce": 2}
+
+
+# ---------------------------------------------------------------- 4 ranks: aggregation
+def _four_ranks(rank: int, specs: list[str], steps: int) -> dict:
+    out = {}
+    for spec in specs:
+        model = DDP(_model(), bucket_cap_mb=0.002)
+        handle = gradzip.attach(model, spec, seed=1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = _batch(0, rank, n=64)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = _loss(model, x, y)
+            loss.backward()
+            opt.step()
+            handle.stats.end_step()
+            t = torch.tensor([loss.item()])
+            dist.all_reduce(t)
+            losses.append(float(t) / 4)
+        out[spec] = {"losses": losses, "totals": handle.stats.totals(),
+                     "params": [p.detach().clone() for p in model.parameters()]}
+        handle.close()
+    return out
+
+
+def test_four_ranks_two_phase_and_gather():
+    """At 4 real ranks ``auto`` takes two-phase for qsgd, which sends fewer link bytes
+    than the gather path, trains, and leaves every rank with the same model."""
+    specs = ["ef | qsgd", "ef | qsgd | aggregate=gather", "none | zstd | aggregate=two_phase"]
+    results = run_ranks(_four_ranks, 4, specs, 12)
+    r0 = results[0]
+    auto, gather = r0[specs[0]]["totals"], r0[specs[1]]["totals"]
+    assert set(auto["aggregation"]) == {"plain", "two_phase"}
+    assert set(gather["aggregation"]) == {"plain", "gather"}
+    assert auto["bytes_wire"] < 0.8 * gather["bytes_wire"]
+    for spec in specs:
+        losses = r0[spec]["losses"]
+        assert losses[-1] < 0.6 * losses[0], (spec, losses)
+        for r in results[1:]:
+            assert all(torch.equal(a, b) for a, b in
+                       zip(r0[spec]["params"], r[spec]["params"], strict=True)), spec

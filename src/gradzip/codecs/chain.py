@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from gradzip.codecs import aggregate
+from gradzip.codecs.aggregate import AGGREGATIONS
 from gradzip.codecs.base import (
     CodecState,
     Compressor,
@@ -33,7 +35,7 @@ from gradzip.codecs.base import (
 from gradzip.codecs.communicator import Communicator
 from gradzip.codecs.payload import _DTYPE_CODE, _DTYPES, Payload, PayloadError
 from gradzip.codecs.registry import SpecError, lookup
-from gradzip.codecs.spec import parse
+from gradzip.codecs.spec import parse_options
 
 NONFINITE_POLICIES = ("error", "propagate")
 _CODED = "@"  # meta key marking a field re-coded by lossless stage N
@@ -78,9 +80,17 @@ class Codec:
         seed: int = 0,
         rank: int = 0,
         nonfinite: str = "error",
+        aggregate: str = "auto",
     ) -> None:
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        if aggregate not in AGGREGATIONS:
+            raise SpecError(f"aggregate must be one of {', '.join(AGGREGATIONS)}, "
+                            f"got {aggregate!r}")
+        #: how non-summable payloads are aggregated: auto (by the link byte model),
+        #: gather or two_phase (see ``aggregate.py``)
+        self.aggregate = aggregate
+        self._chosen: dict[tuple[int, int], str] = {}
         self.stages = self._validated(list(stages))
         self.state = CodecState(seed=seed, rank=rank)
         self.nonfinite = nonfinite
@@ -101,8 +111,11 @@ class Codec:
     # ------------------------------------------------------------ building
     @classmethod
     def from_spec(cls, spec: str | list[Any] | dict[str, Any], **kwargs: Any) -> Codec:
-        stages = [lookup(name)(**params) for name, params in parse(spec)]
-        return cls(stages, **kwargs)
+        """Build from a spec string or its JSON form; chain options in the spec
+        (``| aggregate=two_phase``) apply unless given as keyword arguments."""
+        chain, options = parse_options(spec)
+        stages = [lookup(name)(**params) for name, params in chain]
+        return cls(stages, **{**options, **kwargs})
 
     @staticmethod
     def _validated(stages: list[Stage]) -> list[Stage]:
@@ -170,13 +183,16 @@ class Codec:
         return any(c.multi_round for _, c in self.compressors)
 
     def __str__(self) -> str:
-        return " | ".join(s.spec for s in self.stages)
+        text = " | ".join(s.spec for s in self.stages)
+        return text if self.aggregate == "auto" else f"{text} | aggregate={self.aggregate}"
 
     def __repr__(self) -> str:
         return f"gradzip.codec({str(self)!r})"
 
-    def to_json(self) -> list[dict[str, Any]]:
-        return [s.to_json() for s in self.stages]
+    def to_json(self) -> list[dict[str, Any]] | dict[str, Any]:
+        """The JSON form: a list of stages, or ``{"chain": [...], "aggregate": ...}``."""
+        chain = [s.to_json() for s in self.stages]
+        return chain if self.aggregate == "auto" else {"chain": chain, "aggregate": self.aggregate}
 
     def state_dict(self) -> dict[str, Any]:
         return {"spec": str(self), "state": self.state.state_dict()}
@@ -356,7 +372,8 @@ class Codec:
 
     # ------------------------------------------------------------ reduce
     def reduce(
-        self, x: torch.Tensor, key: str, comm: Communicator, want_local: bool = False
+        self, x: torch.Tensor, key: str, comm: Communicator, want_local: bool = False,
+        shapes: Shapes | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Average ``x`` over the ranks of ``comm`` through this codec.
 
@@ -364,10 +381,13 @@ class Codec:
         contribution when ``want_local`` (error feedback needs it), else None.
         Summable codecs all-reduce their payload tensors (input pre-divided by the
         world size, as PyTorch's built-in hooks do); multi-round codecs run their
-        own protocol; everything else is all-gathered and decoded per rank.
+        own protocol; everything else is gathered or aggregated in two phases
+        (``aggregate``; see ``aggregate.py``). ``shapes``: the tensors inside a flat
+        bucket, for ``per_tensor`` compressors.
         """
         finite = self._check_input(x, key)
         x = x.detach()
+        shapes = checked_shapes(shapes, x.numel())
         if self.nonfinite == "propagate":
             flag = torch.tensor([0.0 if finite else 1.0], device=x.device)
             if float(comm.all_reduce([flag], op="max")[0]) > 0:
@@ -376,43 +396,110 @@ class Codec:
         if self.wrapper is not None:
             slot = self.state.slot(0, key)
             mean, local = self.wrapper.reduce(
-                x.float(), slot, lambda t, wl: self._reduce_body(t, key, comm, wl), want_local
-            )
+                x.float(), slot,
+                lambda t, wl: self._reduce_body(t, key, comm, wl, shapes), want_local)
             slot.advance()
         else:
-            mean, local = self._reduce_body(x, key, comm, want_local)
+            mean, local = self._reduce_body(x, key, comm, want_local, shapes)
         return _cast(mean, x.dtype), (_cast(local, x.dtype) if local is not None else None)
 
-    def _reduce_body(
-        self, x: torch.Tensor, key: str, comm: Communicator, want_local: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        world = comm.world_size
+    def aggregation(self, x: torch.Tensor, world: int, shapes: Shapes | None = None) -> str:
+        """How ``x`` is reduced over ``world`` ranks: all_reduce, multi_round, gather or
+        two_phase (``auto`` asks the link byte model, once per size and world size)."""
         if self.multi_round:
+            return "multi_round"
+        if self.aggregate != "auto":  # also for summable codecs: two-phase sums in fp32
+            return self.aggregate
+        if self.summable:
+            return "all_reduce"
+        k = (x.numel(), world)
+        if k not in self._chosen:
+            self._chosen[k] = aggregate.choose(self, x, world, shapes)
+        return self._chosen[k]
+
+    def _reduce_body(
+        self, x: torch.Tensor, key: str, comm: Communicator, want_local: bool,
+        shapes: Shapes | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        path = self.aggregation(x, comm.world_size, shapes)
+        if self.observer is not None:
+            self.observer.aggregated(path)
+        if path == "multi_round":
             index, comp = self.compressors[0]
             slot = self.state.slot(index, key)
-            out = comp.reduce(x.float(), slot, comm, want_local)
+            if shapes is not None:
+                out = comp.reduce_tensors(x.float(), slot, comm, want_local, shapes)
+            else:
+                out = comp.reduce(x.float(), slot, comm, want_local)
             slot.advance()
             return out
-        if self.summable:
-            p = self._encode_body(x / world if world > 1 else x, key)
-            leaves = [t for _, t in p.leaves()]
-            summed = comm.all_reduce(leaves, op="sum")
-            mean = self._decode_body(p.with_leaves(summed), None, x.shape)
-            local = self._decode_body(p, None, x.shape) * world if want_local else None
-            return mean, local
-        p = self._encode_body(x, key)
-        p.meta["shape"] = tuple(x.shape)
-        p.meta["dtype"] = _DTYPE_CODE[x.dtype]
-        blobs = comm.all_gather_bytes(p.to_tensor(device=x.device))
-        total: torch.Tensor | None = None
-        local = None
-        for rank, blob in enumerate(blobs):
-            part = self._decode_body(Payload.deserialize(blob), None, x.shape).to(x.device)
-            if rank == comm.rank:
-                local = part
-            total = part if total is None else total + part
-        assert total is not None
-        return total / world, (local if want_local else None)
+        way = {"all_reduce": aggregate.all_reduce_mean, "gather": aggregate.gather_mean,
+               "two_phase": aggregate.two_phase_mean}[path]
+        return way(self, x, key, comm, want_local, shapes)
+
+    def reduce_scatter(self, chunks: torch.Tensor, key: str, comm: Communicator,
+                       shapes: Shapes | None = None) -> torch.Tensor:
+        """This rank's chunk of the sum over ranks of ``chunks`` (``[world_size, n]``).
+
+        FSDP's reduce-scatter: chunk j is compressed for rank j (state key
+        ``{key}/to{j}``). Multi-round codecs reduce the whole flat tensor with their
+        own protocol and keep this rank's chunk. ``shapes``: the tensors in a chunk.
+        """
+        world, n = comm.world_size, chunks.shape[1]
+        finite = self._check_input(chunks, key)
+        if self.nonfinite == "propagate":
+            flag = torch.tensor([0.0 if finite else 1.0], device=chunks.device)
+            if float(comm.all_reduce([flag], op="max")[0]) > 0:
+                return torch.full((n,), float("nan"), dtype=chunks.dtype, device=chunks.device)
+        if self.observer is not None:
+            self.observer.aggregated("multi_round" if self.multi_round else "reduce_scatter")
+        if self.multi_round:
+            mean, _ = self.reduce(chunks.reshape(-1), key, comm)
+            return mean.reshape(world, n)[comm.rank] * world
+        out = aggregate.reduce_scatter_sum(self, chunks.detach(), key, comm, shapes)
+        return _cast(out, chunks.dtype)
+
+    def _encode_with_feedback(self, x: torch.Tensor, key: str,
+                              shapes: Shapes | None) -> Payload:
+        """Encode through the whole chain, error feedback included (no input checks)."""
+        if self.wrapper is None:
+            return self._encode_body(x, key, shapes)
+        slot = self.state.slot(0, key)
+        p = self.wrapper.encode(
+            x.float(), slot,
+            lambda t: self._encode_body(t, key, shapes),
+            lambda q: self._decode_body(q, key, x.shape, shapes),
+        )
+        slot.advance()
+        return p
+
+    # ------------------------------------------------------------ state
+    def probe(self) -> Codec:
+        """A fresh copy of this codec with empty state (for measuring payload sizes)."""
+        return Codec.from_spec(str(self), seed=self.state.seed, rank=self.state.rank,
+                               nonfinite=self.nonfinite)
+
+    def _records(self, prefix: str) -> list[tuple[int, str]]:
+        return [k for k in self.state.records
+                if k[1] == prefix or k[1].startswith(prefix + "/")]
+
+    def residual_norm(self, prefix: str) -> float | None:
+        """L2 norm over the error-feedback memories of ``prefix`` and its sub-keys
+        (``ef``'s residual, or a stage's own: DGC, EF-signSGD); None if there is none."""
+        sq, found = 0.0, False
+        for k in self._records(prefix):
+            residual = self.state.records[k]["data"].get("residual")
+            if isinstance(residual, torch.Tensor):
+                sq += float(residual.float().pow(2).sum())
+                found = True
+        return sq ** 0.5 if found else None
+
+    def drop(self, prefix: str) -> int:
+        """Forget all state of ``prefix`` and its sub-keys; returns how many records."""
+        keys = self._records(prefix)
+        for k in keys:
+            del self.state.records[k]
+        return len(keys)
 
 
 def checked_shapes(shapes: Shapes | None, numel: int) -> tuple[torch.Size, ...] | None:

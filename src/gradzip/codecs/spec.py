@@ -16,6 +16,9 @@ from gradzip.codecs.registry import SpecError
 
 StageSpec = tuple[str, dict[str, Any]]
 
+#: chain options (``| name=value`` at the end of a spec string): how the chain runs
+OPTIONS = ("aggregate",)
+
 _TOKEN = re.compile(
     r"""\s*(?:
         (?P<str>"[^"]*"|'[^']*')
@@ -74,6 +77,21 @@ def parse_string(text: str) -> list[StageSpec]:
         if kind != "word":
             raise SpecError(f"expected a stage name at column {col + 1} of {text!r}, got {name!r}")
         params: dict[str, Any] = {}
+        if i < len(toks) and toks[i][1] == "=":  # a chain option: name=value
+            i += 1
+            vkind, val, vcol = expect(f"a value for option {name}")
+            if vkind not in ("str", "word", "num"):
+                raise SpecError(f"bad value for option {name!r} at column {vcol + 1}: {val!r}")
+            stages.append((f"={name.lower()}={val}", {}))
+            if i == len(toks):
+                return stages
+            kind, tok, col = expect("'|'")
+            if tok != "|":
+                raise SpecError(f"expected '|' at column {col + 1} of {text!r}, got {tok!r}")
+            continue
+        if stages and stages[-1][0].startswith("="):
+            raise SpecError(f"chain options such as {stages[-1][0][1:]!r} go at the end "
+                            f"of the spec, after every stage: {text!r}")
         if i < len(toks) and toks[i][1] == "(":
             i += 1
             while not (i < len(toks) and toks[i][1] == ")"):
@@ -124,13 +142,41 @@ def parse_json(obj: Any) -> list[StageSpec]:
 
 
 def parse(spec: str | list[Any] | dict[str, Any]) -> list[StageSpec]:
-    """Parse a spec string, a JSON string, or loaded JSON."""
+    """Parse a spec string, a JSON string, or loaded JSON into its stages."""
+    return parse_options(spec)[0]
+
+
+def parse_options(spec: str | list[Any] | dict[str, Any]
+                  ) -> tuple[list[StageSpec], dict[str, Any]]:
+    """The stages and the chain options of a spec.
+
+    Chain options (``OPTIONS``) say how the whole chain runs rather than what a
+    stage does: ``"qsgd | aggregate=two_phase"`` in the string form,
+    ``{"chain": [...], "aggregate": "two_phase"}`` in JSON.
+    """
     if isinstance(spec, str):
         stripped = spec.strip()
         if stripped[:1] in ("[", "{"):
             try:
-                return parse_json(json.loads(stripped))
+                spec = json.loads(stripped)
             except json.JSONDecodeError as e:
                 raise SpecError(f"codec spec looks like JSON but is not valid: {e}") from None
-        return parse_string(stripped)
-    return parse_json(spec)
+        else:
+            stages = parse_string(stripped)
+            options = {}
+            while stages and stages[-1][0].startswith("="):
+                name, value = stages.pop()[0][1:].split("=", 1)
+                options[_option(name)] = _value("word", value)
+            return stages, options
+    options = {}
+    if isinstance(spec, dict) and "chain" in spec:
+        for name in spec:
+            if name != "chain":
+                options[_option(name)] = spec[name]
+    return parse_json(spec), options
+
+
+def _option(name: str) -> str:
+    if name not in OPTIONS:
+        raise SpecError(f"unknown chain option {name!r}; known: {', '.join(OPTIONS)}")
+    return name

@@ -98,11 +98,7 @@ class DDPCommState:
         self._layouts[index] = layout
         if old is None or old == layout:
             return
-        prefix = f"bucket{index}"
-        records = self.codec.state.records
-        for stage_key in [k for k in records if k[1] == prefix
-                          or k[1].startswith(prefix + "/")]:
-            del records[stage_key]
+        self.codec.drop(f"bucket{index}")
         warnings.warn(
             f"gradzip: DDP bucket {index} changed its parameters (bucket rebuild after "
             f"compression started); its codec state was reset", RuntimeWarning, stacklevel=1)
@@ -128,7 +124,8 @@ def gradzip_hook(state: DDPCommState, bucket: dist.GradBucket) -> torch.futures.
     compress = state.iteration >= state.start_iteration
     params = bucket.parameters()
     layout = tuple(id(p) for p in params)
-    shapes = [p.shape for p in params] if state.per_tensor else []
+    bucket_shapes = [p.shape for p in params]
+    shapes = bucket_shapes if state.per_tensor else []
     if bucket.is_last():
         state.iteration += 1
 
@@ -143,7 +140,7 @@ def gradzip_hook(state: DDPCommState, bucket: dist.GradBucket) -> torch.futures.
                 view.copy_(state.reducer.reduce_mean(view, f"{key}/p{j}", state.comm))
                 offset += shape.numel()
             return buffer
-        mean = state.reducer.reduce_mean(buffer, key, state.comm)
+        mean = state.reducer.reduce_mean(buffer, key, state.comm, shapes=bucket_shapes)
         buffer.copy_(mean.reshape(buffer.shape))
         return buffer
 

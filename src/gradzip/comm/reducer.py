@@ -15,10 +15,10 @@ collective time come from the communicator's counters.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
+from gradzip.codecs.base import Shapes
 from gradzip.codecs.chain import Codec, CodecObserver
 from gradzip.codecs.linkmodel import link_bytes
 from gradzip.codecs.payload import Payload
@@ -89,6 +89,7 @@ class Reducer(CodecObserver):
         comm.counter.reset()
         self._encode_s = self._decode_s = 0.0
         self._payloads = []
+        self._paths = []
         return time.perf_counter()
 
     def _finish(self, comm: TorchCommunicator, x: torch.Tensor, start: float,
@@ -114,16 +115,14 @@ class Reducer(CodecObserver):
             bytes_handed=c.total_handed,
             encode_s=encode_s, decode_s=self._decode_s,
             seconds_by_op=dict(c.seconds), bytes_by_op=dict(c.wire), calls_by_op=dict(c.calls),
+            paths=["plain"] if plain else list(self._paths),
         ))
         self._payloads = []
 
     def _record_residual(self, key: str) -> None:
-        if self.codec.wrapper is None:
-            return
-        record = self.codec.state.records.get((0, key))
-        residual = record["data"].get("residual") if record else None
-        if isinstance(residual, torch.Tensor):
-            self.stats.record_residual(key, float(residual.float().norm()))
+        norm = self.codec.residual_norm(key)
+        if norm is not None:
+            self.stats.record_residual(key, norm)
 
     def _exact_mean(self, x: torch.Tensor, comm: TorchCommunicator) -> torch.Tensor:
         """Diagnostic only: the uncompressed fp32 mean, outside the byte counters."""
@@ -154,11 +153,13 @@ class Reducer(CodecObserver):
             self._compare(x, x.float(), 0)
         return x
 
-    def reduce_mean(self, x: torch.Tensor, key: str, comm: TorchCommunicator) -> torch.Tensor:
-        """Mean of ``x`` over ranks through the codec (``Codec.reduce``)."""
+    def reduce_mean(self, x: torch.Tensor, key: str, comm: TorchCommunicator,
+                    shapes: Shapes | None = None) -> torch.Tensor:
+        """Mean of ``x`` over ranks through the codec (``Codec.reduce``); ``shapes`` are
+        the tensors inside a flat bucket."""
         ref = self._exact_mean(x, comm) if self.diagnose else None
         start = self._begin(comm)
-        mean, _ = self.codec.reduce(x, key, comm)
+        mean, _ = self.codec.reduce(x, key, comm, shapes=shapes)
         self._finish(comm, x, start)
         self._record_residual(key)
         if ref is not None:
@@ -178,8 +179,7 @@ class Reducer(CodecObserver):
         """out = this rank's chunk of sum_r(inp_r / divisor * factor), through the codec.
 
         ``inp`` holds ``world_size`` contiguous chunks of ``out.numel()`` entries
-        (FSDP's layout); chunk j is encoded for rank j with its own codec state
-        (key ``{key}/to{j}``).
+        (FSDP's layout); ``Codec.reduce_scatter`` does the work.
         """
         world, n = comm.world_size, out.numel()
         if inp.numel() != world * n:
@@ -187,57 +187,14 @@ class Reducer(CodecObserver):
                 f"reduce-scatter input has {inp.numel()} entries, expected {world} x {n}"
             )
         flat = inp.detach().reshape(world, n)
+        scale = factor / divisor
         ref = None
         if self.diagnose:
-            ref = self._exact_mean(flat, comm)[comm.rank] * (comm.world_size * factor / divisor)
+            ref = self._exact_mean(flat, comm)[comm.rank] * (comm.world_size * scale)
         start = self._begin(comm)
-        codec = self.codec
-        if codec.nonfinite == "propagate":
-            flag = torch.tensor([0.0 if bool(torch.isfinite(flat).all()) else 1.0],
-                                device=flat.device)
-            if float(comm.all_reduce([flag], op="max")[0]) > 0:
-                out.fill_(float("nan"))
-                self._finish(comm, inp, start, baseline="reduce_scatter")
-                return
-        if codec.multi_round:
-            mean, _ = codec.reduce(flat.reshape(-1), key, comm)
-            result = mean.reshape(world, n)[comm.rank]
-            scale = world * factor / divisor
-            result = result * scale if scale != 1.0 else result
-        else:
-            def scaled(j: int) -> torch.Tensor:
-                c = flat[j]
-                c = c / divisor if divisor != 1.0 else c
-                return c * factor if factor != 1.0 else c
-
-            payloads = [codec.encode(scaled(j), key=f"{key}/to{j}") for j in range(world)]
-            if codec.summable:
-                result = self._scatter_summable(payloads, comm)
-            else:
-                result = self._scatter_bytes(payloads, comm, n, out.device)
-        out.copy_(result.reshape(out.shape))
+        chunks = flat * scale if scale != 1.0 else flat
+        out.copy_(self.codec.reduce_scatter(chunks, key, comm).reshape(out.shape))
         self._finish(comm, inp, start, baseline="reduce_scatter")
-        for j in range(world):
-            self._record_residual(f"{key}/to{j}")
+        self._record_residual(key)
         if ref is not None:
             self._compare(out, ref, link_bytes("all_reduce", 4 * inp.numel(), comm.world_size))
-
-    def _scatter_summable(self, payloads: list[Payload], comm: TorchCommunicator
-                          ) -> torch.Tensor:
-        per_chunk = [[t for _, t in p.leaves()] for p in payloads]
-        summed: list[torch.Tensor] = []
-        for i in range(len(per_chunk[0])):
-            stacked = torch.stack([leaves[i] for leaves in per_chunk])
-            summed.append(comm.reduce_scatter_sum(stacked))
-        mine = payloads[comm.rank]
-        return self.codec.decode(mine.with_leaves(summed))
-
-    def _scatter_bytes(self, payloads: list[Payload], comm: TorchCommunicator, n: int,
-                       device: Any) -> torch.Tensor:
-        blobs = comm.all_to_all_bytes([p.to_tensor(device=device) for p in payloads])
-        total: torch.Tensor | None = None
-        for blob in blobs:  # rank order on every rank: deterministic sums
-            part = self.codec.decode(Payload.deserialize(blob)).to(device)
-            total = part if total is None else total + part
-        assert total is not None
-        return total

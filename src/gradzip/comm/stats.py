@@ -20,6 +20,9 @@ Every number comes from what was actually done, never from a formula:
   positional overhead of sparsifiers.
 * ``density``: sent values / gradient entries (1.0 for dense codecs).
 * ``extra_collectives``: collective calls beyond one per reduced tensor.
+* ``aggregation``: how many codec calls took each aggregation path (``plain``
+  uncompressed, ``all_reduce``, ``gather``, ``two_phase``, ``multi_round``,
+  ``reduce_scatter``); ``auto`` picks gather or two-phase from the link model.
 * ``residual_norm``: L2 norm over all error-feedback residuals after the step.
 * ``grad_rel_error`` / ``grad_cos_sim``: only in diagnostic mode, against the exact
   mean gradient from an extra fp32 all-reduce whose bytes are reported separately
@@ -54,6 +57,7 @@ class _Acc:
     seconds_by_op: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     bytes_by_op: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls_by_op: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    paths: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     diagnosed: bool = False
     bytes_diagnostic: int = 0
     err_sq: float = 0.0
@@ -73,6 +77,8 @@ class _Acc:
             self.bytes_by_op[op] += v
         for op, v in o.calls_by_op.items():
             self.calls_by_op[op] += v
+        for path, v in o.paths.items():
+            self.paths[path] += v
         self.diagnosed = self.diagnosed or o.diagnosed
         if o.residual_norm is not None:
             self.residual_norm = o.residual_norm
@@ -100,6 +106,7 @@ class _Acc:
             "bytes_by_op": dict(sorted(self.bytes_by_op.items())),
             "calls_by_op": dict(sorted(self.calls_by_op.items())),
             "extra_collectives": max(calls - self.reductions, 0),
+            "aggregation": dict(sorted(self.paths.items())),
             "residual_norm": self.residual_norm,
             "grad_rel_error": rel,
             "grad_cos_sim": cos,
@@ -121,6 +128,9 @@ class Reduction:
     seconds_by_op: dict[str, float] = field(default_factory=dict)
     bytes_by_op: dict[str, int] = field(default_factory=dict)
     calls_by_op: dict[str, int] = field(default_factory=dict)
+    #: aggregation path of each codec call: plain, all_reduce, gather, two_phase,
+    #: multi_round or reduce_scatter
+    paths: list[str] = field(default_factory=list)
 
 
 class CommStats:
@@ -154,6 +164,8 @@ class CommStats:
                 a.bytes_wire += n
             for op, n in r.calls_by_op.items():
                 a.calls_by_op[op] += n
+            for path in r.paths:
+                a.paths[path] += 1
 
     def record_diagnostic(self, err_sq: float, ref_sq: float, est_sq: float, dot: float,
                           nbytes: int) -> None:

@@ -1,0 +1,186 @@
+"""Aggregation: how one codec's payloads from every rank become the mean (or a shard).
+
+Four explicit ways, each a short function over the ``Communicator``:
+
+* ``all_reduce_mean`` — summable payloads (casts, shared-seed random-k): every rank
+  encodes ``x / W`` and the payload tensors are all-reduced; link bytes per rank
+  2(W-1)/W x payload, independent of W.
+* ``gather_mean`` — any payload: every rank all-gathers every rank's payload and
+  decodes all of them; link bytes (W-1) x payload, growing with W.
+* ``two_phase_mean`` — any payload, traffic that does not grow with W (the
+  compressed all-reduce of DeepSpeed's 1-bit Adam, CGX and ZeRO++): split ``x`` into W
+  chunks, send chunk j compressed to its owner j (``all_to_all``), each owner decodes
+  and sums its chunk in fp32, re-encodes the mean, and the owners' payloads are
+  all-gathered. Link bytes per rank about 2(W-1)/W x payload. With error feedback
+  (``ef | ...``) both phases keep a residual: the sender's on its whole tensor, the
+  owner's on its chunk (key ``{key}/owner``). The owner's fp32 sum also fixes
+  low-precision sums (``fp16``/``bf16`` payloads added in 16 bits lose more as W grows).
+* ``reduce_scatter_sum`` — FSDP's reduce-scatter: summable payloads are reduce-
+  scattered leaf by leaf, the rest are phase 1 of two-phase (``all_to_all``, decode, sum).
+
+``choose`` picks gather or two-phase for a non-summable codec from the link byte
+model: it encodes the first real tensor of each size whole and as one of W chunks
+with a stateless copy of the codec and compares (W-1) x P(n) with 2 (W-1) x P(n/W)
+(plus the size exchanges). At W <= 2 two-phase cannot send less, and it adds a
+second lossy step, so gather is kept.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from gradzip.codecs.base import Shapes
+from gradzip.codecs.communicator import Communicator
+from gradzip.codecs.linkmodel import link_bytes
+from gradzip.codecs.payload import Payload
+
+if TYPE_CHECKING:
+    from gradzip.codecs.chain import Codec
+
+#: ``aggregate=`` settings of a codec; ``auto`` chooses per codec, size and world size
+AGGREGATIONS = ("auto", "gather", "two_phase")
+
+Result = tuple[torch.Tensor, torch.Tensor | None]
+
+
+# ---------------------------------------------------------------- layout helpers
+def chunk_bounds(n: int, world: int) -> list[int]:
+    """W + 1 offsets cutting ``n`` values into W contiguous chunks (sizes differ by <= 1)."""
+    base, extra = divmod(n, world)
+    bounds = [0]
+    for j in range(world):
+        bounds.append(bounds[-1] + base + (1 if j < extra else 0))
+    return bounds
+
+
+def piece_shapes(shapes: Shapes | None, start: int, end: int) -> list[torch.Size] | None:
+    """The tensors of a flat bucket that fall in ``[start, end)``.
+
+    A tensor wholly inside keeps its shape; a cut one becomes a 1-D piece (its
+    statistics are then per piece, still never across two tensors).
+    """
+    if shapes is None:
+        return None
+    out: list[torch.Size] = []
+    offset = 0
+    for s in shapes:
+        n = s.numel()
+        lo, hi = max(offset, start), min(offset + n, end)
+        if lo < hi or (n == 0 and start <= offset < end):
+            out.append(s if (lo, hi) == (offset, offset + n) else torch.Size((hi - lo,)))
+        offset += n
+    return out
+
+
+def _decode_sum(codec: Codec, blobs: list[torch.Tensor], n: int,
+                shapes: Shapes | None, device: torch.device) -> torch.Tensor:
+    """fp32 sum of the decoded payloads, in rank order (the same sum on every rank)."""
+    total = torch.zeros(n, dtype=torch.float32, device=device)
+    for blob in blobs:
+        p = Payload.deserialize(blob)
+        total += codec._decode_body(p, None, torch.Size((n,)), shapes).to(device).reshape(-1)
+    return total
+
+
+def _to_bytes(p: Payload, x: torch.Tensor) -> torch.Tensor:
+    """The payload as bytes on ``x``'s device (its shape is known to every receiver)."""
+    return p.to_tensor(device=x.device)
+
+
+# ---------------------------------------------------------------- the four ways
+def all_reduce_mean(codec: Codec, x: torch.Tensor, key: str, comm: Communicator,
+                    want_local: bool, shapes: Shapes | None) -> Result:
+    """Summable payloads: encode x / W, all-reduce the payload tensors, decode the sum."""
+    world = comm.world_size
+    p = codec._encode_body(x / world if world > 1 else x, key, shapes)
+    summed = comm.all_reduce([t for _, t in p.leaves()], op="sum")
+    mean = codec._decode_body(p.with_leaves(summed), None, x.shape, shapes)
+    local = codec._decode_body(p, None, x.shape, shapes) * world if want_local else None
+    return mean, local
+
+
+def gather_mean(codec: Codec, x: torch.Tensor, key: str, comm: Communicator,
+                want_local: bool, shapes: Shapes | None) -> Result:
+    """Any payload: all-gather every rank's payload, decode each, average in fp32."""
+    p = codec._encode_body(x, key, shapes)
+    blobs = comm.all_gather_bytes(_to_bytes(p, x))
+    local = None
+    if want_local:
+        local = codec._decode_body(p, None, x.shape, shapes).to(x.device)
+    total = _decode_sum(codec, blobs, x.numel(), shapes, x.device)
+    return total.div_(comm.world_size).reshape(x.shape), local
+
+
+def two_phase_mean(codec: Codec, x: torch.Tensor, key: str, comm: Communicator,
+                   want_local: bool, shapes: Shapes | None) -> Result:
+    """Compressed reduce-scatter to chunk owners, fp32 sum, compressed all-gather."""
+    world, rank, flat = comm.world_size, comm.rank, x.reshape(-1)
+    bounds = chunk_bounds(flat.numel(), world)
+    pieces = [piece_shapes(shapes, bounds[j], bounds[j + 1]) for j in range(world)]
+    sent = [codec._encode_body(flat[bounds[j]:bounds[j + 1]], f"{key}/to{j}", pieces[j])
+            for j in range(world)]
+    received = comm.all_to_all_bytes([_to_bytes(p, flat[bounds[j]:bounds[j + 1]])
+                                      for j, p in enumerate(sent)])
+    n_mine = bounds[rank + 1] - bounds[rank]
+    mine = _decode_sum(codec, received, n_mine, pieces[rank], x.device).div_(world)
+    owner = codec._encode_with_feedback(mine, f"{key}/owner", pieces[rank])
+    gathered = comm.all_gather_bytes(_to_bytes(owner, mine))
+    parts = [codec._decode_body(Payload.deserialize(b), None,
+                                torch.Size((bounds[j + 1] - bounds[j],)), pieces[j])
+             for j, b in enumerate(gathered)]
+    mean = torch.cat([t.to(x.device).reshape(-1).float() for t in parts]).reshape(x.shape)
+    local = None
+    if want_local:
+        own = [codec._decode_body(p, None, torch.Size((bounds[j + 1] - bounds[j],)), pieces[j])
+               for j, p in enumerate(sent)]
+        local = torch.cat([t.to(x.device).reshape(-1).float() for t in own]).reshape(x.shape)
+    return mean, local
+
+
+def reduce_scatter_sum(codec: Codec, chunks: torch.Tensor, key: str, comm: Communicator,
+                       shapes: Shapes | None = None) -> torch.Tensor:
+    """Row ``rank`` of sum over ranks of ``chunks`` (``[W, n]``): FSDP's reduce-scatter.
+
+    Chunk j is encoded for rank j with its own codec state (key ``{key}/to{j}``, error
+    feedback included); ``shapes`` are the tensors inside each chunk (the same in all).
+    """
+    world = comm.world_size
+    payloads = [codec._encode_with_feedback(chunks[j], f"{key}/to{j}", shapes)
+                for j in range(world)]
+    n = chunks.shape[1]
+    if codec.summable:
+        per_chunk = [[t for _, t in p.leaves()] for p in payloads]
+        summed = [comm.reduce_scatter_sum(torch.stack([leaves[i] for leaves in per_chunk]))
+                  for i in range(len(per_chunk[0]))]
+        mine = payloads[comm.rank].with_leaves(summed)
+        return codec._decode_body(mine, None, torch.Size((n,)), shapes).reshape(-1)
+    blobs = comm.all_to_all_bytes([_to_bytes(p, chunks[j]) for j, p in enumerate(payloads)])
+    return _decode_sum(codec, blobs, n, shapes, chunks.device)
+
+
+# ---------------------------------------------------------------- choosing
+def modeled_bytes(path: str, full: int, chunk: int, world: int) -> int:
+    """Link bytes per rank of ``path`` for payloads of ``full`` (whole) / ``chunk`` bytes."""
+    sizes = link_bytes("all_gather", 8, world)  # the payload-size exchange of a gather
+    if path == "gather":
+        return link_bytes("all_gather", full, world) + sizes
+    a2a_sizes = link_bytes("all_gather", 8 * world, world)
+    return (link_bytes("all_to_all", chunk * world, world) + a2a_sizes
+            + link_bytes("all_gather", chunk, world) + sizes)
+
+
+def choose(codec: Codec, x: torch.Tensor, world: int, shapes: Shapes | None) -> str:
+    """``gather`` or ``two_phase``, whichever the link model says sends fewer bytes."""
+    if world <= 2:
+        return "gather"
+    probe = codec.probe()  # a stateless copy: measuring must not touch real state
+    flat = x.detach().reshape(-1).float()
+    bounds = chunk_bounds(flat.numel(), world)
+    full = probe._encode_body(flat, "probe", shapes).wire_bytes
+    chunk = probe._encode_body(flat[:bounds[1]], "probe/c",
+                               piece_shapes(shapes, 0, bounds[1])).wire_bytes
+    gather = modeled_bytes("gather", full, chunk, world)
+    two = modeled_bytes("two_phase", full, chunk, world)
+    return "two_phase" if two < gather else "gather"
