@@ -97,6 +97,7 @@ class GradiVeQ(Compressor):
     # a projection onto a fitted subspace: biased
     unbiased = False
     multi_round = True
+    positional_state = True  # the basis is fitted to the tensor's own slices
 
     def validate(self) -> None:
         if self.params["rank"] >= self.params["dim"]:
