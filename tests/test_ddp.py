@@ -82,6 +82,8 @@ def _codec_specs() -> list[str]:
         stage = lookup(name)
         if issubclass(stage, Compressor) and stage.own_feedback:
             specs.append(name)  # keeps its own memory (dgc, efsignsgd): no ``ef``, see _LR
+        elif issubclass(stage, Compressor) and stage.fixed_magnitude:
+            specs.append(name)  # decodes +-1 (signsgd): ``ef`` is refused, see _LR
         elif issubclass(stage, Compressor):
             specs.append(name if (stage.unbiased or name in ("fp16", "bf16")) else f"ef | {name}")
         elif issubclass(stage, LosslessCoder):
@@ -89,8 +91,9 @@ def _codec_specs() -> list[str]:
     return specs
 
 
-#: DGC applies momentum 0.9 itself (the optimizer must not): 1 - 0.9 of the step size
-_LR = {"dgc": 0.01}
+#: DGC applies momentum 0.9 itself (the optimizer must not): 1 - 0.9 of the step size;
+#: signSGD's step is lr * (+-1) per weight, so lr is the step itself (0.1 oscillates)
+_LR = {"dgc": 0.01, "signsgd": 0.01}
 
 
 def _train(rank: int, specs: list[str], steps: int) -> dict:

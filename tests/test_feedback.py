@@ -6,8 +6,10 @@ import torch
 import gradzip
 from gradzip.codecs import Compressor, registered, run_simulated
 
+#: the variant ``ef`` may wrap: signsgd's default +-1 is refused behind ``ef``
+_UNDER_EF = {"signsgd": "signsgd(scale=l1)"}
 LOSSY = sorted(
-    n for n, c in registered().items()
+    _UNDER_EF.get(n, n) for n, c in registered().items()
     if issubclass(c, Compressor) and n != "none" and not c.own_feedback
 )
 

@@ -5,6 +5,7 @@ import torch
 
 import gradzip
 from gradzip.codecs import Payload, PayloadError, SpecError, run_simulated
+from gradzip.codecs.agreement import CHECK_BYTES, StateDivergenceError
 from gradzip.codecs.gradiveq import fit_basis
 
 D, K = 16, 3
@@ -114,7 +115,7 @@ def test_codes_are_summable_under_the_shared_basis():
     mean0 = sum(steps[0]) / 3
     torch.testing.assert_close(results[0][0][0][0], mean0)
     torch.testing.assert_close(bases[0], fit_basis(mean0[: m * D].reshape(m, D), K))
-    assert results[0][0][0][2] == (m * D + 3) * 4
+    assert results[0][0][0][2] == (m * D + 3) * 4 + CHECK_BYTES  # + the basis check
     u = bases[0]
     for t in (1, 2):
         mean_x = sum(steps[t]) / 3
@@ -174,3 +175,35 @@ def test_basis_fit_is_scale_invariant(scale):
     us = fit_basis(slices * scale, K)
     assert torch.isfinite(us).all()
     torch.testing.assert_close(us, u1, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- ranks must agree
+def _refresh_twice(perturb_rank: int | None):
+    """Two refresh steps of ``gradiveq(refresh=1)`` on 2 ranks; one rank's basis nudged."""
+    xs = [torch.randn(32 * D, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    spec = f"gradiveq(dim={D}, rank={K}, refresh=1)"
+
+    def work(rank, comm):
+        c = gradzip.codec(spec, rank=rank)
+        stage = c.compressors[0][1]
+        if rank == perturb_rank:  # as if this rank's eigensolver rounded differently
+            refit = stage._refit
+
+            def nudged(slot, flat):
+                refit(slot, flat)
+                slot.data["basis"][0, 0] += 1e-6
+
+            stage._refit = nudged
+        return [c.reduce(xs[rank], "w", comm)[0] for _ in range(2)]
+
+    return run_simulated(2, work)
+
+
+def test_ranks_whose_bases_differ_fail_loudly():
+    with pytest.raises(StateDivergenceError, match="gradiveq.*PCA basis for key 'w'"):
+        _refresh_twice(perturb_rank=1)
+
+
+def test_agreeing_bases_pass_the_check():
+    r0, r1 = _refresh_twice(perturb_rank=None)
+    assert all(torch.equal(a, b) for a, b in zip(r0, r1, strict=True))

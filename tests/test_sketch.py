@@ -5,6 +5,7 @@ import torch
 
 import gradzip
 from gradzip.codecs import Payload, PayloadError, SpecError, run_simulated
+from gradzip.codecs.agreement import CHECK_BYTES, StateDivergenceError
 from gradzip.codecs.sketch import _median, _top, count_sketch, estimate
 
 N = 20_000
@@ -98,7 +99,8 @@ def test_two_round_reduce_recovers_planted_heavy_hitters_exactly():
         want = torch.zeros(N)
         want[HEAVY] = xs[rank][HEAVY]
         assert torch.equal(local, want)
-        assert nbytes == (5 * 120 + 40) * 4  # the sketch, then the candidates' values
+        # the sketch, the candidate set's fingerprint check, the candidates' values
+        assert nbytes == (5 * 120 + 40) * 4 + CHECK_BYTES
 
 
 def test_error_feedback_accumulates_what_was_not_sent():
@@ -164,3 +166,23 @@ def test_fast_top_k_selection_is_exact(kind):
 def test_pruned_median_network_matches_torch_median(rows):
     x = torch.randn(rows, 1000, generator=torch.Generator().manual_seed(rows)).round(decimals=1)
     assert torch.equal(_median(list(x)), x.median(dim=0).values)
+
+
+# ---------------------------------------------------------------- ranks must agree
+def test_ranks_whose_candidate_sets_differ_fail_loudly():
+    """A rank with another hash seed estimates other candidates: an error, not wrong sums."""
+    xs = [planted(r) for r in range(2)]
+
+    def work(rank, comm):
+        c = gradzip.codec(SPEC, rank=rank, seed=rank)  # misconfigured: seeds differ
+        return c.reduce(xs[rank], "w", comm)
+
+    with pytest.raises(StateDivergenceError, match="sketch.*candidate set for key 'w'"):
+        run_simulated(2, work)
+
+
+def test_agreeing_ranks_pass_the_check_every_step():
+    xs = [planted(r) for r in range(2)]
+    results = _reduce_all(SPEC, [xs, xs], 2)  # two steps, same seed on both ranks
+    for out, _ in results:
+        assert [torch.equal(out[t][0], results[0][0][t][0]) for t in (0, 1)] == [True, True]

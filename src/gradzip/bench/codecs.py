@@ -5,8 +5,21 @@ square-ish matrix so low-rank codecs see a matrix) and the real per-parameter
 gradients of a small transformer LM. For each codec spec it reports the compression
 ratio against fp32 and bf16 (from the payload's exact wire bytes), relative L2 error,
 cosine similarity, and encode / decode throughput in MB of fp32 input per second with
-``torch.set_num_threads(1)``; times are medians over repeats on the same key, so
-stateful codecs are measured warm.
+``torch.set_num_threads(1)``.
+
+Every codec meets a sequence of successive gradients, as in training, not one tensor
+again and again: the real input is the gradients of successive SGD steps of the LM
+(it trains inside the benchmark), the synthetic one keeps each coordinate's scale
+and draws fresh values each step. One untimed step warms the codec's state (error
+feedback, DGC's momentum, PowerSGD's Q, GradiVeQ's basis), then each of the
+``--repeats`` timed rounds encodes and decodes the next step's gradient; times are
+medians over the rounds, ratio and error are the last round's.
+
+``sketch`` is measured by its two-round protocol (``reduce`` over 2 simulated ranks,
+rank r holding step t + r's gradient): its standalone decode is not what training
+uses. Its ratio is the uncompressed fp32 all-reduce's link bytes over the bytes its
+rounds put on the link, its error is against the mean of the ranks' gradients, and
+its speed is one rank's share of the protocol's time (column "measured": "reduce").
 
 Times are CPU seconds of the process by default (``--clock cpu``): with one intra-op
 thread that is the work one core does, and unlike wall time it does not swell when
@@ -31,6 +44,12 @@ SIGN_BAR_RATIO = 30.0
 EXEMPT_FROM_SPEED_BAR = ("gradiveq", "sketch")
 REAL_FLAT = "real LM gradient, flat bucket"
 REAL_PER_PARAM = "real LM gradient, per parameter"
+#: codecs measured through their multi-round ``reduce`` (see module docstring)
+MEASURED_BY_REDUCE = ("sketch",)
+#: simulated ranks of the ``reduce`` measurement
+REDUCE_WORLD = 2
+#: one gradient per step, keyed like a codec's state (parameter name or bucket)
+Steps = list[dict[str, torch.Tensor]]
 
 
 @dataclass
@@ -43,10 +62,14 @@ class CodecResult:
     ratio_bf16: float
     rel_l2_error: float
     cosine: float
-    encode_mbps: float
-    decode_mbps: float
+    encode_mbps: float | None  # None: a multi-round reduce, not separable
+    decode_mbps: float | None
     roundtrip_mbps: float
     meets_speed_bar: bool | None
+    #: timed rounds, each on the next successive gradient (after one warm-up step)
+    steps: int = 1
+    #: "encode+decode", or "reduce" (multi-round protocol over simulated ranks)
+    protocol: str = "encode+decode"
 
 
 def parse_size(text: str) -> int:
@@ -98,21 +121,69 @@ def _exempt(codec: Any) -> bool:
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
 
-def measure(spec: str, tensors: dict[str, torch.Tensor], label: str, repeats: int,
-            clock: str = "cpu") -> CodecResult:
-    """Encode and decode every tensor ``repeats`` times; sizes/errors from the last round."""
+def _clock(clock: str) -> Any:
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
+    return CLOCKS[clock]
+
+
+def _checked_steps(steps: Steps) -> None:
+    if len(steps) < 2:
+        raise ValueError(
+            f"measure needs a warm-up step and at least one timed step, got {len(steps)} "
+            "step(s); pass repeats + 1 successive gradients"
+        )
+
+
+class _Accuracy:
+    """Relative L2 error and cosine of estimates against references, summed over keys."""
+
+    def __init__(self) -> None:
+        self.err_sq = self.ref_sq = self.dot = self.est_sq = 0.0
+
+    def add(self, ref: torch.Tensor, est: torch.Tensor) -> None:
+        xf, yf = ref.double(), est.double()
+        self.err_sq += float((yf - xf).pow(2).sum())
+        self.ref_sq += float(xf.pow(2).sum())
+        self.dot += float((xf * yf).sum())
+        self.est_sq += float(yf.pow(2).sum())
+
+    @property
+    def rel_l2(self) -> float:
+        return math.sqrt(self.err_sq / self.ref_sq) if self.ref_sq else 0.0
+
+    @property
+    def cosine(self) -> float:
+        if not (self.ref_sq and self.est_sq):
+            return 0.0
+        return self.dot / math.sqrt(self.ref_sq * self.est_sq)
+
+
+def measured_by_reduce(codec: Any) -> bool:
+    """Whether ``codec`` is measured by its multi-round protocol (``MEASURED_BY_REDUCE``)."""
+    return any(s.name in MEASURED_BY_REDUCE for s in codec.stages)
+
+
+def measure(spec: str, steps: Steps, label: str, clock: str = "cpu") -> CodecResult:
+    """Measure ``spec`` on successive gradients: ``steps[0]`` warms its state, untimed,
+    then each later step is one timed round; sizes and errors are the last round's.
+
+    Codecs in ``MEASURED_BY_REDUCE`` run their ``reduce`` instead (``measure_reduce``).
+    """
     import gradzip
 
-    now = CLOCKS[clock]
+    _checked_steps(steps)
     codec = gradzip.codec(spec)
-    numel = sum(t.numel() for t in tensors.values())
+    if measured_by_reduce(codec):
+        return measure_reduce(spec, steps, label, clock)
+    now = _clock(clock)
+    for key, x in steps[0].items():  # warm-up: state of the step before
+        codec.decode(codec.encode(x, key=key), key=key)
     enc_times, dec_times = [], []
-    wire = 0
-    err_sq = ref_sq = dot = est_sq = 0.0
-    for _ in range(repeats):
+    wire, acc = 0, _Accuracy()
+    for tensors in steps[1:]:
         enc = dec = 0.0
-        wire = 0
-        err_sq = ref_sq = dot = est_sq = 0.0
+        wire, acc = 0, _Accuracy()
         for key, x in tensors.items():
             t0 = now()
             p = codec.encode(x, key=key)
@@ -122,51 +193,95 @@ def measure(spec: str, tensors: dict[str, torch.Tensor], label: str, repeats: in
             enc += t1 - t0
             dec += t2 - t1
             wire += p.wire_bytes
-            xf, yf = x.double(), y.double()
-            err_sq += float((yf - xf).pow(2).sum())
-            ref_sq += float(xf.pow(2).sum())
-            dot += float((xf * yf).sum())
-            est_sq += float(yf.pow(2).sum())
+            acc.add(x, y)
         enc_times.append(enc)
         dec_times.append(dec)
+    numel = sum(t.numel() for t in steps[-1].values())
     mb = 4 * numel / 1e6
     enc_t, dec_t = statistics.median(enc_times), statistics.median(dec_times)
     speed = mb / (enc_t + dec_t)
-    exempt = _exempt(codec)
     return CodecResult(
         spec=str(codec), input=label, numel=numel, wire_bytes=wire,
         ratio_fp32=4 * numel / wire, ratio_bf16=2 * numel / wire,
-        rel_l2_error=math.sqrt(err_sq / ref_sq) if ref_sq else 0.0,
-        cosine=dot / math.sqrt(ref_sq * est_sq) if ref_sq and est_sq else 0.0,
+        rel_l2_error=acc.rel_l2, cosine=acc.cosine,
         encode_mbps=mb / enc_t, decode_mbps=mb / dec_t, roundtrip_mbps=speed,
-        meets_speed_bar=None if exempt else speed >= BAR_MBPS,
+        meets_speed_bar=None if _exempt(codec) else speed >= BAR_MBPS,
+        steps=len(steps) - 1,
+    )
+
+
+def measure_reduce(spec: str, steps: Steps, label: str, clock: str = "cpu",
+                   world: int = REDUCE_WORLD) -> CodecResult:
+    """Measure ``spec``'s ``reduce`` over ``world`` simulated ranks on successive steps.
+
+    At step t rank r holds ``steps[(t + r) % len(steps)]`` (different gradients, as
+    different ranks' minibatches). Step 0 warms the state, untimed. The wire bytes
+    are rank 0's link bytes in the last round (every collective counted); the ratio
+    compares them with an uncompressed fp32 all-reduce's. The time of a round is the
+    process's CPU seconds over ``world`` (the ranks are threads of this process) or,
+    with the wall clock, elapsed seconds; encode and decode are not separable there.
+    """
+    import gradzip
+    from gradzip.codecs import run_simulated
+    from gradzip.codecs.linkmodel import link_bytes
+
+    _checked_steps(steps)
+    now = _clock(clock)
+    codecs = [gradzip.codec(spec, rank=r) for r in range(world)]
+    n = len(steps)
+
+    def one_step(t: int) -> tuple[dict[str, torch.Tensor], int]:
+        """Every rank reduces its gradient of step t: (rank 0's means, its link bytes)."""
+        def work(rank: int, comm: Any) -> tuple[dict[str, torch.Tensor], int]:
+            held = steps[(t + rank) % n]
+            means = {key: codecs[rank].reduce(x, key, comm)[0] for key, x in held.items()}
+            return means, comm.counter.total_wire
+        return run_simulated(world, work)[0]
+
+    one_step(0)
+    times = []
+    means: dict[str, torch.Tensor] = {}
+    wire = 0
+    for t in range(1, n):
+        start = now()
+        means, wire = one_step(t)
+        elapsed = now() - start
+        times.append(elapsed / world if clock == "cpu" else elapsed)
+    last = n - 1
+    acc = _Accuracy()
+    for key in steps[last]:
+        held = [steps[(last + r) % n][key].double() for r in range(world)]
+        truth = torch.stack(held).mean(0)
+        acc.add(truth, means[key])
+    numel = sum(t.numel() for t in steps[last].values())
+    raw = link_bytes("all_reduce", 4 * numel, world)
+    mb = 4 * numel / 1e6
+    speed = mb / statistics.median(times)
+    codec = codecs[0]
+    return CodecResult(
+        spec=str(codec), input=label, numel=numel, wire_bytes=wire,
+        ratio_fp32=raw / wire, ratio_bf16=raw / 2 / wire,
+        rel_l2_error=acc.rel_l2, cosine=acc.cosine,
+        encode_mbps=None, decode_mbps=None, roundtrip_mbps=speed,
+        meets_speed_bar=None if _exempt(codec) else speed >= BAR_MBPS,
+        steps=n - 1, protocol=f"reduce, {world} ranks",
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradzip.bench.samples import heavy_tailed, real_gradients
-
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     numel = parse_size(args.size)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     specs = args.codec or default_specs()
-    inputs: list[tuple[str, dict[str, torch.Tensor]]] = [
-        (f"heavy-tailed {args.size}",
-         {"x": heavy_tailed(numel, args.seed).view(_square_shape(numel))})
-    ]
-    if not args.no_real:
-        grads = real_gradients(seed=args.seed)
-        # The DDP hook and the FSDP reduce-scatter hand most codecs one flat bucket;
-        # per-parameter tensors are what shape-aware codecs (PowerSGD) see, and show
-        # the fixed per-call cost on many small tensors.
-        inputs.append((REAL_FLAT, {"bucket": torch.cat([g.reshape(-1) for g in grads.values()])}))
-        inputs.append((REAL_PER_PARAM, grads))
+    inputs = _inputs(numel, args.size, args.repeats + 1, args.seed, not args.no_real)
     results: list[CodecResult] = []
     from tqdm import tqdm
 
     jobs = [(s, label, ts) for label, ts in inputs for s in specs]
-    for spec, label, tensors in tqdm(jobs, desc="codecs", unit="codec", disable=args.quiet):
-        result = measure(spec, tensors, label, args.repeats, args.clock)
+    for spec, label, steps in tqdm(jobs, desc="codecs", unit="codec", disable=args.quiet):
+        result = measure(spec, steps, label, args.clock)
         if label == REAL_PER_PARAM:
             result.meets_speed_bar = None  # see _bars
         results.append(result)
@@ -190,6 +305,25 @@ def run(args: argparse.Namespace) -> int:
     for line in failures:
         print(f"BAR MISSED: {line}")
     return 0
+
+
+def _inputs(numel: int, size: str, count: int, seed: int, real: bool
+            ) -> list[tuple[str, Steps]]:
+    """(label, ``count`` successive gradients) per input: synthetic, then the real LM's."""
+    from gradzip.bench.samples import heavy_tailed_steps, real_gradient_steps
+
+    shape = _square_shape(numel)
+    inputs = [(f"heavy-tailed {size}",
+               [{"x": x.view(shape)} for x in heavy_tailed_steps(numel, count, seed)])]
+    if real:
+        grads = real_gradient_steps(seed=seed, count=count)
+        # The DDP hook and the FSDP reduce-scatter hand most codecs one flat bucket;
+        # per-parameter tensors are what shape-aware codecs (PowerSGD) see, and show
+        # the fixed per-call cost on many small tensors.
+        inputs.append((REAL_FLAT, [{"bucket": torch.cat([g.reshape(-1) for g in step.values()])}
+                                   for step in grads]))
+        inputs.append((REAL_PER_PARAM, grads))
+    return inputs
 
 
 def _bars(results: list[CodecResult]) -> list[str]:
@@ -226,33 +360,45 @@ def _machine() -> dict[str, Any]:
             "python": platform.python_version()}
 
 
+def _mbps(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def _row(r: CodecResult) -> list[str]:
     bar = {None: "n/a", True: "yes", False: "NO"}[r.meets_speed_bar]
     return [r.spec, r.input, f"{r.ratio_fp32:.1f}x", f"{r.ratio_bf16:.1f}x",
-            f"{r.rel_l2_error:.3g}", f"{r.cosine:.4f}", f"{r.encode_mbps:.0f}",
-            f"{r.decode_mbps:.0f}", f"{r.roundtrip_mbps:.0f}", bar]
+            f"{r.rel_l2_error:.3g}", f"{r.cosine:.4f}", _mbps(r.encode_mbps),
+            _mbps(r.decode_mbps), _mbps(r.roundtrip_mbps), bar,
+            f"{r.protocol}, {r.steps} steps"]
 
 
 HEADERS = ["codec", "input", "ratio/fp32", "ratio/bf16", "rel L2 err", "cos sim",
-           "enc MB/s", "dec MB/s", "enc+dec MB/s", ">=200"]
+           "enc MB/s", "dec MB/s", "enc+dec MB/s", ">=200", "measured"]
 
 
 def _print_table(results: list[CodecResult]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="gradzip codecs (1 thread; MB of fp32 input per second)")
+    table = Table(title="gradzip codecs (1 thread; MB of fp32 input per second)",
+                  caption=TABLE_NOTE)
     for h in HEADERS:
-        table.add_column(h, justify="left" if h in ("codec", "input") else "right")
+        table.add_column(h, justify="left" if h in ("codec", "input", "measured") else "right")
     for r in results:
         table.add_row(*_row(r))
-    Console(width=160).print(table)
+    Console(width=180).print(table)
+
+
+TABLE_NOTE = ("measured: each codec warms its state on one gradient, then each timed round "
+              "takes the next successive gradient; 'reduce, 2 ranks': the multi-round "
+              "protocol over simulated ranks (ratio vs an fp32 all-reduce's link bytes, "
+              "enc+dec = the whole protocol, one rank's share)")
 
 
 def markdown_table(results: list[CodecResult]) -> str:
     lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in _row(r)) + " |" for r in results]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + TABLE_NOTE + ".\n"
 
 
 def register(sub: Any) -> None:
@@ -263,7 +409,9 @@ def register(sub: Any) -> None:
     p.add_argument("--size", default="16M", help="elements of the synthetic tensor (default 16M)")
     p.add_argument("--codec", action="append", metavar="SPEC",
                    help="codec spec to measure (repeatable; default: every codec + some chains)")
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds; medians are reported")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed rounds, each on the next successive gradient after one "
+                        "untimed warm-up step; medians are reported (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: per core)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                    help="cpu: process CPU seconds (robust on a shared machine; default); "

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 DEFAULT_SPECS = ["none", "fp16", "qsgd", "ef | topk(ratio=0.01)", "ef | powersgd(rank=4)",
-                 "ef | signsgd"]
+                 "efsignsgd"]
 
 
 def _model(width: int, depth: int) -> Any:

@@ -20,6 +20,23 @@ def heavy_tailed(numel: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(numel, generator=g) * torch.randn(numel, generator=g).mul_(1.5).exp_()
 
 
+def heavy_tailed_steps(numel: int, count: int, seed: int = 0) -> list[torch.Tensor]:
+    """``count`` successive heavy-tailed "gradients" that share per-coordinate scales.
+
+    Like successive real gradients, each coordinate keeps its magnitude from step to
+    step (one log-normal scale per coordinate) while its value is drawn afresh, so
+    stateful codecs (error feedback, momentum, warm starts) see a sequence, not the
+    same tensor again. Step 0 is exactly ``heavy_tailed(numel, seed)``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    first = torch.randn(numel, generator=g)
+    scale = torch.randn(numel, generator=g).mul_(1.5).exp_()
+    steps = [first.mul_(scale)]
+    for _ in range(count - 1):
+        steps.append(torch.randn(numel, generator=g).mul_(scale))
+    return steps
+
+
 def _stdlib_bytes(nbytes: int) -> bytes:
     root = Path(sysconfig.get_paths()["stdlib"])
     out = bytearray()
@@ -55,24 +72,36 @@ class _TinyLM(nn.Module):
 def real_gradients(seed: int = 0, steps: int = 3, batch: int = 8, seq: int = 128
                    ) -> dict[str, torch.Tensor]:
     """Per-parameter gradients of a small LM after ``steps`` SGD steps on stdlib text."""
+    return real_gradient_steps(seed, first=steps, count=1, batch=batch, seq=seq)[0]
+
+
+def real_gradient_steps(seed: int = 0, first: int = 3, count: int = 1, batch: int = 8,
+                        seq: int = 128) -> list[dict[str, torch.Tensor]]:
+    """Per-parameter gradients of ``count`` successive SGD steps of a small LM.
+
+    The model trains for real on stdlib text: the gradients of steps ``first``,
+    ``first + 1``, ... are taken, each after the update of the step before, so they
+    are the sequence a stateful codec meets in training.
+    """
     torch.manual_seed(seed)
     model = _TinyLM(seq=seq)
-    data = torch.frombuffer(bytearray(_stdlib_bytes(batch * (seq + 1) * (steps + 1))),
+    total = first + count
+    data = torch.frombuffer(bytearray(_stdlib_bytes(batch * (seq + 1) * total)),
                             dtype=torch.uint8).long()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    grads: dict[str, torch.Tensor] = {}
-    for step in range(steps + 1):
+    out: list[dict[str, torch.Tensor]] = []
+    for step in range(total):
         chunk = data[step * batch * (seq + 1):(step + 1) * batch * (seq + 1)].view(batch, seq + 1)
         logits = model(chunk[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, 256), chunk[:, 1:].reshape(-1))
         opt.zero_grad()
         loss.backward()
-        if step < steps:
+        if step >= first:
+            out.append({name: p.grad.detach().clone()
+                        for name, p in model.named_parameters() if p.grad is not None})
+        if step < total - 1:
             opt.step()
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            grads[name] = p.grad.detach().clone()
-    return grads
+    return out
 
 
 def real_gradient_flat(seed: int = 0) -> torch.Tensor:

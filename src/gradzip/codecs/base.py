@@ -170,6 +170,18 @@ class Compressor(Stage):
     #: keeps its own error-feedback memory (DGC, EF-signSGD): ``ef`` must not wrap it
     own_feedback: ClassVar[bool] = False
 
+    #: keeps state indexed by coordinate (error-feedback residuals, DGC's momentum, a
+    #: PowerSGD Q or GradiVeQ basis tied to the tensor's layout): it must see the whole
+    #: tensor, so it may only be the first compressor of a chain. After a sparsifier
+    #: it would get a different set of kept values every step, and position i of its
+    #: memory would belong to a different coordinate each time (or its size would
+    #: change and it would fail).
+    positional_state: ClassVar[bool] = False
+    #: decodes to a fixed magnitude whatever the input's size (``signsgd``'s +-1): the
+    #: residual ``ef`` keeps would be in different units from the gradient, so ``ef``
+    #: must not wrap it (a stage that sets this offers ``scale=l1`` instead)
+    fixed_magnitude: ClassVar[bool] = False
+
     #: computes its statistics (scales, norms, column means) per tensor when told the
     #: shapes of the tensors inside a flat bucket (``encode_tensors``)
     per_tensor: ClassVar[bool] = False

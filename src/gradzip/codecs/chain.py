@@ -7,7 +7,11 @@ Rules of a chain (checked when it is built, so a bad spec fails before training)
   payload's ``values`` field (``topk | qsgd`` quantizes the kept values);
 * then any lossless coders, which re-code integer fields exactly;
 * a multi-round compressor (PowerSGD, ...) talks to peers itself and stands alone
-  (an ``ef`` before it is allowed).
+  (an ``ef`` before it is allowed);
+* a compressor with per-coordinate state (``positional_state``: DGC, EF-signSGD)
+  stands first among the compressors, where it sees the whole tensor;
+* ``ef`` never wraps a stage with its own memory (``own_feedback``) or one that
+  decodes a fixed +-1 (``fixed_magnitude``: ``signsgd``'s default).
 
 A chain that starts with a lossless coder gets an implicit ``none`` in front
 (``zstd`` means "zstd on the raw bytes").
@@ -164,6 +168,8 @@ class Codec:
                         f"'{stages[0].name}' cannot wrap '{s.name}', which keeps its own "
                         f"error-feedback memory; use '{s.name}' without '{stages[0].name}'"
                     )
+            _refuse_fixed_magnitude(stages[0], body)
+        _refuse_positional_state_after_first(body)
         head = [stages[0]] if isinstance(stages[0], Wrapper) else []
         return head + body
 
@@ -500,6 +506,47 @@ class Codec:
         for k in keys:
             del self.state.records[k]
         return len(keys)
+
+
+def _refuse_fixed_magnitude(wrapper: Wrapper, body: list[Stage]) -> None:
+    """Error feedback around a stage that decodes +-1 whatever the gradient's size.
+
+    ``ef`` keeps ``x - decode(encode(x))``; when decode is +-1 in the optimizer's units
+    that residual is of the order of 1 however small the gradient, it swamps the next
+    gradient and the sign sent flips from step to step: training stalls where the same
+    stage without ``ef`` makes progress.
+    """
+    for s in body:
+        if isinstance(s, Compressor) and s.fixed_magnitude:
+            scaled = type(s)(**{**s.params, "scale": "l1"}).spec
+            raise SpecError(
+                f"'{wrapper.name}' cannot wrap '{s.spec}': it decodes to +-1 whatever the "
+                "gradient's size, so the residual error feedback keeps dwarfs the gradient "
+                "and the sign sent flips every step; use 'efsignsgd' (error feedback with "
+                f"the ||x||_1/d scale built in), '{wrapper.name} | {scaled}', "
+                f"or '{s.spec}' without '{wrapper.name}'"
+            )
+
+
+def _refuse_positional_state_after_first(body: list[Stage]) -> None:
+    """A stage with per-coordinate state (``positional_state``) must see the whole tensor.
+
+    A later compressor gets only the values the one before it kept (``topk``'s k
+    values, ``threshold``'s varying count), a different set of coordinates each step:
+    memory at position i would be added to another coordinate's value, or the stage
+    would fail when the count changes.
+    """
+    compressors = [s for s in body if isinstance(s, Compressor)]
+    for prev, s in zip(compressors, compressors[1:], strict=False):
+        if s.positional_state:
+            raise SpecError(
+                f"'{s.name}' cannot follow '{prev.name}': it keeps state per coordinate "
+                f"(residuals, momentum, a basis), but after '{prev.name}' it sees only the "
+                "values kept, a different set of coordinates each step, so one coordinate's "
+                f"memory would be added to another's; put '{s.name}' first in the chain "
+                f"(e.g. '{s.name}' alone), or, for error feedback after a sparsifier, wrap "
+                f"a stateless compressor: 'ef | {prev.spec} | qsgd'"
+            )
 
 
 def checked_shapes(shapes: Shapes | None, numel: int) -> tuple[torch.Size, ...] | None:

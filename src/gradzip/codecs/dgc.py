@@ -119,6 +119,7 @@ class DeepGradientCompression(Compressor):
     """
 
     own_feedback = True
+    positional_state = True  # u and v, one value per coordinate
 
     summary = "Deep Gradient Compression: momentum correction + masking, sampled top-k (Lin 2018)"
     values_field = "values"

@@ -11,8 +11,10 @@ basis is refitted every L steps from uncompressed gradients.
 ``reduce`` is the paper's protocol. Steps 0, L, 2L, ... ("refresh steps") all-reduce
 the gradient uncompressed and fit the basis on the *aggregated* gradient, which is
 identical on every rank, so every rank derives the same U and the basis itself is
-never sent. Other steps all-reduce only the coefficients (m x k floats, a ratio of
-about d / k) and the n mod d tail values that do not fill a slice.
+never sent (a 16-byte all-reduce of its fingerprint checks that every rank did
+derive the same U, ``agreement.py``). Other steps all-reduce only the coefficients
+(m x k floats, a ratio of about d / k) and the n mod d tail values that do not fill
+a slice.
 
 Standalone ``encode``/``decode`` (one payload, decodable by anyone, no slot):
 
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import torch
 
+from gradzip.codecs.agreement import check_same_on_all_ranks
 from gradzip.codecs.base import Compressor, Slot
 from gradzip.codecs.communicator import Communicator
 from gradzip.codecs.payload import Payload, PayloadError
@@ -97,6 +100,7 @@ class GradiVeQ(Compressor):
     # a projection onto a fitted subspace: biased
     unbiased = False
     multi_round = True
+    positional_state = True  # the basis is fitted to the tensor's own slices
 
     def validate(self) -> None:
         if self.params["rank"] >= self.params["dim"]:
@@ -189,6 +193,9 @@ class GradiVeQ(Compressor):
             mean = total / world
             if flat.numel() >= d:
                 self._refit(slot, mean)  # identical on every rank: U is never sent
+                # ... unless one rank's arithmetic differs: check (16 bytes) it does not
+                check_same_on_all_ranks(comm, slot.data["basis"], self.spec, "PCA basis",
+                                        slot.key)
             return mean.reshape(x.shape), (x.clone() if want_local else None)
         u = self._basis(slot, x.device)
         slices, tail = self._split(flat)

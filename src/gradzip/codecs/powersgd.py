@@ -90,6 +90,7 @@ class PowerSGD(Compressor):
     # a projection onto a data-dependent subspace: biased (error feedback fixes that)
     unbiased = False
     multi_round = True
+    positional_state = True  # Q (m x r) belongs to the tensor's columns
 
     # ------------------------------------------------------------ helpers
     def _start_q(self, slot: Slot, m: int, device: torch.device) -> torch.Tensor:

@@ -95,13 +95,17 @@ class SignSGD(Compressor):
     (no majority, no step). With ``scale=l1`` the vote is scaled by the mean of the
     ranks' scales. ``vote=false`` instead averages the decoded signs (the
     single-round gather path), which also lets ``signsgd`` follow a sparsifier.
-    Not unbiased; wrap in ``ef`` to correct the bias (that is ``efsignsgd``'s idea).
+    Not unbiased. ``ef`` may wrap only ``signsgd(scale=l1)``: with the default +-1 the
+    residual (gradient minus +-1) dwarfs the gradient and the sent sign flips every
+    step, so the chain refuses ``ef | signsgd``; ``efsignsgd`` is error feedback with
+    the l1 scale built in.
     """
 
     summary = "signSGD: 1 bit/value, majority-vote reduce (Bernstein et al. 2018)"
     # the class flag describes the default (vote=true), as ``codecs list`` shows it;
     # each instance sets its own from ``vote``
     multi_round = True
+    fixed_magnitude = True  # scale=one; per instance below
     PARAMS = (
         Param("scale", str, "one",
               "decoded magnitude: one (+-1, as in the paper) or l1 (+-||x||_1/d, one fp32 sent)",
@@ -113,6 +117,8 @@ class SignSGD(Compressor):
     def __init__(self, **params: object) -> None:
         super().__init__(**params)
         self.multi_round = bool(self.params["vote"])  # type: ignore[misc]
+        # +-1 is in the optimizer's units, not the gradient's: ef must not wrap it
+        self.fixed_magnitude = self.params["scale"] == "one"  # type: ignore[misc]
 
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
         flat = x.reshape(-1)
@@ -172,6 +178,7 @@ class EFSignSGD(Compressor):
     """
 
     own_feedback = True
+    positional_state = True  # the residual, one value per coordinate
 
     summary = "EF-signSGD: (||p||_1/d) sign(p) with built-in error feedback (1 bit/value)"
 

@@ -13,7 +13,8 @@ coordinates that dominate the l2 mass (the "heavy hitters") are recovered well.
 2. estimate every coordinate from the summed sketch and take the P·k with the
    largest estimates as candidates (P = ``candidates``, the paper's p2);
 3. all-reduce the *exact* values of those candidates (P·k floats: every rank holds
-   the same candidate set, so the values are summed directly);
+   the same candidate set, so the values are summed directly; a 16-byte all-reduce
+   of the set's fingerprint checks that it is, ``agreement.py``);
 4. keep the top k of the exact sums; the result is sparse (k non-zeros).
 
 The local estimate returned for error feedback is this rank's exact values at the
@@ -57,6 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gradzip.codecs.agreement import check_same_on_all_ranks
 from gradzip.codecs.base import Compressor, Slot
 from gradzip.codecs.communicator import Communicator
 from gradzip.codecs.payload import Payload, PayloadError
@@ -293,7 +295,9 @@ class Sketch(Compressor):
             return (total / world).reshape(x.shape), (x.clone() if want_local else None)
         seed = self._seed(slot)
         (summed,) = comm.all_reduce([count_sketch(flat, rows, cols, seed)])
-        cand = _top(estimate(summed, n, seed), n_cand)  # identical on every rank
+        cand = _top(estimate(summed, n, seed), n_cand)  # identical on every rank ...
+        # ... unless a rank's seed or arithmetic differs: check (16 bytes) it is
+        check_same_on_all_ranks(comm, cand, self.spec, "heavy-hitter candidate set", slot.key)
         (exact,) = comm.all_reduce([flat[cand].float()])  # indexing copies
         keep = _top(exact, k)
         idx = cand[keep]
