@@ -175,8 +175,8 @@ def _coded_fields(p):
     )
 
 
-@pytest.mark.parametrize("lossy", ["int8(block=64)", "topk(ratio=0.1) | qsgd", "terngrad",
-                                   "natural", "none"])
+@pytest.mark.parametrize("lossy", ["int8(block=64)", "topk(ratio=0.1) | qsgd",
+                                   "terngrad(shared=false)", "natural", "none"])
 @pytest.mark.parametrize("name", CODERS)
 def test_lossless_stage_is_exact_after_a_quantizer(name, lossy):
     base = gradzip.codec(lossy)

@@ -123,7 +123,7 @@ def test_parameters_are_validated():
 
 CHAINS = [s for s, need in [
     ("int8 | eg", ("int8",)), ("qsgd | eg(mapping=sign)", ("qsgd",)),
-    ("topk | qsgd | eg", ("topk", "qsgd")), ("terngrad | eg(k=0)", ("terngrad",)),
+    ("topk | qsgd | eg", ("topk", "qsgd")), ("terngrad(shared=false) | eg(k=0)", ("terngrad",)),
     ("natural | eg", ("natural",)), ("none | eg", ()),
 ] if all(n in registered() for n in need)]
 

@@ -158,8 +158,11 @@ class Codec:
             else:
                 raise SpecError(f"'{s.name}' cannot appear in the middle of a chain")
         if prev is not None and prev.multi_round and seen_lossless is not None:
+            hint = {"terngrad": "terngrad(shared=false)", "int8": "int8 (shared=off)",
+                    "signsgd": "signsgd(vote=false)"}.get(prev.name)
             raise SpecError(
                 f"'{prev.name}' is multi-round and cannot be followed by lossless coders"
+                + (f"; its single-round form can: {hint}" if hint else "")
             )
         if isinstance(stages[0], Wrapper):
             for s in body:

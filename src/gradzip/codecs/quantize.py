@@ -18,14 +18,29 @@ has only 24 random bits).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from gradzip.codecs.base import Compressor, Slot
-from gradzip.codecs.bitpack import lut_decode, pack_trits, trits_to_values
+from gradzip.codecs.base import Compressor, Shapes, Slot
+from gradzip.codecs.bitpack import (
+    lut_decode,
+    pack_trits,
+    packed_trits_len,
+    trits_to_values,
+    unpack_trits,
+)
 from gradzip.codecs.communicator import Communicator
+from gradzip.codecs.layout import (
+    Layout,
+    block_stats,
+    scale_pieces,
+    spread,
+    tensor_layout,
+    uniform_layout,
+)
+from gradzip.codecs.linkmodel import link_bytes
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, SpecError, at_least, in_range, register
 
@@ -78,31 +93,6 @@ class RandomBits:
 
 
 # ---------------------------------------------------------------- block kernels
-def num_blocks(n: int, block: int) -> int:
-    return (n + block - 1) // block
-
-
-def _segments(n: int, block: int) -> Iterator[tuple[int, int, int, int]]:
-    """Cover ``n`` values in blocks of ``block`` with chunks of about ``_CHUNK`` values.
-
-    Yields ``(start, rows, width, first_block)``: the chunk is ``rows`` whole
-    blocks of ``width`` values, or (for blocks larger than a chunk) part of one
-    block. The last, partial block is its own block.
-    """
-    full = n // block
-    if block <= _CHUNK:
-        per = _CHUNK // block
-        for b in range(0, full, per):
-            yield b * block, min(per, full - b), block, b
-    else:
-        for b in range(full):
-            for s in range(0, block, _CHUNK):
-                yield b * block + s, 1, min(_CHUNK, block - s), b
-    tail = n - full * block
-    for s in range(0, tail, _CHUNK):
-        yield full * block + s, 1, min(_CHUNK, tail - s), full
-
-
 def block_stat(
     x: torch.Tensor, block: int, fn: Callable[[torch.Tensor], torch.Tensor]
 ) -> torch.Tensor:
@@ -137,6 +127,19 @@ def quantize_blocks(
     rand: RandomBits | None,
     clip: bool = False,
 ) -> torch.Tensor:
+    """``quantize_layout`` over one tensor cut into blocks of ``block`` values."""
+    return quantize_layout(x, uniform_layout(x.numel(), block), inv, levels, dtype, rand, clip)
+
+
+def quantize_layout(
+    x: torch.Tensor,
+    layout: Layout,
+    inv: torch.Tensor,
+    levels: int,
+    dtype: torch.dtype,
+    rand: RandomBits | None,
+    clip: bool = False,
+) -> torch.Tensor:
     """Integers ``q`` in [-levels, levels] with ``q ~ x * inv[block]``.
 
     ``rand`` None: round to nearest (|error| <= 1/2 step). Otherwise unbiased
@@ -146,11 +149,11 @@ def quantize_blocks(
     """
     n = x.numel()
     out = torch.empty(n, dtype=dtype, device=x.device)
-    scratch = torch.empty(min(n, _CHUNK), dtype=torch.float32, device=x.device)
-    for start, rows, width, b in _segments(n, block):
-        k = rows * width
+    scratch = torch.empty(layout.largest, dtype=torch.float32, device=x.device)
+    for p in layout.pieces:
+        start, rows, width, k = p.start, p.rows, p.width, p.size
         y = scratch[:k].view(rows, width)
-        torch.mul(x[start:start + k].view(rows, width), inv[b:b + rows, None], out=y)
+        torch.mul(x[start:start + k].view(rows, width), spread(inv, p), out=y)
         if rand is None:
             y.round_()
         else:
@@ -166,17 +169,24 @@ def quantize_blocks(
 
 def dequantize_blocks(q: torch.Tensor, block: int, scale: torch.Tensor) -> torch.Tensor:
     """float32 ``q * scale[block]`` (the inverse of ``quantize_blocks``)."""
+    return dequantize_layout(q, uniform_layout(q.numel(), block), scale)
+
+
+def dequantize_layout(q: torch.Tensor, layout: Layout, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``q * scale[block]`` (the inverse of ``quantize_layout``)."""
     n = q.numel()
-    if scale.numel() != num_blocks(n, block):
+    if n != layout.n:
+        raise PayloadError(f"payload has {n} values, the tensors hold {layout.n}")
+    if scale.numel() != layout.nblocks:
         raise PayloadError(
-            f"payload has {scale.numel()} scales for {n} values in blocks of {block}"
+            f"payload has {scale.numel()} scales for {n} values in {layout.nblocks} blocks"
         )
     out = torch.empty(n, dtype=torch.float32, device=q.device)
-    scale = scale.float()
-    for start, rows, width, b in _segments(n, block):
-        k = rows * width
-        torch.mul(q[start:start + k].view(rows, width), scale[b:b + rows, None],
-                  out=out[start:start + k].view(rows, width))
+    scale = scale.float().reshape(-1)
+    for p in layout.pieces:
+        start, k = p.start, p.size
+        torch.mul(q[start:start + k].view(p.rows, p.width), spread(scale, p),
+                  out=out[start:start + k].view(p.rows, p.width))
     return out
 
 
@@ -206,6 +216,11 @@ def _check_numel(t: torch.Tensor, shape: torch.Size, what: str) -> None:
         )
 
 
+def numels(shapes: Shapes) -> list[int]:
+    """The number of values of each tensor in a bucket."""
+    return [torch.Size(s).numel() for s in shapes]
+
+
 # ---------------------------------------------------------------- int8
 @register("int8")
 class Int8(Compressor):
@@ -228,7 +243,9 @@ class Int8(Compressor):
       no saving over fp32): the exact reference to measure ``narrow`` against.
 
     A plain ``encode`` (or ``topk | int8``, which quantizes the kept values) always
-    uses per-rank scales.
+    uses per-rank scales. Given a bucket's tensor shapes (``encode_tensors``), blocks
+    restart at every tensor, so no block mixes two tensors' magnitudes; the
+    shared-scale ``reduce`` still cuts the bucket as a whole.
     """
 
     summary = "block-wise abs-max int8 (1 byte/value + fp32 scale per block)"
@@ -242,6 +259,7 @@ class Int8(Compressor):
               "or wide (127 levels, int32 sums)", choices=("off", "narrow", "wide")),
     )
     LEVELS = 127
+    per_tensor = True
 
     def __init__(self, **params: object) -> None:
         super().__init__(**params)
@@ -264,6 +282,26 @@ class Int8(Compressor):
         q = p.tensor("q")
         _check_numel(q, shape, "int8 payload")
         return dequantize_blocks(q, self.params["block"], p.tensor("scale")).reshape(shape)
+
+    def encode_tensors(self, x: torch.Tensor, slot: Slot, shapes: Shapes) -> Payload:
+        """Blocks of ``block`` values restarting at each tensor; one fp32 scale per block."""
+        if len(shapes) == 1:
+            return self.encode(x, slot)
+        flat = x.reshape(-1)
+        layout = tensor_layout(numels(shapes), self.params["block"])
+        amax = block_stats(flat, layout, "absmax").float()
+        q = quantize_layout(flat, layout, _safe_inverse(self.LEVELS, amax), self.LEVELS,
+                            torch.int8, self._rand(flat, slot))
+        return Payload({"q": q, "scale": amax / self.LEVELS})
+
+    def decode_tensors(self, p: Payload, shape: torch.Size, slot: Slot | None,
+                       shapes: Shapes) -> torch.Tensor:
+        if len(shapes) == 1:
+            return self.decode(p, shape, slot)
+        q = p.tensor("q")
+        _check_numel(q, shape, "int8 payload")
+        layout = tensor_layout(numels(shapes), self.params["block"])
+        return dequantize_layout(q, layout, p.tensor("scale")).reshape(shape)
 
     def reduce(
         self, x: torch.Tensor, slot: Slot, comm: Communicator, want_local: bool
@@ -306,10 +344,13 @@ class QSGD(Compressor):
     Wire: ``q`` signed integers in [-s, s] in the smallest dtype that fits (int8 for
     s <= 127, then int16, int32), ``norm`` fp32 per bucket. Small integers are what
     the paper codes with Elias codes; here a following ``eg``/``ans`` stage does it.
+    Given a DDP bucket's tensor shapes (``encode_tensors``), buckets of values restart
+    at every tensor, so no norm mixes two tensors.
     """
 
     summary = "QSGD: per-bucket L2 norm + unbiased stochastic rounding to s levels"
     unbiased = True
+    per_tensor = True
     PARAMS = (
         Param("levels", int, 16, "quantization levels s per sign: integers in [-s, s]",
               in_range(1, 2**24)),
@@ -331,6 +372,28 @@ class QSGD(Compressor):
         _check_numel(q, shape, "qsgd payload")
         scale = p.tensor("norm").float() / self.params["levels"]
         return dequantize_blocks(q, self.params["bucket"], scale).reshape(shape)
+
+    def encode_tensors(self, x: torch.Tensor, slot: Slot, shapes: Shapes) -> Payload:
+        """Norm buckets restarting at each tensor; one fp32 norm per bucket."""
+        if len(shapes) == 1:
+            return self.encode(x, slot)
+        flat = x.reshape(-1)
+        s = self.params["levels"]
+        layout = tensor_layout(numels(shapes), self.params["bucket"])
+        norm = block_stats(flat, layout, "sumsq").sqrt_().clamp_(max=_FP32_MAX).float()
+        q = quantize_layout(flat, layout, _safe_inverse(s, norm), s, int_dtype(s),
+                            RandomBits(slot, flat.device))
+        return Payload({"q": q, "norm": norm})
+
+    def decode_tensors(self, p: Payload, shape: torch.Size, slot: Slot | None,
+                       shapes: Shapes) -> torch.Tensor:
+        if len(shapes) == 1:
+            return self.decode(p, shape, slot)
+        q = p.tensor("q")
+        _check_numel(q, shape, "qsgd payload")
+        layout = tensor_layout(numels(shapes), self.params["bucket"])
+        scale = p.tensor("norm").float() / self.params["levels"]
+        return dequantize_layout(q, layout, scale).reshape(shape)
 
 
 # ---------------------------------------------------------------- natural
@@ -423,19 +486,36 @@ class TernGrad(Compressor):
 
     Wire: trits packed five to a byte in base 3 (1.6 bits/value, 20x vs fp32; two-bit
     packing would be 16x) plus ``scale`` fp32. Decoding is a 243-row table lookup.
+    Given a bucket's tensor shapes (``encode_tensors``), the scale is per tensor, as
+    in the paper (one fp32 per tensor on the wire).
+
+    ``shared=true`` (default) shares the scaler across ranks as the paper does: a
+    multi-round ``reduce`` first all-reduces the max of the per-tensor scales (4
+    bytes per tensor), then every rank ternarizes against the shared scales, so the
+    trits of all ranks are integers of one scale and simply add up. The sum goes
+    whichever way the link model says is fewer bytes: an int8 all-reduce (sums in
+    [-W, W]; 2(W-1)/W bytes/value) or an all-gather of the packed trits
+    ((W-1) x 0.2 bytes/value), which wins below 10 ranks. ``shared=false`` keeps
+    per-rank scales (the payloads are then all-gathered and decoded per rank).
     """
 
     summary = "TernGrad: stochastic ternary x max|x| (1.6 bits/value, base-3 packed)"
     unbiased = True
+    per_tensor = True
+    multi_round = True  # the default (shared=true); each instance sets its own
     PARAMS = (
         Param("clip", float, 0.0,
               "clip at clip * std(x) before ternarizing (paper: 2.5); 0 = no clipping",
               at_least(0.0)),
+        Param("shared", bool, True,
+              "share the per-tensor scales across ranks in reduce (max all-reduce), so "
+              "the trits are summed; false: per-rank scales"),
     )
 
     def __init__(self, **params: object) -> None:
         super().__init__(**params)
         self.unbiased = self.params["clip"] == 0.0  # type: ignore[misc]
+        self.multi_round = bool(self.params["shared"])  # type: ignore[misc]
 
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
         flat = x.reshape(-1)
@@ -464,3 +544,100 @@ class TernGrad(Compressor):
         except (TypeError, ValueError) as e:
             raise PayloadError(f"terngrad payload: {e}") from None
         return out.reshape(shape)
+
+    # ------------------------------------------------------------ per tensor
+    def _scales(self, flat: torch.Tensor, layout: Layout, sizes: list[int]) -> torch.Tensor:
+        """fp32 per-tensor scale: max|x|, or min(max|x|, clip * std) when clipping."""
+        scale = block_stats(flat, layout, "absmax")
+        clip = self.params["clip"]
+        if clip > 0:
+            count = torch.tensor(sizes, dtype=torch.float64, device=flat.device)
+            mean = block_stats(flat, layout, "sumpos") + block_stats(flat, layout, "sumneg")
+            mean /= count.clamp(min=1)
+            var = block_stats(flat, layout, "sumsq", center=mean) / (count - 1).clamp(min=1)
+            limit = clip * var.sqrt()
+            use = (count > 1) & (limit > 0)  # a constant tensor has std 0: nothing to clip
+            scale = torch.where(use, torch.minimum(scale, limit), scale)
+        return scale.float()
+
+    def _ternarize(self, flat: torch.Tensor, layout: Layout, scale: torch.Tensor,
+                   slot: Slot) -> torch.Tensor:
+        """int8 trits in {-1, 0, 1}: ``scale * t`` is an unbiased estimate of ``flat``."""
+        return quantize_layout(flat, layout, _safe_inverse(1, scale), 1, torch.int8,
+                               RandomBits(slot, flat.device), clip=self.params["clip"] > 0)
+
+    def encode_tensors(self, x: torch.Tensor, slot: Slot, shapes: Shapes) -> Payload:
+        """One scale per tensor of the bucket (``scale`` has one fp32 per tensor)."""
+        if len(shapes) == 1:
+            return self.encode(x, slot)
+        flat = x.reshape(-1)
+        sizes = numels(shapes)
+        layout = tensor_layout(sizes)
+        scale = self._scales(flat, layout, sizes)
+        codes = self._ternarize(flat, layout, scale, slot).view(torch.uint8).add_(1)
+        return Payload({"trits": pack_trits(codes), "scale": scale})
+
+    def decode_tensors(self, p: Payload, shape: torch.Size, slot: Slot | None,
+                       shapes: Shapes) -> torch.Tensor:
+        if len(shapes) == 1:
+            return self.decode(p, shape, slot)
+        scale = p.tensor("scale")
+        if scale.numel() != len(shapes):
+            raise PayloadError(
+                f"terngrad payload has {scale.numel()} scales for {len(shapes)} tensors"
+            )
+        try:
+            unit = trits_to_values(p.tensor("trits"), shape.numel(), (-1.0, 0.0, 1.0))
+        except (TypeError, ValueError) as e:
+            raise PayloadError(f"terngrad payload: {e}") from None
+        return scale_pieces(unit, tensor_layout(numels(shapes)), scale.reshape(-1)).reshape(shape)
+
+    # ------------------------------------------------------------ shared-scale reduce
+    def reduce(
+        self, x: torch.Tensor, slot: Slot, comm: Communicator, want_local: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The shared-scale reduce of ``x`` as one tensor (see ``reduce_tensors``)."""
+        return self.reduce_tensors(x, slot, comm, want_local, (x.shape,))
+
+    def reduce_tensors(
+        self, x: torch.Tensor, slot: Slot, comm: Communicator, want_local: bool,
+        shapes: Shapes,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Max all-reduce of the per-tensor scales, then the sum of the trits (class doc).
+
+        Returns (mean over ranks, this rank's own decoded trits for error feedback).
+        """
+        flat = x.reshape(-1)
+        sizes = numels(shapes)
+        layout = tensor_layout(sizes)
+        scale = self._scales(flat, layout, sizes)
+        if scale.numel():
+            (scale,) = comm.all_reduce([scale], op="max")
+        t = self._ternarize(flat, layout, scale, slot)
+        local = None
+        if want_local:
+            local = scale_pieces(t.float(), layout, scale).reshape(x.shape)
+        total = sum_trits(t, comm)
+        mean = scale_pieces(total.float(), layout, scale / comm.world_size)
+        return mean.reshape(x.shape), local
+
+
+def sum_trits(t: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """The element-wise sum over ranks of int8 trits ``t``, by the cheaper collective.
+
+    An int8 all-reduce (the sum stays in [-W, W], so W <= 127) sends 2(W-1)/W bytes
+    per value; an all-gather of the packed trits (W-1) x 0.2: the link model decides.
+    """
+    world, n = comm.world_size, t.numel()
+    if n == 0:
+        return t
+    by_gather = link_bytes("all_gather", packed_trits_len(n), world)
+    if world <= 127 and link_bytes("all_reduce", n, world) <= by_gather:
+        (total,) = comm.all_reduce([t], op="sum")
+        return total
+    packed = pack_trits(t.view(torch.uint8).add(1))  # -1, 0, 1 -> 0, 1, 2
+    total = torch.full((n,), -world, dtype=torch.int16 if world < 2**14 else torch.int32,
+                       device=t.device)
+    for blob in comm.all_gather(packed):
+        total.add_(unpack_trits(blob, n).to(t.device))
+    return total

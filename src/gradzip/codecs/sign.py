@@ -14,16 +14,17 @@ import math
 import numpy as np
 import torch
 
-from gradzip.codecs.base import Compressor, Slot
+from gradzip.codecs.base import Compressor, Shapes, Slot
 from gradzip.codecs.bitpack import (
     bits_to_values,
     count_ones,
-    pack_bits,
     pack_signs,
     unpack_bits,
 )
 from gradzip.codecs.communicator import Communicator
+from gradzip.codecs.layout import Layout, block_stats, scale_pieces, spread, tensor_layout
 from gradzip.codecs.payload import Payload, PayloadError
+from gradzip.codecs.quantize import numels
 from gradzip.codecs.registry import Param, register
 
 #: values per chunk for the reductions below (512 KB of fp32: stays in L2)
@@ -69,6 +70,19 @@ def _scalar(p: Payload, name: str) -> float:
     if t.numel() != 1:
         raise PayloadError(f"payload field {name!r} must hold one value, has {t.numel()}")
     return float(t.reshape(-1)[0])
+
+
+def _counts(sizes: list[int], device: torch.device) -> torch.Tensor:
+    """float64 number of values per tensor (for per-tensor means)."""
+    return torch.tensor(sizes, dtype=torch.float64, device=device)
+
+
+def _finite_stats(flat: torch.Tensor, layout: Layout, kind: str) -> torch.Tensor:
+    """``block_stats`` with float32 partials, redone from float64 if one overflowed."""
+    out = block_stats(flat, layout, kind)
+    if not torch.isfinite(out).all():
+        out = block_stats(flat.double(), layout, kind)
+    return out
 
 
 def _decode_signs(p: Payload, shape: torch.Size, pos: float, neg: float) -> torch.Tensor:
@@ -179,10 +193,12 @@ class EFSignSGD(Compressor):
 
     own_feedback = True
     positional_state = True  # the residual, one value per coordinate
+    per_tensor = True
 
     summary = "EF-signSGD: (||p||_1/d) sign(p) with built-in error feedback (1 bit/value)"
 
-    def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
+    def _compensated(self, x: torch.Tensor, slot: Slot) -> torch.Tensor:
+        """``p = x + e``, in the memory's own storage (updated in place after sending)."""
         residual = slot.data.get("residual")
         if residual is not None and residual.shape != x.shape:
             raise ValueError(
@@ -192,9 +208,11 @@ class EFSignSGD(Compressor):
         # the memory is updated in place (a fresh 64 MB tensor per step costs ~40 ms
         # in page faults); like every stage's state, take a deep copy to snapshot it
         if residual is None:
-            p = x.float().clone(memory_format=torch.contiguous_format)
-        else:
-            p = residual.to(x.device).add_(x)
+            return x.float().clone(memory_format=torch.contiguous_format)
+        return residual.to(x.device).add_(x)
+
+    def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
+        p = self._compensated(x, slot)
         flat = p.reshape(-1)
         n = flat.numel()
         scale = _l1(flat) / n if n else 0.0
@@ -211,6 +229,41 @@ class EFSignSGD(Compressor):
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
         s = _scalar(p, "scale")
         return _decode_signs(p, shape, s, -s)
+
+    def encode_tensors(self, x: torch.Tensor, slot: Slot, shapes: Shapes) -> Payload:
+        """Scale ``||p_i||_1 / d_i`` per tensor of the bucket; the memory stays per bucket.
+
+        ``scale`` has one fp32 per tensor (0 for an empty one).
+        """
+        if len(shapes) == 1:
+            return self.encode(x, slot)
+        p = self._compensated(x, slot)
+        flat = p.reshape(-1)
+        sizes = numels(shapes)
+        layout = tensor_layout(sizes)
+        l1 = _finite_stats(flat, layout, "sumabs")
+        scale = (l1 / _counts(sizes, flat.device).clamp(min=1)).float()
+        bits = pack_signs(flat)
+        # e = p - copysign(scale_i, p), piece by piece through a small buffer
+        scratch = torch.empty(layout.largest, device=flat.device)
+        for piece in layout.pieces:
+            c = flat[piece.start:piece.start + piece.size].view(piece.rows, piece.width)
+            b = scratch[:piece.size].view(piece.rows, piece.width)
+            c.sub_(torch.copysign(spread(scale, piece), c, out=b))
+        slot.data["residual"] = p
+        return Payload({"bits": bits, "scale": scale})
+
+    def decode_tensors(self, p: Payload, shape: torch.Size, slot: Slot | None,
+                       shapes: Shapes) -> torch.Tensor:
+        if len(shapes) == 1:
+            return self.decode(p, shape, slot)
+        scale = p.tensor("scale").float().reshape(-1)
+        if scale.numel() != len(shapes):
+            raise PayloadError(
+                f"efsignsgd payload has {scale.numel()} scales for {len(shapes)} tensors"
+            )
+        unit = _decode_signs(p, torch.Size((shape.numel(),)), 1.0, -1.0)
+        return scale_pieces(unit, tensor_layout(numels(shapes)), scale).reshape(shape)
 
 
 # ---------------------------------------------------------------- onebit
@@ -230,6 +283,10 @@ class OneBit(Compressor):
     ``scope=tensor``. Wire: signs bit-packed (1 bit/value) + ``recon`` fp32 of shape
     (2,) or (2, columns), holding (positive mean, negative mean): 16M values in one
     tensor are 32x smaller than fp32.
+
+    Given a bucket's tensor shapes (``encode_tensors``), the scope applies to each
+    tensor in it: ``recon`` holds a pair per non-column tensor, shape (2, tensors),
+    and ``cols`` the column pairs of the column tensors, shape (2, their columns).
     """
 
     summary = "1-bit SGD: sign bits + per-column means of each side (use with ef)"
@@ -239,9 +296,14 @@ class OneBit(Compressor):
               choices=("column", "tensor")),
     )
     MIN_ROWS = 256
+    per_tensor = True
+
+    def _by_column(self, shape: torch.Size) -> bool:
+        """Whether a tensor of ``shape`` gets a pair per column (else one pair)."""
+        return self.params["scope"] == "column" and len(shape) == 2 and shape[0] >= self.MIN_ROWS
 
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
-        if self.params["scope"] == "column" and x.dim() == 2 and x.shape[0] >= self.MIN_ROWS:
+        if self._by_column(x.shape):
             return self._encode_columns(x)
         flat = x.reshape(-1)
         n = flat.numel()
@@ -254,6 +316,11 @@ class OneBit(Compressor):
     @staticmethod
     def _encode_columns(x: torch.Tensor) -> Payload:
         x = x.contiguous()
+        return Payload({"bits": pack_signs(x), "recon": OneBit._column_recon(x)})
+
+    @staticmethod
+    def _column_recon(x: torch.Tensor) -> torch.Tensor:
+        """fp32 (2, columns): each column's (positive mean, negative mean) of 2-D ``x``."""
         rows, cols = x.shape
         mask = torch.signbit(x)
         if x.device.type == "cpu":  # numpy's column sum of uint8 is ~5x faster here
@@ -275,7 +342,7 @@ class OneBit(Compressor):
             pos = x.clamp(min=0).sum(0, dtype=torch.float64)
             neg = x.clamp(max=0).sum(0, dtype=torch.float64)
         recon = torch.stack([pos / (rows - nneg).clamp(min=1), neg / nneg.clamp(min=1)])
-        return Payload({"bits": pack_bits(mask), "recon": recon.float()})
+        return recon.float()
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
         recon = p.tensor("recon").float()
@@ -290,13 +357,93 @@ class OneBit(Compressor):
             mask = unpack_bits(p.tensor("bits"), shape.numel()).to(recon.device).view(shape)
         except (TypeError, ValueError) as e:
             raise PayloadError(f"onebit payload: {e}") from None
+        out = torch.empty(shape, dtype=torch.float32, device=recon.device)
+        return self._fill_columns(out, mask, recon)
+
+    @staticmethod
+    def _fill_columns(out: torch.Tensor, mask: torch.Tensor, recon: torch.Tensor) -> torch.Tensor:
+        """2-D ``out`` = each column's positive mean, or its negative mean where ``mask``.
+
+        ``mask`` (bool, or float 0/1) may be ``out`` itself.
+        """
         # positive mean + bit * (negative mean - positive mean), band by band
         pos, diff = recon[0], recon[1] - recon[0]
         if not torch.isfinite(diff).all():  # means near float32's limit: the gap overflows
-            return torch.where(mask, recon[1], recon[0])
-        out = torch.empty(shape, dtype=torch.float32, device=recon.device)
-        band = max(1, _CHUNK // shape[1])
-        for r in range(0, shape[0], band):
+            return out.copy_(torch.where(mask.bool(), recon[1], recon[0]))
+        band = max(1, _CHUNK // out.shape[1])
+        for r in range(0, out.shape[0], band):
             o = out[r:r + band]
             torch.mul(mask[r:r + band], diff, out=o).add_(pos)
         return out
+
+    # ------------------------------------------------------------ per tensor
+    def _split(self, shapes: Shapes) -> tuple[list[int], list[bool]]:
+        """Each tensor's size, and whether it gets column pairs."""
+        return numels(shapes), [self._by_column(torch.Size(s)) for s in shapes]
+
+    def encode_tensors(self, x: torch.Tensor, slot: Slot, shapes: Shapes) -> Payload:
+        """Pairs per tensor (vectorized over the bucket), column pairs per tall matrix."""
+        if len(shapes) == 1:
+            return self.encode(x.reshape(shapes[0]), slot)
+        flat = x.reshape(-1).contiguous()
+        sizes, columns = self._split(shapes)
+        layout = tensor_layout(sizes, skip=columns)
+        pos = _finite_stats(flat, layout, "sumpos")
+        neg = _finite_stats(flat, layout, "sumneg")
+        nneg = block_stats(flat, layout, "countneg")
+        count = _counts([n for n, c in zip(sizes, columns, strict=True) if not c], flat.device)
+        recon = torch.stack([pos / (count - nneg).clamp(min=1), neg / nneg.clamp(min=1)])
+        cols = [self._column_recon(t.view(shape))
+                for t, shape in self._column_tensors(flat, shapes, sizes, columns)]
+        return Payload({
+            "bits": pack_signs(flat),
+            "recon": recon.float(),
+            "cols": torch.cat(cols, 1) if cols else torch.zeros(2, 0),
+        })
+
+    @staticmethod
+    def _column_tensors(flat: torch.Tensor, shapes: Shapes, sizes: list[int],
+                        columns: list[bool]) -> list[tuple[torch.Tensor, torch.Size]]:
+        """(flat slice, shape) of each column tensor, in bucket order."""
+        out, offset = [], 0
+        for shape, n, col in zip(shapes, sizes, columns, strict=True):
+            if col:
+                out.append((flat[offset:offset + n], torch.Size(shape)))
+            offset += n
+        return out
+
+    def decode_tensors(self, p: Payload, shape: torch.Size, slot: Slot | None,
+                       shapes: Shapes) -> torch.Tensor:
+        if len(shapes) == 1:
+            return self.decode(p, torch.Size(shapes[0]), slot).reshape(shape)
+        sizes, columns = self._split(shapes)
+        recon, cols = p.tensor("recon").float(), p.tensor("cols").float()
+        ncols = sum(s[1] for s, c in zip(shapes, columns, strict=True) if c)
+        if recon.shape != (2, len(sizes) - sum(columns)) or cols.shape != (2, ncols):
+            raise PayloadError(
+                f"onebit payload: reconstruction values {tuple(recon.shape)} and "
+                f"{tuple(cols.shape)} do not fit the bucket's tensors"
+            )
+        # the sign bits as float 0/1 through the lookup table (bool x float is slow),
+        # then scaled and shifted in place: pos + bit * (neg - pos)
+        out = _decode_signs(p, torch.Size((shape.numel(),)), 0.0, 1.0).to(recon.device)
+        self._fill_pairs(out, recon, tensor_layout(sizes, skip=columns))
+        c0 = 0
+        for o, s in self._column_tensors(out, shapes, sizes, columns):
+            self._fill_columns(o.view(s), o.view(s), cols[:, c0:c0 + s[1]])
+            c0 += s[1]
+        return out.reshape(shape)
+
+    @staticmethod
+    def _fill_pairs(out: torch.Tensor, recon: torch.Tensor, layout: Layout) -> None:
+        """Flat ``out`` holds bits as 0/1: make it its tensor's positive mean, or its
+        negative mean where the bit is 1."""
+        pos, neg = recon[0].contiguous(), recon[1].contiguous()
+        diff = neg - pos
+        finite = bool(torch.isfinite(diff).all())
+        for piece in layout.pieces:
+            o = out[piece.start:piece.start + piece.size].view(piece.rows, piece.width)
+            if finite:
+                o.mul_(spread(diff, piece)).add_(spread(pos, piece))
+            else:  # means near float32's limit: the gap overflows
+                o.copy_(torch.where(o > 0.5, spread(neg, piece), spread(pos, piece)))
