@@ -137,16 +137,18 @@ def _print_table(results: list[dict[str, Any]], steps: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"bytes per rank per step over {steps} DDP steps (MLP, gloo on a "
-                        "namespace's lo); kernel = lo tx counter")
-    for col in ("codec", "W", "bytes_wire", "kernel", "kernel / wire", "handed", "ops"):
-        table.add_column(col, justify="left" if col in ("codec", "ops") else "right")
+    table = Table(title=f"bytes per rank per step, {steps} DDP steps; kernel: lo tx counter")
+    for col in ("codec", "W", "bytes_wire", "kernel", "kernel / wire", "handed",
+                "collective calls per rank per step"):
+        left = col == "codec" or col.startswith("coll")
+        table.add_column(col, justify="left" if left else "right")
     for r in results:
         if "error" in r:
             table.add_row(r["spec"], str(r["ranks"]), "-", "-", "failed", "-", r["error"][:60])
             continue
         ratio = r["kernel_over_wire"]
-        ops = ", ".join(f"{op} x{n // r['ranks']}" for op, n in r["calls_by_op"].items())
+        per = r["ranks"] * r["steps"]
+        ops = ", ".join(f"{op} {n / per:.1f}" for op, n in r["calls_by_op"].items())
         table.add_row(r["spec"], str(r["ranks"]), f"{r['wire_per_rank_step']:,.0f}",
                       f"{r['kernel_per_rank_step']:,.0f}",
                       "-" if ratio is None else f"{ratio:.3f}",
