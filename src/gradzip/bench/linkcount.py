@@ -24,6 +24,13 @@ one JSON line per case, as soon as it is done:
 sends against the link model, and the fixed cost of a call) and prints one JSON line
 per collective.
 
+What it found (gloo, torch 2.13, W = 2 and 4): all_reduce, all_gather(_into_tensor),
+all_to_all and broadcast send what ``gradzip.codecs.linkmodel`` says to within 0.4 %
+at 1 MiB, plus a fixed cost per call (TCP/IP headers, ACKs, gloo's preambles and
+ring notifications, ~90 bytes per packet): per rank, all_reduce ~1.3 kB (W=2) /
+~4.1 kB (W=4), all_gather ~0.65 / ~2.1 kB, all_to_all ~0.34 / ~1.0 kB, a barrier
+~0.33 / ~0.67 kB. ``reduce_scatter_tensor`` is a full all-reduce: 2(W-1)/W x n.
+
 Reading the counter: all ranks pass a barrier, rank 0 waits 50 ms (so trailing
 packets and delayed ACKs land) and reads while the others wait 150 ms before going
 on. The sleeps only keep the window edges clean; they decide nothing.
