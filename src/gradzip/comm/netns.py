@@ -1,0 +1,231 @@
+"""Run a command inside a fresh network namespace and count the bytes it sends.
+
+One idea, used twice: ``unshare --user --map-root-user --net`` gives an unprivileged
+process its own network stack with only a loopback device. Everything the
+processes inside send to each other crosses that ``lo``, and ``/proc/net/dev`` (which
+is per namespace; ``/sys/class/net`` is not) counts it. So
+
+* the kernel's ``lo`` tx counter is ground truth for the bytes a group of local
+  ranks put on the wire (``tests/test_link_bytes.py``, ``gradzip bench link``), and
+* a ``tbf`` qdisc on that ``lo`` turns it into a bandwidth-limited link shared by
+  all ranks (``gradzip compare``).
+
+``netns_available()`` says whether this machine can do it (and why not),
+``run_in_netns(argv, rate="100mbit")`` runs a command in a fresh namespace, and
+``loopback_bytes()``, called from inside, reads the counters.
+
+The namespace has no other interface, so gloo must use ``lo``: ``run_in_netns`` sets
+``GLOO_SOCKET_IFNAME=lo`` unless the caller's ``env`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+__all__ = [
+    "NetnsError", "loopback_bytes", "netns_available", "netns_command", "run_in_netns",
+    "tbf_burst",
+]
+
+#: exit status of the namespace's setup script when ``ip``/``tc`` failed (the command
+#: itself never ran); chosen to be unlikely for a real command
+SETUP_FAILED = 97
+_MARK = "gradzip.netns setup failed:"
+
+_UNSHARE = ["unshare", "--user", "--map-root-user", "--net", "--"]
+
+# bring lo up, optionally shape it, then exec the command (its pid and status become
+# the namespace's: a signal to the process group reaches it directly)
+_SETUP = r"""
+ip link set lo up || { echo "gradzip.netns setup failed: ip link set lo up" >&2; exit 97; }
+if [ -n "$GRADZIP_NETNS_RATE" ]; then
+  tc qdisc add dev lo root tbf rate "$GRADZIP_NETNS_RATE" burst "$GRADZIP_NETNS_BURST" \
+     latency "$GRADZIP_NETNS_LATENCY" || {
+    echo "gradzip.netns setup failed: tc qdisc add dev lo root tbf rate $GRADZIP_NETNS_RATE" >&2
+    exit 97; }
+fi
+exec "$@"
+"""
+
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)$", re.IGNORECASE)
+_SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+_USERNS_HELP = (
+    "unprivileged user namespaces are disabled or restricted on this machine. Enable "
+    "them as root: `sysctl kernel.unprivileged_userns_clone=1` (Debian), "
+    "`sysctl user.max_user_namespaces=15000` (if it is 0), or on Ubuntu >= 23.10 "
+    "`sysctl kernel.apparmor_restrict_unprivileged_userns=0`; inside a container, "
+    "run it with a seccomp profile that allows unshare(CLONE_NEWUSER)"
+)
+
+
+class NetnsError(RuntimeError):
+    """The namespace could not be made (not the command failing inside it)."""
+
+
+def _missing_tools(shaping: bool) -> list[str]:
+    need = {"unshare": "util-linux", "ip": "iproute2"}
+    if shaping:
+        need["tc"] = "iproute2"
+    return [f"{tool} (package {pkg})" for tool, pkg in need.items() if shutil.which(tool) is None]
+
+
+@functools.cache
+def netns_available(shaping: bool = False) -> tuple[bool, str]:
+    """``(True, "")`` if a fresh user+net namespace with ``lo`` up works here, else
+    ``(False, why and how to fix it)``. ``shaping=True`` also requires a ``tbf``
+    qdisc on ``lo`` to work. Tries it for real once per process (cached)."""
+    missing = _missing_tools(shaping)
+    if missing:
+        return False, f"missing tools: {', '.join(missing)}; install them"
+    check = "ip link set lo up && grep -q '^ *lo:' /proc/net/dev"
+    if shaping:
+        check += " && tc qdisc add dev lo root tbf rate 100mbit burst 256kb latency 100ms"
+    try:
+        proc = subprocess.run([*_UNSHARE, "sh", "-c", check], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"a trial namespace failed: {e}"
+    if proc.returncode == 0:
+        return True, ""
+    err = proc.stderr.strip()
+    if "unshare" in err and ("Operation not permitted" in err or "Permission denied" in err
+                             or "No space left" in err):
+        return False, f"{err}: {_USERNS_HELP}"
+    if shaping and ("tc" in err or "qdisc" in err.lower()):
+        return False, (f"a tbf qdisc on lo failed ({err}); the kernel needs the sch_tbf "
+                       "module (`modprobe sch_tbf` as root)")
+    return False, f"a trial namespace failed (exit {proc.returncode}): {err or 'no message'}"
+
+
+def loopback_bytes(proc_net_dev: str | os.PathLike[str] = "/proc/net/dev") -> tuple[int, int]:
+    """``(rx_bytes, tx_bytes)`` of ``lo`` in the current network namespace.
+
+    Inside a fresh namespace both count every byte any process there sent over
+    loopback (what is sent on ``lo`` is also received on it), IP and TCP headers
+    included.
+    """
+    text = Path(proc_net_dev).read_text()
+    for line in text.splitlines():
+        name, sep, fields = line.partition(":")
+        if sep and name.strip() == "lo":
+            cols = fields.split()
+            return int(cols[0]), int(cols[8])  # receive bytes, transmit bytes
+    raise NetnsError(f"no 'lo' line in {proc_net_dev}; is this a Linux network namespace?")
+
+
+def rate_bits_per_second(rate: str) -> float:
+    """``"100mbit"`` -> 1e8; tc's units (``bit``: bits/s, ``bps``: bytes/s; k/m/g = 1000)."""
+    m = _RATE.match(rate.strip())
+    if not m:
+        raise ValueError(
+            f"rate must look like tc's, e.g. '100mbit', '1gbit', '500kbit' or '10mbps' "
+            f"(bytes/s), got {rate!r}"
+        )
+    value = float(m.group(1)) * _SCALE[m.group(2).lower()]
+    return value * (8 if m.group(3).lower() == "bps" else 1)
+
+
+def tbf_burst(rate: str) -> str:
+    """The token bucket size for ``rate``: 10 ms of traffic, at least 256 KiB.
+
+    tbf drops any packet larger than its bucket, and lo's MTU is 64 KiB; the kernel
+    refills the bucket once per timer tick (1-10 ms), so it must also hold a tick's
+    worth of traffic or the link runs slower than ``rate``. 256 KiB covers 200 Mbit/s
+    at a 10 ms tick; faster rates get 10 ms of traffic.
+    """
+    nbytes = max(256 * 1024, int(rate_bits_per_second(rate) / 8 * 0.010))
+    return f"{(nbytes + 1023) // 1024}kb"  # tc's "kb" is KiB
+
+
+def netns_command(argv: Sequence[str], *, rate: str | None = None,
+                  latency: str = "100ms") -> tuple[list[str], dict[str, str]]:
+    """The argv that runs ``argv`` in a fresh namespace, and the env entries it needs.
+
+    ``rate`` (tc syntax, e.g. ``"100mbit"``) puts ``tbf rate RATE burst
+    tbf_burst(RATE) latency LATENCY`` on ``lo``: one link shared by every process
+    inside. ``latency`` bounds how long a packet may queue in the bucket (packets
+    beyond that are dropped and TCP retransmits them); 100 ms is ample for TCP to
+    keep the link busy without hiding a stall.
+    """
+    if not argv:
+        raise ValueError("run_in_netns needs a command")
+    extra = {"GRADZIP_NETNS_RATE": ""}
+    if rate is not None:
+        extra.update(GRADZIP_NETNS_RATE=rate.strip(), GRADZIP_NETNS_BURST=tbf_burst(rate),
+                     GRADZIP_NETNS_LATENCY=latency)
+    return [*_UNSHARE, "sh", "-c", _SETUP, "gradzip-netns", *map(str, argv)], extra
+
+
+def run_in_netns(
+    argv: Sequence[str],
+    *,
+    rate: str | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 600.0,
+    cwd: str | os.PathLike[str] | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in a fresh user+net namespace with ``lo`` up (shaped to ``rate``).
+
+    Returns the ``CompletedProcess`` (text ``stdout``/``stderr``) whatever the
+    command's exit status, as ``subprocess.run`` does. ``env`` defaults to this
+    process's environment (plus ``GLOO_SOCKET_IFNAME=lo``). ``on_line`` is called with
+    each stdout line as it arrives (for progress displays). Raises ``NetnsError`` if
+    the namespace or the qdisc cannot be made, ``subprocess.TimeoutExpired`` after
+    ``timeout`` seconds, having killed the command and everything it started.
+    """
+    ok, why = netns_available(shaping=rate is not None)
+    if not ok:
+        raise NetnsError(f"cannot run in a network namespace: {why}")
+    cmd, extra = netns_command(argv, rate=rate)
+    full_env = dict(os.environ if env is None else env)
+    full_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    full_env.update(extra)
+    lines: list[str] = []
+    with tempfile.TemporaryFile("w+") as err:
+        # own session: on timeout the whole process tree (ranks included) is killed
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env=full_env, cwd=cwd, start_new_session=True)
+        timed_out = threading.Event()
+
+        def kill() -> None:
+            timed_out.set()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+        timer = threading.Timer(timeout, kill)
+        timer.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)
+                if on_line is not None:
+                    on_line(line.rstrip("\n"))
+            proc.wait()
+        finally:
+            timer.cancel()
+            if proc.poll() is None:  # on_line raised: don't leave the tree running
+                kill()
+                proc.wait()
+        err.seek(0)
+        stderr = err.read()
+    stdout = "".join(lines)
+    if timed_out.is_set():
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+    if proc.returncode == SETUP_FAILED and _MARK in stderr:
+        what = stderr[stderr.index(_MARK) + len(_MARK):].strip()
+        hint = ("; the kernel needs the sch_tbf module and a valid rate" if "tc" in what
+                else "")
+        raise NetnsError(f"namespace setup failed: {what}{hint}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

@@ -1,0 +1,64 @@
+"""``gradzip.comm.netns``: counters, tbf settings, and a real namespace when possible."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from gradzip.comm.netns import (
+    NetnsError,
+    loopback_bytes,
+    netns_available,
+    rate_bits_per_second,
+    run_in_netns,
+    tbf_burst,
+)
+
+# the format of /proc/net/dev (header lines, then "name: 8 rx fields 8 tx fields")
+PROC_NET_DEV = "\n".join([
+    "Inter-|   Receive                                     |  Transmit",
+    " face |bytes packets errs drop fifo frame compressed multicast|bytes packets ...",
+    "  eth0: 999 9 0 0 0 0 0 0 888 8 0 0 0 0 0 0",
+    "    lo: 1234 5 0 0 0 0 0 0 5678 6 0 0 0 0 0 0",
+]) + "\n"
+
+
+def test_loopback_bytes_reads_lo(tmp_path):
+    path = tmp_path / "dev"
+    path.write_text(PROC_NET_DEV)
+    assert loopback_bytes(path) == (1234, 5678)
+    path.write_text(PROC_NET_DEV.replace("    lo:", "  eth1:"))
+    with pytest.raises(NetnsError, match="no 'lo' line"):
+        loopback_bytes(path)
+
+
+def test_rates_and_burst():
+    assert rate_bits_per_second("100mbit") == 1e8
+    assert rate_bits_per_second("10mbps") == 8e7
+    assert tbf_burst("100mbit") == "256kb"  # at least 256 KiB: above lo's 64 KiB MTU
+    assert tbf_burst("10gbit") == "12208kb"  # 10 ms of traffic
+    with pytest.raises(ValueError, match="100mbit"):
+        tbf_burst("fast")
+
+
+@pytest.mark.skipif(not netns_available(shaping=True)[0],
+                    reason=f"no network namespace here: {netns_available(shaping=True)[1]}")
+def test_run_in_netns_counts_and_shapes():
+    code = ("import socket\n"
+            "from gradzip.comm.netns import loopback_bytes\n"
+            "srv = socket.create_server(('127.0.0.1', 0))\n"
+            "a = socket.create_connection(srv.getsockname()); b, _ = srv.accept()\n"
+            "before = loopback_bytes()[1]\n"
+            "a.sendall(b'x' * 100000); n = 0\n"
+            "while n < 100000: n += len(b.recv(65536))\n"
+            "print(loopback_bytes()[1] - before)\n")
+    lines: list[str] = []
+    proc = run_in_netns([sys.executable, "-c", code], rate="100mbit", on_line=lines.append)
+    assert proc.returncode == 0, proc.stderr
+    sent = int(proc.stdout.split()[-1])
+    assert 100000 <= sent < 110000  # payload plus TCP/IP headers and ACKs
+    assert lines == proc.stdout.splitlines()
+    shown = run_in_netns(["tc", "qdisc", "show", "dev", "lo"], rate="100mbit")
+    assert "tbf" in shown.stdout and "100Mbit" in shown.stdout
+    assert run_in_netns(["sh", "-c", "exit 3"]).returncode == 3
