@@ -67,7 +67,8 @@ def test_none_is_bit_identical_to_plain_ddp_with_accumulation():
     assert r0["identical"] == [True] * 5 and r1["identical"] == [True] * 5
     t = r0["totals"]
     assert t["steps"] == 5
-    assert t["bytes_raw"] == 5 * 4 * r0["numel"]
+    assert t["bytes_handed"] == 5 * 4 * r0["numel"]
+    assert t["bytes_raw"] == t["bytes_wire"]  # the same all-reduces, link-modelled
     assert t["bytes_wire"] == t["bytes_raw"]  # fp32 all-reduce of every bucket
     assert t["compression_ratio"] == 1.0 and t["density"] == 1.0
     assert t["extra_collectives"] == 0 and t["index_bytes"] == 0
@@ -167,7 +168,9 @@ def test_error_feedback_converges_on_least_squares():
     for spec in specs:
         assert r0[spec]["err"] < 1e-3, (spec, r0[spec]["err"])
         assert r0[spec]["residual"] is not None
-        assert r0[spec]["totals"]["compression_ratio"] > 1.5
+        # payloads are smaller than the fp32 gradient (on the link, gloo's per-call
+        # transport outweighs 64 values: the compression ratio is honestly below 1 here)
+        assert r0[spec]["totals"]["bytes_handed"] < 4 * 64 * 200 / 1.5
 
 
 # ---------------------------------------------------------------- bytes are honest
@@ -196,7 +199,8 @@ def test_bytes_handed_equals_bytes_passed_to_collectives():
     for spec, r in r0.items():
         t = r["totals"]
         # diagnostic all-reduces go to the same group but are reported apart
-        assert r["seen"] == t["bytes_handed"] + t["bytes_diagnostic"], spec
+        # (2 compressed steps of 3, each with an fp32 all-reduce of the 1633 parameters)
+        assert r["seen"] == t["bytes_handed"] + 2 * 4 * 1633, spec
         assert t["bytes_diagnostic"] > 0
         assert sum(t["bytes_by_op"].values()) == t["bytes_wire"]
         last = r["last"]
@@ -204,7 +208,8 @@ def test_bytes_handed_equals_bytes_passed_to_collectives():
     assert r0["none"]["last"]["grad_rel_error"] == 0.0
     assert r0["none"]["last"]["grad_cos_sim"] == pytest.approx(1.0)
     fp16 = r0["fp16"]["last"]
-    assert fp16["bytes_wire"] * 2 == fp16["bytes_raw"]
+    assert fp16["bytes_handed"] * 2 == 4 * 1633  # half the fp32 bytes go in, and on the
+    assert fp16["bytes_wire"] < 0.7 * fp16["bytes_raw"]  # link gloo adds a per-call cost
     assert 0 < fp16["grad_rel_error"] < 1e-2
     assert r0["ef | powersgd"]["last"]["extra_collectives"] > 0
     # summable payloads are all-reduced, the others all-gathered (sizes first)
@@ -216,7 +221,7 @@ def test_bytes_handed_equals_bytes_passed_to_collectives():
         assert last["extra_collectives"] == last["calls_by_op"]["all_gather"] // 2, spec
     topk = r0["ef | topk(ratio=0.1)"]["last"]
     assert topk["density"] == pytest.approx(0.1, abs=0.01)
-    assert 0 < topk["index_bytes"] < topk["bytes_wire"] < topk["bytes_raw"] / 4
+    assert 0 < topk["index_bytes"] < topk["bytes_handed"] < 4 * 1633 / 4
     assert topk["residual_norm"] > 0
 
 
@@ -375,10 +380,16 @@ def test_hook_returns_a_pending_future_without_blocking():
 
 
 # ---------------------------------------------------------------- 4 ranks: aggregation
+def _wide_model() -> nn.Module:
+    torch.manual_seed(0)  # 70k parameters: payloads, not gloo's per-call cost, dominate
+    return nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
+                         nn.Linear(256, 1))
+
+
 def _four_ranks(rank: int, specs: list[str], steps: int) -> dict:
     out = {}
     for spec in specs:
-        model = DDP(_model(), bucket_cap_mb=0.002)
+        model = DDP(_wide_model(), bucket_cap_mb=0.1)
         handle = gradzip.attach(model, spec, seed=1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         x, y = _batch(0, rank, n=64)

@@ -169,12 +169,13 @@ def test_fsdp2_compressed_reduce_scatter():
         assert r["ops_seen"] == ["AVG", "PREMUL_SUM", "SUM"]
         assert 0 < r["fp16_diff"] < 1e-3
     t = r0["none_totals"]
-    # a reduce-scatter hands in the whole input and sends (W-1)/W of it: half at 2 ranks
-    assert t["bytes_handed"] == r0["none_seen"] == 2 * t["bytes_wire"]
-    assert t["bytes_wire"] == t["bytes_raw"]
+    # gloo's reduce-scatter is a ring all-reduce: at 2 ranks it sends its whole input,
+    # plus a per-call transport cost
+    assert t["bytes_handed"] == r0["none_seen"] < t["bytes_wire"] == t["bytes_raw"]
     assert t["calls_by_op"] == {"reduce_scatter": t["calls_by_op"]["reduce_scatter"]}
     last = r0["fp16_last"]
-    assert last["bytes_wire"] * 2 == last["bytes_raw"]
+    assert last["bytes_wire"] < 0.75 * last["bytes_raw"]  # half the data; gloo's per-call
+    # transport is the same for both
     assert 0 < last["grad_rel_error"] < 1e-2 and last["grad_cos_sim"] > 0.9999
     for spec in lossy:
         losses, t = r0[spec]["losses"], r0[spec]["totals"]

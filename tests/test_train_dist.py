@@ -54,8 +54,10 @@ def test_plain_ddp_counts_every_all_reduce_byte(cache: Path, tmp_path: Path) -> 
                     "--grad-accum", "2"))
     rec = last_result(tmp_path / "r")
     # One fp32 all-reduce of every gradient per optimizer step (no_sync skips the first
-    # micro-batch): bytes are exactly 4 x parameters x steps, and nothing is compressed.
-    assert rec["bytes_raw_total"] == rec["bytes_wire_total"] == 4 * rec["params"] * 5
+    # micro-batch): at 2 ranks a ring all-reduce sends its input once, so the link bytes
+    # are 4 x parameters x steps plus gloo's per-call transport, and nothing is compressed.
+    assert rec["bytes_raw_total"] == rec["bytes_wire_total"]
+    assert 4 * rec["params"] * 5 < rec["bytes_wire_total"] < 1.05 * 4 * rec["params"] * 5
     assert rec["compression_ratio"] == 1.0
     assert rec["comm_time_ms_total"] > 0 and list(rec["comm_time_ms_by_op"]) == ["all_reduce"]
 

@@ -123,7 +123,7 @@ class _CountAllGather:
 
         def counted(output: Any, input: Any, group: Any = None, **kw: Any) -> Any:
             n = input.numel() * input.element_size()
-            self.wire += link_bytes("all_gather", n, dist.get_world_size(group))
+            self.wire += link_bytes("all_gather", n, dist.get_world_size(group), "gloo")
             return saved(output, input, group=group, **kw)
 
         dist.all_gather_single = counted  # type: ignore[assignment]

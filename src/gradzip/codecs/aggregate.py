@@ -161,18 +161,20 @@ def reduce_scatter_sum(codec: Codec, chunks: torch.Tensor, key: str, comm: Commu
 
 
 # ---------------------------------------------------------------- choosing
-def modeled_bytes(path: str, full: int, chunk: int, world: int) -> int:
+def modeled_bytes(path: str, full: int, chunk: int, world: int, backend: str = "ideal") -> int:
     """Link bytes per rank of ``path`` for payloads of ``full`` (whole) / ``chunk`` bytes."""
-    sizes = link_bytes("all_gather", 8, world)  # the payload-size exchange of a gather
+    sizes = link_bytes("all_gather", 8, world, backend)  # a gather's payload-size exchange
     if path == "gather":
-        return link_bytes("all_gather", full, world) + sizes
-    a2a_sizes = link_bytes("all_gather", 8 * world, world)
-    return (link_bytes("all_to_all", chunk * world, world) + a2a_sizes
-            + link_bytes("all_gather", chunk, world) + sizes)
+        return link_bytes("all_gather", full, world, backend) + sizes
+    a2a_sizes = link_bytes("all_gather", 8 * world, world, backend)
+    return (link_bytes("all_to_all", chunk * world, world, backend) + a2a_sizes
+            + link_bytes("all_gather", chunk, world, backend) + sizes)
 
 
-def choose(codec: Codec, x: torch.Tensor, world: int, shapes: Shapes | None) -> str:
-    """``gather`` or ``two_phase``, whichever the link model says sends fewer bytes."""
+def choose(codec: Codec, x: torch.Tensor, world: int, shapes: Shapes | None,
+           backend: str = "ideal") -> str:
+    """``gather`` or ``two_phase``, whichever the link model (of ``backend``: gloo's
+    per-call cost makes two-phase's extra calls dearer) says sends fewer bytes."""
     if world <= 2:
         return "gather"
     probe = codec.probe()  # a stateless copy: measuring must not touch real state
@@ -181,6 +183,6 @@ def choose(codec: Codec, x: torch.Tensor, world: int, shapes: Shapes | None) -> 
     full = probe._encode_body(flat, "probe", shapes).wire_bytes
     chunk = probe._encode_body(flat[:bounds[1]], "probe/c",
                                piece_shapes(shapes, 0, bounds[1])).wire_bytes
-    gather = modeled_bytes("gather", full, chunk, world)
-    two = modeled_bytes("two_phase", full, chunk, world)
+    gather = modeled_bytes("gather", full, chunk, world, backend)
+    two = modeled_bytes("two_phase", full, chunk, world, backend)
     return "two_phase" if two < gather else "gather"

@@ -412,9 +412,11 @@ class Codec:
             mean, local = self._reduce_body(x, key, comm, want_local, shapes)
         return _cast(mean, x.dtype), (_cast(local, x.dtype) if local is not None else None)
 
-    def aggregation(self, x: torch.Tensor, world: int, shapes: Shapes | None = None) -> str:
+    def aggregation(self, x: torch.Tensor, world: int, shapes: Shapes | None = None,
+                    backend: str = "ideal") -> str:
         """How ``x`` is reduced over ``world`` ranks: all_reduce, multi_round, gather or
-        two_phase (``auto`` asks the link byte model, once per size and world size)."""
+        two_phase (``auto`` asks the link byte model of ``backend``, once per size and
+        world size)."""
         if self.multi_round:
             return "multi_round"
         if self.aggregate != "auto":  # also for summable codecs: two-phase sums in fp32
@@ -423,14 +425,14 @@ class Codec:
             return "all_reduce"
         k = (x.numel(), world)
         if k not in self._chosen:
-            self._chosen[k] = aggregate.choose(self, x, world, shapes)
+            self._chosen[k] = aggregate.choose(self, x, world, shapes, backend)
         return self._chosen[k]
 
     def _reduce_body(
         self, x: torch.Tensor, key: str, comm: Communicator, want_local: bool,
         shapes: Shapes | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        path = self.aggregation(x, comm.world_size, shapes)
+        path = self.aggregation(x, comm.world_size, shapes, comm.counter.backend)
         if self.observer is not None:
             self.observer.aggregated(path)
         if path == "multi_round":

@@ -34,6 +34,8 @@ class CommCounter:
     """
 
     world_size: int = 1
+    #: the link model (``linkmodel.BACKENDS``): ``gloo`` for gloo process groups
+    backend: str = "ideal"
     wire: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     handed: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -42,7 +44,7 @@ class CommCounter:
     def add(self, op: str, nbytes: int, seconds: float) -> None:
         """Count one ``op`` call that was handed ``nbytes`` by this rank."""
         self.handed[op] += nbytes
-        self.wire[op] += link_bytes(op, nbytes, self.world_size)
+        self.wire[op] += link_bytes(op, nbytes, self.world_size, self.backend)
         self.calls[op] += 1
         self.seconds[op] += seconds
 

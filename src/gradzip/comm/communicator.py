@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from gradzip.codecs.communicator import Communicator
+from gradzip.codecs.linkmodel import backend_model
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -28,6 +29,7 @@ class TorchCommunicator(Communicator):
             )
         self.group = group
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
+        self.counter.backend = backend_model(dist.get_backend(group))
 
     # ------------------------------------------------------------ transport
     def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:

@@ -133,13 +133,8 @@ def gradzip_hook(state: DDPCommState, bucket: dist.GradBucket) -> torch.futures.
         if not compress:
             return state.reducer.reduce_plain(buffer, state.comm)
         state.check_layout(index, layout)
-        if shapes:
-            offset = 0  # a bucket is its parameters' gradients back to back
-            for j, shape in enumerate(shapes):
-                view = buffer[offset:offset + shape.numel()].view(shape)
-                view.copy_(state.reducer.reduce_mean(view, f"{key}/p{j}", state.comm))
-                offset += shape.numel()
-            return buffer
+        if shapes:  # a bucket is its parameters' gradients back to back
+            return state.reducer.reduce_each(buffer, shapes, key, state.comm)
         mean = state.reducer.reduce_mean(buffer, key, state.comm, shapes=bucket_shapes)
         buffer.copy_(mean.reshape(buffer.shape))
         return buffer

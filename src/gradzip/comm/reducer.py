@@ -111,7 +111,8 @@ class Reducer(CodecObserver):
             idx = sum(index_bytes(p) for _, p in self._payloads)
         self.stats.record(Reduction(
             numel=numel, sent_values=sent, index_bytes=idx,
-            bytes_raw=link_bytes(baseline, numel * x.element_size(), comm.world_size),
+            bytes_raw=link_bytes(baseline, numel * x.element_size(), comm.world_size,
+                                 c.backend),
             bytes_handed=c.total_handed,
             encode_s=encode_s, decode_s=self._decode_s,
             seconds_by_op=dict(c.seconds), bytes_by_op=dict(c.wire), calls_by_op=dict(c.calls),
@@ -163,8 +164,31 @@ class Reducer(CodecObserver):
         self._finish(comm, x, start)
         self._record_residual(key)
         if ref is not None:
-            self._compare(mean, ref, link_bytes("all_reduce", 4 * x.numel(), comm.world_size))
+            self._compare(mean, ref, link_bytes("all_reduce", 4 * x.numel(), comm.world_size,
+                                                comm.counter.backend))
         return mean
+
+    def reduce_each(self, buffer: torch.Tensor, shapes: Shapes, key: str,
+                    comm: TorchCommunicator) -> torch.Tensor:
+        """Each tensor of a flat bucket reduced on its own, in place (key ``{key}/p{j}``).
+
+        Multi-round codecs need each parameter's matrix (PowerSGD), as PyTorch's
+        ``powerSGD_hook`` does; the bucket is still one reduction in the stats, with
+        PyTorch's one all-reduce of the bucket as its baseline.
+        """
+        ref = self._exact_mean(buffer, comm) if self.diagnose else None
+        start = self._begin(comm)
+        offset = 0
+        for j, shape in enumerate(shapes):
+            view = buffer[offset:offset + shape.numel()].view(shape)
+            view.copy_(self.codec.reduce(view, f"{key}/p{j}", comm)[0])
+            offset += shape.numel()
+        self._finish(comm, buffer, start)
+        self._record_residual(key)
+        if ref is not None:
+            self._compare(buffer, ref, link_bytes("all_reduce", 4 * buffer.numel(),
+                                                  comm.world_size, comm.counter.backend))
+        return buffer
 
     # ------------------------------------------------------------ reduce-scatter
     def reduce_scatter(
@@ -197,4 +221,5 @@ class Reducer(CodecObserver):
         self._finish(comm, inp, start, baseline="reduce_scatter")
         self._record_residual(key)
         if ref is not None:
-            self._compare(out, ref, link_bytes("all_reduce", 4 * inp.numel(), comm.world_size))
+            self._compare(out, ref, link_bytes("all_reduce", 4 * inp.numel(), comm.world_size,
+                                                comm.counter.backend))

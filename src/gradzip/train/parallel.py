@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradzip.codecs.linkmodel import link_bytes
+from gradzip.codecs.linkmodel import backend_model, link_bytes
 from gradzip.train.model import GPT
 
 
@@ -93,6 +93,7 @@ class AllReduceTimer:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
+        self.link_model = backend_model(dist.get_backend()) if dist.is_initialized() else "ideal"
         self._lock = threading.Lock()  # completion callbacks run on the backend's thread
         self._spans: list[tuple[float, float]] = []
         self._bytes = 0
@@ -107,7 +108,7 @@ class AllReduceTimer:
         t0 = time.perf_counter()
         with self._lock:
             self._bytes += link_bytes("all_reduce", buf.numel() * buf.element_size(),
-                                      self.world_size)
+                                      self.world_size, self.link_model)
         fut = dist.all_reduce(buf, async_op=True).get_future()
 
         def done(f: torch.futures.Future) -> torch.Tensor:
