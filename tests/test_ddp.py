@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -425,3 +426,57 @@ def test_four_ranks_two_phase_and_gather():
         for r in results[1:]:
             assert all(torch.equal(a, b) for a, b in
                        zip(r0[spec]["params"], r[spec]["params"], strict=True)), spec
+
+
+# ---------------------------------------------------------------- policies
+def _policy(rank: int) -> dict:
+    base = _model()
+    plain = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
+    comp = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
+    policy = {"codec": "ef | topk(ratio=0.1)", "start_step": 3,
+              "groups": [{"params": ["*.bias"], "codec": "none"}]}
+    handle = gradzip.attach(comp, json.dumps(policy))
+    same_bias, same_weight = [], []
+    for step in range(6):
+        x, y = _batch(step, rank)
+        for model in (plain, comp):
+            model.zero_grad()
+            _loss(model, x, y).backward()
+        handle.stats.end_step()
+        pairs = list(zip(plain.module.named_parameters(), comp.module.named_parameters(),
+                         strict=True))
+        same_bias.append(all(torch.equal(a.grad, b.grad) for (n, a), (_, b) in pairs
+                             if n.endswith("bias")))
+        same_weight.append(all(torch.equal(a.grad, b.grad) for (n, a), (_, b) in pairs
+                               if n.endswith("weight")))
+    state = handle.state_dict()
+    handle.close()
+    return {"bias": same_bias, "weight": same_weight, "totals": handle.stats.totals(),
+            "groups_saved": len(state["groups"])}
+
+
+def test_policy_groups_and_start_step():
+    """Biases through ``none`` stay bit-identical to plain DDP; weights are top-k
+    compressed from step 3 on (the policy's start step), uncompressed before."""
+    r0, _ = run_ranks(_policy, 2)
+    assert r0["bias"] == [True] * 6
+    assert r0["weight"] == [True] * 3 + [False] * 3
+    paths = r0["totals"]["aggregation"]
+    assert set(paths) == {"plain", "all_reduce", "gather"} and paths["plain"] >= 3
+    assert r0["groups_saved"] == 1
+
+
+def test_policy_errors_are_clear():
+    from gradzip.comm.policy import Policy
+
+    with pytest.raises(gradzip.SpecError, match="unknown policy keys"):
+        Policy.parse({"codec": "none", "group": []})
+    with pytest.raises(gradzip.SpecError, match="start_step"):
+        Policy.parse({"codec": "none", "start_step": -1})
+    with pytest.raises(gradzip.SpecError, match="group 0"):
+        Policy.parse({"codec": "none", "groups": [{"params": "*.bias"}]})
+    with pytest.raises(gradzip.SpecError, match="unknown"):
+        Policy.parse({"codec": "none", "groups": [{"params": "*.bias", "codec": "nope"}]})
+    p = Policy.parse('{"codec": "qsgd", "groups": [{"params": "*.bias", "codec": "none"}]}')
+    assert p.group_of("0.bias") == 1 and p.group_of("0.weight") == 0
+    assert Policy.parse(str(p)) == p and str(Policy.parse("qsgd")) == "qsgd"

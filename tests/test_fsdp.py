@@ -246,3 +246,38 @@ def test_fsdp1_comm_hook():
     t = u["totals"]
     assert t["compression_ratio"] > 1.0 and t["density"] == 0.25 and t["index_bytes"] > 0
     assert t["residual_norm"] > 0
+
+
+# ---------------------------------------------------------------- policies
+def _fsdp2_policy(rank: int) -> dict:
+    base = _model()
+    out: dict = {}
+    try:
+        gradzip.attach(_fsdp2(base), "ef | powersgd")
+    except gradzip.SpecError as e:
+        out["matrix_refusal"] = str(e)
+    try:  # a unit's weight and bias travel in one flat shard: one codec per unit
+        gradzip.attach(_fsdp2(base), {"codec": "qsgd", "groups": [
+            {"params": ["*.bias"], "codec": "none"}]})
+    except gradzip.SpecError as e:
+        out["mixed_refusal"] = str(e)
+    m = _fsdp2(base)
+    h = gradzip.attach(m, "ef | topk(ratio=0.25)", groups={"2.*": "none"}, start_step=2)
+    _train(m, rank, 4, h)
+    out["totals"] = h.stats.totals()
+    out["kinds"] = [str(c) for c in h.codecs]
+    return out
+
+
+def test_fsdp2_policy_per_unit_and_start_step():
+    r0, _ = run_ranks(_fsdp2_policy, 2)
+    assert "flat shard" in r0["matrix_refusal"] and "DDP" in r0["matrix_refusal"]
+    assert "'0'" in r0["mixed_refusal"] and "fully_shard" in r0["mixed_refusal"]
+    assert r0["kinds"] == ["ef | topk(ratio=0.25)", "none"]
+    # 3 layer units reduce (the root holds no parameters of its own), 4 steps: each
+    # unit's first 2 reductions uncompressed, then units 0 and 4 exchange top-k
+    # payloads (all_to_all) and unit 2 reduce-scatters through ``none``
+    t = r0["totals"]
+    assert t["aggregation"] == {"plain": 6, "reduce_scatter": 6}
+    assert t["calls_by_op"]["all_to_all"] == 2 * 2
+    assert t["calls_by_op"]["reduce_scatter"] == 6 + 2

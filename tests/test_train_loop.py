@@ -235,3 +235,19 @@ def test_wandb_requested_but_missing_is_a_clear_error(
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes ``import wandb`` fail
     assert main(["train", *flags(cache, tmp_path / "run", "--max-steps", "2", "--wandb")]) == 2
     assert "pip install wandb" in capsys.readouterr().err
+
+
+def test_codec_policy_flags(cache: Path, tmp_path: Path,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    """--codec-groups leaves the norms uncompressed, --codec-start-step delays the codec;
+    the record carries the whole policy. Bad groups fail before any work."""
+    rec = train(cache, tmp_path / "run", "--parallel", "ddp", "--codec", "ef | topk(ratio=0.1)",
+                "--codec-groups", "*norm*=none", "--codec-start-step", "2", "--max-steps", "3")
+    assert rec["codec_config"] == {
+        "codec": "ef | topk(ratio=0.1)", "start_step": 2,
+        "groups": [{"params": ["*norm*"], "codec": "none"}]}
+    argv = flags(cache, tmp_path / "bad", "--parallel", "ddp", "--codec", "qsgd",
+                 "--codec-groups", "*norm*", "--max-steps", "2")
+    assert main(["train", *argv]) == 2
+    assert "PATTERNS=SPEC" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

@@ -185,6 +185,9 @@ class Compressor(Stage):
     #: computes its statistics (scales, norms, column means) per tensor when told the
     #: shapes of the tensors inside a flat bucket (``encode_tensors``)
     per_tensor: ClassVar[bool] = False
+    #: compresses only matrices: on a flat tensor (an FSDP shard) it would send the
+    #: gradient uncompressed, so the sharded paths refuse it when attached
+    needs_matrices: ClassVar[bool] = False
 
     @abstractmethod
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:

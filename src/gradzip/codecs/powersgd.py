@@ -91,6 +91,7 @@ class PowerSGD(Compressor):
     unbiased = False
     multi_round = True
     positional_state = True  # Q (m x r) belongs to the tensor's columns
+    needs_matrices = True  # a 1-D tensor is all-reduced uncompressed
 
     # ------------------------------------------------------------ helpers
     def _start_q(self, slot: Slot, m: int, device: torch.device) -> torch.Tensor:

@@ -1,48 +1,69 @@
 """``gradzip.attach(model, spec)``: compress a data-parallel model's gradient traffic.
 
-Dispatches on the wrapper: DDP gets a comm hook, FSDP2 (``fully_shard``) modules a
-compressed ``ReduceScatter`` each, FSDP1 a comm hook. The codec is built first, so
-a bad spec raises ``SpecError`` here, before training starts.
+Dispatches on the wrapper, one ``apply_*`` each: DDP gets a comm hook, FSDP2
+(``fully_shard``) units a compressed ``ReduceScatter`` each, FSDP1 a comm hook. The
+codecs are built first, so a bad spec raises ``SpecError`` here, before training
+starts, and a spec that cannot compress on a path is refused here too.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch import nn
 
 from gradzip.codecs.chain import Codec
+from gradzip.codecs.registry import SpecError
 from gradzip.comm.ddp import (
     START_ITERATION,
     START_ITERATION_STATIC_GRAPH,
     DDPCommState,
     build_codec,
     gradzip_hook,
+    load_codec_states,
 )
-from gradzip.comm.fsdp import CommCache, CompressedReduceScatter, FSDP1CommState, fsdp1_hook
+from gradzip.comm.fsdp import (
+    CommCache,
+    CompressedReduceScatter,
+    FSDP1CommState,
+    fsdp1_hook,
+    shard_shapes,
+    unit_parameters,
+)
+from gradzip.comm.policy import Policy
 from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import CommStats
 
 
 class Handle:
-    """What ``attach`` returns: the codec, its stats, checkpointable state."""
+    """What ``attach`` returns: the codecs, their stats, checkpointable state.
 
-    def __init__(self, kind: str, codec: Codec, stats: CommStats,
+    ``codec`` is the default codec; ``codecs`` lists it first, then one per policy
+    group (``policy.groups`` in order).
+    """
+
+    def __init__(self, kind: str, codecs: list[Codec], stats: CommStats, policy: Policy,
                  ddp_state: DDPCommState | None = None) -> None:
         self.kind = kind  # "ddp", "fsdp2" or "fsdp1"
-        self.codec = codec
+        self.codecs = codecs
         self.stats = stats
+        self.policy = policy
         self._ddp_state = ddp_state
+
+    @property
+    def codec(self) -> Codec:
+        return self.codecs[0]
 
     def state_dict(self) -> dict[str, Any]:
         """Codec state of this rank (EF residuals, PowerSGD Q, momentum)."""
-        return {"kind": self.kind, "codec": self.codec.state_dict()}
+        return {"kind": self.kind, "codec": self.codec.state_dict(),
+                "groups": [c.state_dict() for c in self.codecs[1:]]}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("kind") != self.kind:
             raise ValueError(f"comm state was saved for {sd.get('kind')!r}, this is {self.kind!r}")
-        self.codec.load_state_dict(sd["codec"])
+        load_codec_states(self.codecs, sd)
 
     def close(self) -> None:
         """Stop the communication thread (DDP); the hook must not run afterwards."""
@@ -50,61 +71,147 @@ class Handle:
             self._ddp_state.close()
 
     def __repr__(self) -> str:
-        return f"gradzip.comm.Handle({self.kind}, {str(self.codec)!r})"
+        return f"gradzip.comm.Handle({self.kind}, {str(self.policy)!r})"
 
 
 def attach(
     model: nn.Module,
-    spec: str | Codec,
+    spec: str | Codec | dict[str, Any] | Policy,
     *,
     process_group: dist.ProcessGroup | None = None,
     seed: int = 0,
     diagnose: bool = False,
     nonfinite: str = "error",
+    groups: dict[str, str] | None = None,
+    start_step: int | None = None,
+    aggregate: str | None = None,
 ) -> Handle:
     """Compress ``model``'s gradient communication with ``spec``; returns a ``Handle``.
 
     ``model`` is a ``DistributedDataParallel`` module, a ``fully_shard``-ed (FSDP2)
     module, or a ``FullyShardedDataParallel`` (FSDP1) root. Call on every rank.
-    ``diagnose`` also computes the exact mean gradient each reduction (an extra fp32
-    all-reduce, reported apart from ``bytes_wire``) for ``grad_rel_error``/``grad_cos_sim``.
+    ``spec`` is a codec spec or a policy (``policy.py``: per-parameter codecs and a
+    start step, e.g. ``{"codec": "ef | topk(ratio=0.01)", "groups": [{"params":
+    ["*.bias", "*norm*"], "codec": "none"}], "start_step": 100}``); ``groups``
+    (``{"*.bias": "none"}``, name pattern -> spec, before the spec's own groups) and
+    ``start_step`` say the same as keywords. ``aggregate`` (auto, gather, two_phase)
+    overrides how non-summable payloads are aggregated. ``diagnose`` also computes
+    the exact mean gradient each reduction (an extra fp32 all-reduce, reported apart
+    from ``bytes_wire``) for ``grad_rel_error``/``grad_cos_sim``.
     """
-    codec = build_codec(spec, seed=seed, nonfinite=nonfinite)  # SpecError before anything
+    policy = with_overrides(Policy.parse(spec), groups, start_step)
+    options = {} if aggregate is None else {"aggregate": aggregate}
+    codecs = [build_codec(s, seed=seed, nonfinite=nonfinite, **options)  # SpecError first
+              for s in policy.specs]
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("gradzip.attach needs torch.distributed initialized")
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
-    group: dist.ProcessGroup | None  # None: the default group
     if isinstance(model, DistributedDataParallel):
-        group = process_group if process_group is not None else model.process_group
-        start = START_ITERATION_STATIC_GRAPH if model.static_graph else START_ITERATION
-        state = DDPCommState(codec, group, diagnose=diagnose, start_iteration=start)
-        model.register_comm_hook(state, gradzip_hook)
-        return Handle("ddp", codec, state.stats, ddp_state=state)
+        return apply_ddp(model, policy, codecs, process_group, diagnose)
     if isinstance(model, FullyShardedDataParallel):
-        stats = CommStats()
-        group = process_group if process_group is not None else model.process_group
-        fstate = FSDP1CommState(Reducer(codec, stats, diagnose), group)
-        model.register_comm_hook(fstate, fsdp1_hook)
-        return Handle("fsdp1", codec, stats)
+        return apply_fsdp1(model, policy, codecs, process_group, diagnose)
     if isinstance(model, FSDPModule):
-        stats = CommStats()
-        reducer = Reducer(codec, stats, diagnose)
-        comms = CommCache()
-        units = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-        for index, (name, module) in enumerate(units):
-            try:
-                module.set_custom_reduce_scatter(
-                    CompressedReduceScatter(reducer, comms, key=f"fsdp2/{index}"))
-            except ValueError as e:
-                raise ValueError(
-                    f"cannot compress FSDP2 module {name or '<root>'!r}: {e} "
-                    "Use one param group per fully_shard call (no per-parameter "
-                    "shard_placement_fn mesh), or wrap those parameters separately."
-                ) from e
-        return Handle("fsdp2", codec, stats)
+        return apply_fsdp2(model, policy, codecs, diagnose)
     raise TypeError(
         f"gradzip.attach expects a DistributedDataParallel, fully_shard (FSDP2) or "
         f"FullyShardedDataParallel (FSDP1) model, got {type(model).__name__}"
     )
+
+
+def with_overrides(policy: Policy, groups: dict[str, str] | None,
+                   start_step: int | None) -> Policy:
+    """``policy`` with keyword groups put first and ``start_step`` replaced."""
+    extra = [{"params": [p.strip() for p in str(k).split(",")], "codec": v}
+             for k, v in (groups or {}).items()]
+    if not extra and start_step is None:
+        return policy
+    obj = policy.to_json()
+    obj["groups"] = extra + obj["groups"]
+    if start_step is not None:
+        obj["start_step"] = start_step
+    return Policy.parse(obj)
+
+
+def _group_map(policy: Policy, named: list[tuple[str, nn.Parameter]]) -> dict[int, int]:
+    """Parameter identity -> policy group, for parameters outside the default."""
+    return {id(p): g for name, p in named if (g := policy.group_of(name))}
+
+
+def apply_ddp(model: Any, policy: Policy, codecs: list[Codec],
+              process_group: dist.ProcessGroup | None, diagnose: bool) -> Handle:
+    """A comm hook on every bucket; groups by parameter; compression from the start step."""
+    group = process_group if process_group is not None else model.process_group
+    start = START_ITERATION_STATIC_GRAPH if model.static_graph else START_ITERATION
+    state = DDPCommState(codecs[0], group, diagnose=diagnose,
+                         start_iteration=max(start, policy.start_step),
+                         group_codecs=codecs[1:],
+                         groups=_group_map(policy, list(model.module.named_parameters())))
+    model.register_comm_hook(state, gradzip_hook)
+    return Handle("ddp", codecs, state.stats, policy, ddp_state=state)
+
+
+def _refuse_flat(codecs: list[Codec], path: str) -> None:
+    """A codec that compresses only matrices would send FSDP's flat shards uncompressed."""
+    for codec in codecs:
+        for _, comp in codec.compressors:
+            if comp.needs_matrices:
+                raise SpecError(
+                    f"'{comp.name}' compresses gradient matrices, but {path} hands gradzip "
+                    "one flat shard per unit, which it would send uncompressed (twice a "
+                    "reduce-scatter's bytes); use it with DDP, or pick a codec that works "
+                    "on flat tensors, e.g. 'ef | topk(ratio=0.01)' or 'qsgd'")
+
+
+def apply_fsdp1(model: Any, policy: Policy, codecs: list[Codec],
+                process_group: dist.ProcessGroup | None, diagnose: bool) -> Handle:
+    """FSDP1's one comm hook for all units (one codec: it cannot tell parameters apart)."""
+    if policy.groups or policy.start_step:
+        raise SpecError("per-parameter groups and start_step need DDP or FSDP2; FSDP1 "
+                        "runs one comm hook over flat parameters of every unit")
+    _refuse_flat(codecs, "FSDP1")
+    stats = CommStats()
+    group = process_group if process_group is not None else model.process_group
+    fstate = FSDP1CommState(Reducer(codecs[0], stats, diagnose), group)
+    model.register_comm_hook(fstate, fsdp1_hook)
+    return Handle("fsdp1", codecs, stats, policy)
+
+
+def apply_fsdp2(model: nn.Module, policy: Policy, codecs: list[Codec], diagnose: bool) -> Handle:
+    """A compressed reduce-scatter per ``fully_shard`` unit, with its group's codec."""
+    from torch.distributed.fsdp import FSDPModule
+
+    used = {policy.group_of(name) for name, _ in model.named_parameters()}
+    _refuse_flat([codecs[g] for g in sorted(used)], "FSDP2")
+    stats = CommStats()
+    reducers = [Reducer(c, stats, diagnose) for c in codecs]
+    comms = CommCache()
+    names = {id(p): name for name, p in model.named_parameters()}
+    units = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    for index, (name, unit) in enumerate(units):
+        module = cast(nn.Module, unit)
+        g = _unit_group(policy, name, [names[id(p)] for p in unit_parameters(module)])
+        rs = CompressedReduceScatter(reducers[g], comms, key=f"fsdp2/{index}",
+                                     start_step=policy.start_step, shapes=shard_shapes(module))
+        try:
+            unit.set_custom_reduce_scatter(rs)
+        except ValueError as e:
+            raise ValueError(
+                f"cannot compress FSDP2 module {name or '<root>'!r}: {e} "
+                "Use one param group per fully_shard call (no per-parameter "
+                "shard_placement_fn mesh), or wrap those parameters separately."
+            ) from e
+    return Handle("fsdp2", codecs, stats, policy)
+
+
+def _unit_group(policy: Policy, unit: str, params: list[str]) -> int:
+    """The one policy group of an FSDP2 unit's parameters (reduced in one flat shard)."""
+    found = {policy.group_of(n) for n in params} or {0}
+    if len(found) > 1:
+        by = {g: [n for n in params if policy.group_of(n) == g] for g in sorted(found)}
+        raise SpecError(
+            f"FSDP2 unit {unit or '<root>'!r} reduces its parameters in one flat shard, "
+            f"but the policy gives them different codecs: {by}; wrap the parameters of "
+            "each group in their own fully_shard call, or change the patterns")
+    return found.pop()

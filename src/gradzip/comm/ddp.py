@@ -20,12 +20,18 @@ Codecs that exploit tensor shape — the multi-round ones, PowerSGD's low-rank
 matrices above all — get each parameter's gradient as its own tensor (a view of
 the bucket, key ``bucket{i}/p{j}``), as PyTorch's ``powerSGD_hook`` does; a flat
 bucket has no matrix structure to compress. Every other codec sees the whole flat
-bucket (one payload, one collective per bucket).
+bucket with the shapes of the tensors inside it (one payload, one collective per
+bucket; ``per_tensor`` codecs keep per-tensor statistics in that one call).
+
+A policy (``policy.py``) may give some parameters another codec: a bucket holding
+parameters of several groups reduces each group's gradients through its own codec
+(key ``bucket{i}/g{g}``), gathering non-adjacent ones into one flat tensor first.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -65,29 +71,47 @@ def private_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
 
 
 class DDPCommState:
-    """Everything the hook needs: codec, stats, communicator, worker thread.
+    """Everything the hook needs: codecs, stats, communicator, worker thread.
 
+    ``codecs[0]`` is the default codec; ``codecs[g]`` (g >= 1) serves the parameters
+    that ``groups`` (parameter identity -> g) assigns to policy group g.
     ``iteration`` counts synchronized backward passes seen by this process;
     compression starts at ``start_iteration`` (``START_ITERATION``, or
-    ``START_ITERATION_STATIC_GRAPH`` for a ``static_graph=True`` model).
-    ``per_tensor`` reduces each parameter's gradient separately (default: for
-    multi-round codecs, whose compression depends on the tensor's shape).
+    ``START_ITERATION_STATIC_GRAPH`` for a ``static_graph=True`` model, or a later
+    policy start step). Multi-round codecs reduce each parameter's gradient
+    separately (their compression depends on the tensor's shape).
     """
 
     def __init__(self, codec: Codec, process_group: dist.ProcessGroup | None = None,
-                 diagnose: bool = False, per_tensor: bool | None = None,
-                 start_iteration: int = START_ITERATION) -> None:
-        self.codec = codec
+                 diagnose: bool = False, start_iteration: int = START_ITERATION,
+                 group_codecs: Sequence[Codec] = (),
+                 groups: dict[int, int] | None = None) -> None:
+        self.codecs = [codec, *group_codecs]
         self.start_iteration = start_iteration
-        self.per_tensor = codec.multi_round if per_tensor is None else per_tensor
         self.stats = CommStats()
         self.group = private_group(process_group)
         self.comm = TorchCommunicator(self.group)
-        self.reducer = Reducer(codec, self.stats, diagnose=diagnose)
+        self.reducers = [Reducer(c, self.stats, diagnose=diagnose) for c in self.codecs]
+        self.groups = groups or {}
         self.worker = CommWorker()
         self.iteration = 0
         # bucket index -> identities of its parameters when it was last compressed
         self._layouts: dict[int, tuple[int, ...]] = {}
+        self._splits: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
+
+    @property
+    def codec(self) -> Codec:
+        """The default codec (policy groups have their own in ``codecs``)."""
+        return self.codecs[0]
+
+    def split(self, layout: tuple[int, ...]) -> list[tuple[int, list[int]]]:
+        """(group, positions of its parameters in the bucket) for each group present."""
+        if layout not in self._splits:
+            by_group: dict[int, list[int]] = {}
+            for pos, pid in enumerate(layout):
+                by_group.setdefault(self.groups.get(pid, 0), []).append(pos)
+            self._splits[layout] = sorted(by_group.items())
+        return self._splits[layout]
 
     def check_layout(self, index: int, layout: tuple[int, ...]) -> None:
         """Drop bucket ``index``'s codec state if it now holds other parameters.
@@ -98,45 +122,78 @@ class DDPCommState:
         self._layouts[index] = layout
         if old is None or old == layout:
             return
-        self.codec.drop(f"bucket{index}")
+        for codec in self.codecs:
+            codec.drop(f"bucket{index}")
         warnings.warn(
             f"gradzip: DDP bucket {index} changed its parameters (bucket rebuild after "
             f"compression started); its codec state was reset", RuntimeWarning, stacklevel=1)
 
     def state_dict(self) -> dict[str, Any]:
         """Codec state (EF residuals, PowerSGD Q, momentum) keyed by bucket index."""
-        return {"codec": self.codec.state_dict(), "iteration": self.iteration}
+        return {"codec": self.codec.state_dict(), "iteration": self.iteration,
+                "groups": [c.state_dict() for c in self.codecs[1:]]}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         # ``iteration`` is informational: a new DDP instance rebuilds its buckets
         # again, so this process still runs its first synchronized step uncompressed.
-        self.codec.load_state_dict(sd["codec"])
+        load_codec_states(self.codecs, sd)
 
     def close(self) -> None:
         self.worker.close()
 
 
+def load_codec_states(codecs: list[Codec], sd: dict[str, Any]) -> None:
+    """Restore the default codec's and each policy group's codec state."""
+    groups = sd.get("groups", [])
+    if len(groups) != len(codecs) - 1:
+        raise ValueError(f"comm state holds {len(groups)} policy group codecs, this "
+                         f"policy has {len(codecs) - 1}; resume with the same policy")
+    for codec, state in zip(codecs, [sd["codec"], *groups], strict=True):
+        codec.load_state_dict(state)
+
+
+def _reduce_group(state: DDPCommState, g: int, buffer: torch.Tensor, key: str,
+                  offsets: list[int], shapes: list[torch.Size]) -> None:
+    """Reduce the parameters at ``offsets`` of ``buffer`` through group ``g``'s codec."""
+    reducer = state.reducers[g]
+    sizes = [s.numel() for s in shapes]
+    contiguous = all(offsets[k] + sizes[k] == offsets[k + 1] for k in range(len(sizes) - 1))
+    start, end = offsets[0], offsets[-1] + sizes[-1]
+    flat = buffer[start:end] if contiguous else torch.cat(
+        [buffer[o:o + n] for o, n in zip(offsets, sizes, strict=True)])
+    if reducer.codec.multi_round:  # PowerSGD needs each parameter's own matrix
+        reducer.reduce_each(flat, shapes, key, state.comm)
+    else:
+        flat.copy_(reducer.reduce_mean(flat, key, state.comm, shapes=shapes).reshape(-1))
+    if not contiguous:
+        for o, n, part in zip(offsets, sizes, flat.split(sizes), strict=True):
+            buffer[o:o + n].copy_(part)
+
+
 def gradzip_hook(state: DDPCommState, bucket: dist.GradBucket) -> torch.futures.Future:
-    """DDP comm hook: mean of ``bucket`` over ranks through ``state.codec``."""
+    """DDP comm hook: mean of ``bucket`` over ranks through the policy's codecs."""
     buffer = bucket.buffer()
     index = bucket.index()
     key = f"bucket{index}"
     compress = state.iteration >= state.start_iteration
     params = bucket.parameters()
     layout = tuple(id(p) for p in params)
-    bucket_shapes = [p.shape for p in params]
-    shapes = bucket_shapes if state.per_tensor else []
+    shapes = [p.shape for p in params]
     if bucket.is_last():
         state.iteration += 1
 
     def job() -> torch.Tensor:
         if not compress:
-            return state.reducer.reduce_plain(buffer, state.comm)
+            return state.reducers[0].reduce_plain(buffer, state.comm)
         state.check_layout(index, layout)
-        if shapes:  # a bucket is its parameters' gradients back to back
-            return state.reducer.reduce_each(buffer, shapes, key, state.comm)
-        mean = state.reducer.reduce_mean(buffer, key, state.comm, shapes=bucket_shapes)
-        buffer.copy_(mean.reshape(buffer.shape))
+        offsets = [0]  # a bucket is its parameters' gradients back to back
+        for shape in shapes[:-1]:
+            offsets.append(offsets[-1] + shape.numel())
+        parts = state.split(layout)
+        for g, positions in parts:
+            sub = key if len(parts) == 1 and g == 0 else f"{key}/g{g}"
+            _reduce_group(state, g, buffer, sub, [offsets[p] for p in positions],
+                          [shapes[p] for p in positions])
         return buffer
 
     return state.worker.submit(job, buffer)
@@ -170,8 +227,8 @@ def ddp_hook(
                         start_iteration=start), gradzip_hook
 
 
-def build_codec(spec: str | Codec, *, seed: int, nonfinite: str) -> Codec:
+def build_codec(spec: str | Codec, *, seed: int, nonfinite: str, **options: Any) -> Codec:
     """The codec for this rank (spec errors raise here, before any training)."""
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     text = str(spec) if isinstance(spec, Codec) else spec
-    return Codec.from_spec(text, seed=seed, rank=rank, nonfinite=nonfinite)
+    return Codec.from_spec(text, seed=seed, rank=rank, nonfinite=nonfinite, **options)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from gradzip.comm.communicator import TorchCommunicator
@@ -62,13 +63,43 @@ def scaling(op: Any, world_size: int) -> tuple[float, float]:
     )
 
 
+def unit_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters a ``fully_shard`` unit reduces itself (not its child units')."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule)
+             for p in m.parameters()}
+    return [p for p in module.parameters() if id(p) not in inner]
+
+
+def shard_shapes(module: nn.Module) -> list[torch.Size] | None:
+    """The padded shard shapes of a unit's parameters, in reduce-scatter order.
+
+    FSDP2 lays chunk j of its reduce-scatter input out as every parameter's dim-0
+    shard j, padded, back to back; per-tensor codecs keep that granularity. Read from
+    FSDP2's parameter group (a private structure): None if this torch lays it out
+    otherwise, and the codec then sees one flat chunk.
+    """
+    try:
+        group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+        return [torch.Size(fp.padded_sharded_param_size) for fp in group.fsdp_params]
+    except (AttributeError, TypeError):
+        return None
+
+
 class CompressedReduceScatter(ReduceScatter):
     """FSDP2 custom reduce-scatter for one FSDP module (``set_custom_reduce_scatter``)."""
 
-    def __init__(self, reducer: Reducer, comms: CommCache, key: str) -> None:
+    def __init__(self, reducer: Reducer, comms: CommCache, key: str, *,
+                 start_step: int = 0, shapes: list[torch.Size] | None = None) -> None:
         self.reducer = reducer
         self.comms = comms
         self.key = key
+        #: reductions of this module before compression starts (the policy's start step)
+        self.start_step = start_step
+        #: the padded shard shapes of the module's parameters inside each chunk
+        self.shapes = shapes
+        self.calls = 0
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -83,8 +114,14 @@ class CompressedReduceScatter(ReduceScatter):
     ) -> dist.Work | None:
         comm = self.comms.get(group)
         divisor, factor = scaling(op, comm.world_size)
+        compress = self.calls >= self.start_step
+        self.calls += 1
+        shapes = self.shapes
+        if shapes is not None and sum(s.numel() for s in shapes) != output_tensor.numel():
+            shapes = None  # some parameters got no gradient this step: layout unknown
         self.reducer.reduce_scatter(input_tensor, output_tensor, comm, self.key,
-                                    divisor=divisor, factor=factor)
+                                    divisor=divisor, factor=factor, plain=not compress,
+                                    shapes=shapes)
         if not async_op:
             return None
         done: torch.futures.Future = torch.futures.Future()

@@ -199,11 +199,14 @@ class Reducer(CodecObserver):
         key: str,
         divisor: float = 1.0,
         factor: float = 1.0,
+        plain: bool = False,
+        shapes: Shapes | None = None,
     ) -> None:
         """out = this rank's chunk of sum_r(inp_r / divisor * factor), through the codec.
 
         ``inp`` holds ``world_size`` contiguous chunks of ``out.numel()`` entries
-        (FSDP's layout); ``Codec.reduce_scatter`` does the work.
+        (FSDP's layout); ``Codec.reduce_scatter`` does the work, or, with ``plain``,
+        PyTorch's uncompressed reduce-scatter. ``shapes``: the tensors in a chunk.
         """
         world, n = comm.world_size, out.numel()
         if inp.numel() != world * n:
@@ -217,8 +220,12 @@ class Reducer(CodecObserver):
             ref = self._exact_mean(flat, comm)[comm.rank] * (comm.world_size * scale)
         start = self._begin(comm)
         chunks = flat * scale if scale != 1.0 else flat
-        out.copy_(self.codec.reduce_scatter(chunks, key, comm).reshape(out.shape))
-        self._finish(comm, inp, start, baseline="reduce_scatter")
+        if plain:
+            result = comm.reduce_scatter_sum(chunks)
+        else:
+            result = self.codec.reduce_scatter(chunks, key, comm, shapes=shapes)
+        out.copy_(result.reshape(out.shape))
+        self._finish(comm, inp, start, plain=plain, baseline="reduce_scatter")
         self._record_residual(key)
         if ref is not None:
             self._compare(out, ref, link_bytes("all_reduce", 4 * inp.numel(), comm.world_size,

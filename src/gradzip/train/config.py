@@ -144,7 +144,14 @@ class TrainConfig:
     parallel: str = "none"
     """none (one process), ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard per block)."""
     codec: str = "none"
-    """Gradient codec spec, e.g. "ef | topk(ratio=0.01)"; none = uncompressed all-reduce."""
+    """Gradient codec spec, e.g. "ef | topk(ratio=0.01)", or a JSON policy
+    ({"codec": ..., "groups": [...], "start_step": N}); none = uncompressed all-reduce."""
+    codec_groups: str = ""
+    """Per-parameter codecs, "PATTERNS=SPEC;...", e.g. "*.bias,*norm*,*emb*=none": matching
+    parameter names (first match wins) take that codec; the rest take --codec."""
+    codec_start_step: int = 0
+    """Optimizer steps communicated uncompressed before --codec starts (PowerSGD's start
+    iteration, DGC's warm-up)."""
     diagnose: bool = False
     """Measure each step's compression error (grad_rel_error, grad_cos_sim); costs time."""
     bucket_cap_mb: float = 25.0
@@ -249,6 +256,26 @@ class JobConfig:
         if t.max_time < 0 or t.eval_every < 0 or r.ckpt_every < 0:
             raise ValueError("--max-time, --eval-every and --ckpt-every must be >= 0")
         parse_profile_steps(r.profile_steps)
+        if t.codec_start_step < 0:
+            raise ValueError(f"--codec-start-step must be >= 0, got {t.codec_start_step}")
+        if t.codec == "none" and (t.codec_groups or t.codec_start_step):
+            raise ValueError("--codec-groups and --codec-start-step need a --codec")
+        codec_policy(t.codec, t.codec_groups, t.codec_start_step)  # SpecError before work
+
+
+def codec_policy(codec: str, groups: str, start_step: int) -> Any:
+    """The comm policy of ``--codec``, ``--codec-groups`` and ``--codec-start-step``."""
+    from gradzip.comm.attach import with_overrides
+    from gradzip.comm.policy import Policy
+
+    table = {}
+    for item in filter(None, (g.strip() for g in groups.split(";"))):
+        patterns, sep, spec = item.partition("=")
+        if not sep or not patterns.strip() or not spec.strip():
+            raise ValueError(f"--codec-groups: {item!r} is not PATTERNS=SPEC "
+                             "(e.g. '*.bias,*norm*=none')")
+        table[patterns.strip()] = spec.strip()
+    return with_overrides(Policy.parse(codec), table, start_step or None)
 
 
 def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:

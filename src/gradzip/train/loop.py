@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from gradzip.train import checkpoint as ckpt
-from gradzip.train.config import JobConfig, OptimConfig, parse_profile_steps
+from gradzip.train.config import JobConfig, OptimConfig, codec_policy, parse_profile_steps
 from gradzip.train.evaluate import autocast_for, evaluate
 from gradzip.train.metrics import (
     MetricLogger,
@@ -168,7 +168,8 @@ def _train(cfg: JobConfig, info: DistInfo, data: Any, make_loader: Callable[...,
     elif t.parallel == "fsdp":
         model = apply_fsdp(raw_model, info)
     if t.codec != "none":
-        handle = attach_codec(model, t.codec, seed=t.seed, diagnose=t.diagnose)
+        handle = attach_codec(model, codec_policy(t.codec, t.codec_groups, t.codec_start_step),
+                              seed=t.seed, diagnose=t.diagnose)
     sharded = t.parallel == "fsdp"
     optimizer = build_optimizer(model, o)
     scaler = torch.amp.GradScaler(device.type, enabled=t.dtype == "fp16")
@@ -364,7 +365,6 @@ def results_record(cfg: JobConfig, info: DistInfo, n_params: int, step: int, sta
     no communication figures (None): its collectives run inside FSDP, visible only in
     ``--profile`` traces.
     """
-    import gradzip
 
     t, d = cfg.train, cfg.data
     s = stats.summary()
@@ -390,7 +390,7 @@ def results_record(cfg: JobConfig, info: DistInfo, n_params: int, step: int, sta
         "global_batch_tokens": d.batch_size * d.seq_len * cfg.optim.grad_accum * info.world_size,
         "dtype": t.dtype,
         "codec": t.codec,
-        "codec_config": gradzip.codec(t.codec).to_json() if t.codec != "none" else None,
+        "codec_config": _codec_config(t),
         "seed": t.seed,
         "steps": step,
         "resumed_from_step": start_step or None,
@@ -451,3 +451,15 @@ def plot_history(history: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _codec_config(t: Any) -> Any:
+    """The codec's JSON form for the record; a policy's when groups or a start step."""
+    if t.codec == "none":
+        return None
+    policy = codec_policy(t.codec, t.codec_groups, t.codec_start_step)
+    if not policy.groups and not policy.start_step:
+        import gradzip
+
+        return gradzip.codec(policy.spec).to_json()
+    return policy.to_json()

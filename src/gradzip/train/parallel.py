@@ -191,7 +191,7 @@ def apply_fsdp(model: GPT, info: DistInfo) -> nn.Module:
     return model
 
 
-def attach_codec(model: nn.Module, spec: str, *, seed: int, diagnose: bool) -> Any:
+def attach_codec(model: nn.Module, spec: Any, *, seed: int, diagnose: bool) -> Any:
     """Install the gradient codec on a DDP or FSDP2 module; returns gradzip's handle."""
     import gradzip
 
