@@ -77,6 +77,8 @@ class Run:
     ratio_fp32: float  # fp32 ring all-reduce bytes / wire_bytes
     ratio_fp16: float  # fp16 ring all-reduce bytes / wire_bytes
     rel_l2_error: float  # of rank 0's mean vs the exact fp64 mean of the ranks' inputs
+    #: the error a rank raised (the codec failed on this input); the figures are NaN
+    failed: str | None = None
 
 
 @dataclass
@@ -183,7 +185,13 @@ def reduce_once(spec: str, path: str, xs: list[torch.Tensor], shapes: list[torch
         mean, _ = codec.reduce(xs[rank], "grad", comm, shapes=shapes)
         return (mean if rank == 0 else None), comm.counter.total_wire, dict(comm.counter.wire)
 
-    out = run_simulated(world, work)
+    try:
+        out = run_simulated(world, work)
+    except Exception as e:  # a codec bug must not hide the other codecs' figures
+        nan = math.nan
+        return Run(spec=str(codecs[0]), path=path, world=world, seed=seed, numel=numel,
+                   wire_bytes=0, wire_bytes_mean=nan, wire_by_op={}, ratio_fp32=nan,
+                   ratio_fp16=nan, rel_l2_error=nan, failed=f"{type(e).__name__}: {e}")
     mean = out[0][0]
     assert mean is not None
     truth = torch.stack([x.double() for x in xs]).mean(0)
@@ -224,7 +232,8 @@ def summarize(specs: list[str], runs: list[Run], autos: dict[tuple[str, int], st
     """Per codec: ``auto``'s path at each W and the fp16 crossovers (seed-0 runs)."""
     out = []
     for spec in specs:
-        mine = [r for r in runs if r.seed == 0 and _base(r.spec) == _base_of(spec)]
+        mine = [r for r in runs if r.seed == 0 and _base(r.spec) == _base_of(spec)
+                and r.failed is None]
         s = CodecSummary(spec=_base_of(spec), paths=paths_of(spec))
         worlds = sorted({r.world for r in mine})
         s.auto = {w: autos[(spec, w)] for w in worlds if (spec, w) in autos}
@@ -252,7 +261,7 @@ def median_errors(runs: list[Run], worlds: list[int]) -> dict[tuple[str, str, in
     """(codec, path, W) -> median over seeds of the relative L2 error of the mean."""
     groups: dict[tuple[str, str, int], list[float]] = {}
     for r in runs:
-        if r.world in worlds:
+        if r.world in worlds and r.failed is None:
             groups.setdefault((_base(r.spec), r.path, r.world), []).append(r.rel_l2_error)
     return {k: statistics.median(v) for k, v in groups.items()}
 
@@ -294,6 +303,10 @@ def run(args: argparse.Namespace) -> int:
     summaries = summarize(specs, runs, autos)
     errors = median_errors(runs, error_worlds)
     _print_tables(runs, summaries, errors, worlds, error_worlds, args)
+    for r in runs:
+        if r.failed:
+            print(f"FAILED: {r.spec} at W={r.world}, seed {r.seed}, {r.numel:,} values "
+                  f"per rank: {r.failed}")
     if args.markdown:
         Path(args.markdown).write_text(markdown(runs, summaries, errors, worlds, error_worlds))
         print(f"wrote {args.markdown}")
@@ -356,7 +369,7 @@ def table_rows(runs: list[Run], summaries: list[CodecSummary], errors: dict[Any,
             for w in worlds:
                 r = byw.get((s.spec, path, w))
                 mark = "*" if s.auto.get(w) == path and len(s.paths) > 1 else ""
-                cells.append("-" if r is None else
+                cells.append("-" if r is None else "FAILED" if r.failed else
                              f"{_ratio(r.ratio_fp32)} / {_ratio(r.ratio_fp16)}{mark}")
             bytes_rows.append([s.spec, path, *cells])
             errs = [errors.get((s.spec, path, w)) for w in error_worlds]
