@@ -378,7 +378,7 @@ def table_rows(runs: list[Run], summaries: list[CodecSummary], errors: dict[Any,
         last = byw.get((s.spec, s.auto.get(worlds[-1], ""), worlds[-1]))
         cross_rows.append([
             s.spec, auto,
-            "-" if last is None else f"{last.wire_bytes / 1e6:.3g}",
+            "-" if last is None else "FAILED" if last.failed else f"{last.wire_bytes / 1e6:.3g}",
             _stops(s.auto_stops_at, s.auto_stops_at_est, worlds[0]),
             "-" if "gather" not in s.paths
             else _stops(s.gather_stops_at, s.gather_stops_at_est, worlds[0]),
