@@ -6,6 +6,7 @@ import importlib
 from typing import Any
 
 BENCH_MODULES = [
+    "gradzip.bench.aggregate",  # gradzip bench aggregate
     "gradzip.bench.codecs",  # gradzip bench codecs
     "gradzip.bench.comm",  # gradzip bench comm
     "gradzip.bench.data",  # gradzip bench data
