@@ -160,8 +160,8 @@ def _fsdp2_checks(rank: int, lossy: list[str]) -> dict:
 
 
 def test_fsdp2_compressed_reduce_scatter():
-    lossy = [s for s in ("ef | topk(ratio=0.25)", "ef | powersgd") if s.split()[-1].split("(")[0]
-             in registered()]
+    lossy = [s for s in ("ef | topk(ratio=0.25)", "ef | qsgd", "int8(shared=narrow)")
+             if s.split()[-1].split("(")[0] in registered()]
     r0, r1 = run_ranks(_fsdp2_checks, 2, lossy)
     for r in (r0, r1):
         assert r["none_identical"]

@@ -83,8 +83,8 @@ def shard_shapes(module: nn.Module) -> list[torch.Size] | None:
     try:
         group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
         return [torch.Size(fp.padded_sharded_param_size) for fp in group.fsdp_params]
-    except (AttributeError, TypeError):
-        return None
+    except (AttributeError, TypeError, AssertionError):  # several param groups: refused
+        return None                                       # when the reduce-scatter is set
 
 
 class CompressedReduceScatter(ReduceScatter):
