@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_expgolomb import CHAINS, int_tensors, laplace_int8
+from numba import njit
+from test_expgolomb import CHAINS, int_tensors, laplace_int8, skewed_int_tensors
 
 import gradzip
 from gradzip.codecs import Payload, PayloadError
@@ -61,6 +62,82 @@ def test_quantized_frequencies_sum_to_the_scale():
         assert f.sum() == _rans.M and (f >= 1).all()
     with pytest.raises(ValueError):
         _rans.quantize(np.ones(_rans.M + 1, np.int64))
+
+
+@njit(cache=False)
+def _encode_steps(xs, syms, x_max, rcp, shift, start, cmpl):
+    """The encoder's own step (``_rans._step``) on each (state, symbol) pair."""
+    out = np.empty(2, np.uint16)
+    res = np.empty(xs.size, np.uint64)
+    for i in range(xs.size):
+        res[i], _ = _rans._step(xs[i], syms[i], x_max, rcp, shift, start, cmpl, out, 2)
+    return res
+
+
+def test_encoder_step_is_exact_for_every_frequency():
+    """x -> (x // f) * M + start + x % f for every frequency 1..2**15 and the states the
+    encoder divides, up to x_max = 2**17 * f (up to 2**32). The reciprocal once was
+    exact only below 2**31 and gave quotients one too large for f > ~23,300."""
+    freq = np.arange(1, _rans.M + 1, dtype=np.int64)  # one "symbol" per frequency
+    tables = _rans.encoder_tables(freq)
+    x_max = tables[0].astype(np.int64)
+    k = np.concatenate([np.arange(1, 5), -np.arange(0, 96)])  # low and top multiples of f
+    top = x_max[:, None] // freq[:, None]
+    mult = np.where(k > 0, k[None, :], top + k[None, :])
+    xs = np.concatenate([mult * freq[:, None] - 1, mult * freq[:, None]], axis=1)
+    syms = np.broadcast_to(np.arange(freq.size)[:, None], xs.shape)
+    ok = (xs >= 1) & (xs < x_max[:, None])
+    xs, syms = xs[ok].astype(np.uint64), syms[ok].astype(np.int64)
+    f, start = freq[syms].astype(np.uint64), tables[3][syms]
+    want = xs // f * np.uint64(_rans.M) + start + xs % f
+    got = _encode_steps(xs, syms, *tables)
+    bad = np.nonzero(got != want)[0]
+    assert bad.size == 0, f"{bad.size} wrong steps, e.g. f={f[bad[0]]} x={xs[bad[0]]}"
+
+
+@settings(max_examples=200)
+@given(f=st.one_of(st.integers(1, _rans.M), st.integers(_rans.M // 2, _rans.M)), data=st.data())
+def test_encoder_step_property(f, data):
+    """The same for any frequency and state x = k * f + r (k < 2**17, r < f), weighted
+    towards where a reciprocal errs: frequent symbols, large states, remainder f - 1."""
+    top = (1 << 17) - 1
+    k = data.draw(st.one_of(st.integers(0, top), st.integers(top - 1000, top)))
+    r = data.draw(st.one_of(st.just(f - 1), st.integers(0, f - 1)))
+    x = max(1, k * f + r)
+    tables = _rans.encoder_tables(np.array([f], np.int64))
+    got = _encode_steps(np.array([x], np.uint64), np.zeros(1, np.int64), *tables)
+    assert int(got[0]) == x // f * _rans.M + x % f
+
+
+def mostly_zero(seed: int, n: int = 4096, nnz: int = 128, dtype=np.int8) -> torch.Tensor:
+    """n values, n - nnz of them zero (3968 of 4096 by default: a quantized frequency of
+    31744 / 2**15 for zero, one the old reciprocal got wrong near the top of the state)."""
+    rng = np.random.default_rng(seed)
+    x = np.zeros(n, dtype)
+    idx = rng.choice(n, nnz, replace=False)
+    if np.issubdtype(dtype, np.floating):
+        x[idx] = rng.standard_normal(nnz) * 1e-3
+    else:
+        x[idx] = rng.integers(1, 8, nnz)
+    return torch.from_numpy(x)
+
+
+@pytest.mark.parametrize("backend", ans.BACKENDS)
+def test_mostly_zero_streams_roundtrip(backend):
+    # seed 261 failed with "rANS stream is corrupt or truncated" before the fix; the long
+    # stream (exactly 31/32 zeros) failed for any seed
+    for t in (mostly_zero(261), mostly_zero(0, n=1 << 20, nnz=1 << 15)):
+        for chunk in (1024, ans.DEFAULT_CHUNK):
+            assert torch.equal(roundtrip(ans.encode(t, chunk, backend)), t)
+
+
+@pytest.mark.parametrize("backend", ans.BACKENDS)
+@settings(max_examples=150)
+@given(t=skewed_int_tensors(), chunk=st.sampled_from([1024, ans.DEFAULT_CHUNK]))
+def test_skewed_streams_roundtrip(backend, t, chunk):
+    p = ans.encode(t, chunk, backend)
+    y = roundtrip(p)
+    assert y.dtype == t.dtype and y.shape == t.shape and torch.equal(y, t)
 
 
 def test_constant_and_wide_streams():
