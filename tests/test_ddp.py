@@ -480,3 +480,25 @@ def test_policy_errors_are_clear():
     p = Policy.parse('{"codec": "qsgd", "groups": [{"params": "*.bias", "codec": "none"}]}')
     assert p.group_of("0.bias") == 1 and p.group_of("0.weight") == 0
     assert Policy.parse(str(p)) == p and str(Policy.parse("qsgd")) == "qsgd"
+
+
+# ---------------------------------------------------------------- the baseline's dtype
+def _bf16_none(rank: int) -> dict:
+    model = DDP(_model().to(torch.bfloat16))
+    handle = gradzip.attach(model, "none")
+    for step in range(3):
+        x, y = _batch(step, rank)
+        model.zero_grad()
+        _loss(model, x.bfloat16(), y.bfloat16()).backward()
+        handle.stats.end_step()
+    totals = handle.stats.totals()
+    handle.close()
+    return totals
+
+
+def test_bf16_model_none_is_one_to_one():
+    """bytes_raw is PyTorch's all-reduce of the gradients in their own dtype: a bf16
+    model's uncompressed run is 1.0x, not 2.0x against an imagined fp32 baseline."""
+    t, _ = run_ranks(_bf16_none, 2)
+    assert t["compression_ratio"] == 1.0
+    assert t["bytes_handed"] == 3 * 2 * 1633

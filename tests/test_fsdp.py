@@ -266,6 +266,8 @@ def _fsdp2_policy(rank: int) -> dict:
     _train(m, rank, 4, h)
     out["totals"] = h.stats.totals()
     out["kinds"] = [str(c) for c in h.codecs]
+    from gradzip.comm.fsdp import shard_shapes
+    out["shapes"] = [shard_shapes(u) for u in (m[0], m[4])]
     return out
 
 
@@ -274,6 +276,9 @@ def test_fsdp2_policy_per_unit_and_start_step():
     assert "flat shard" in r0["matrix_refusal"] and "DDP" in r0["matrix_refusal"]
     assert "'0'" in r0["mixed_refusal"] and "fully_shard" in r0["mixed_refusal"]
     assert r0["kinds"] == ["ef | topk(ratio=0.25)", "none"]
+    # per-tensor codecs see each parameter's padded shard inside a chunk (32x16 -> 16x16)
+    assert r0["shapes"] == [[torch.Size([16, 16]), torch.Size([16])],
+                            [torch.Size([1, 31]), torch.Size([1])]]
     # 3 layer units reduce (the root holds no parameters of its own), 4 steps: each
     # unit's first 2 reductions uncompressed, then units 0 and 4 exchange top-k
     # payloads (all_to_all) and unit 2 reduce-scatters through ``none``

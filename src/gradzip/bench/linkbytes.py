@@ -5,12 +5,13 @@ For each world size in ``--ranks`` it starts a fresh network namespace
 ``gradzip.bench.linkcount`` under DDP with every codec in turn, and compares the
 sum over ranks of ``CommStats``' ``bytes_wire`` with what ``lo``'s tx counter saw
 over the same steps (TCP/IP headers, ACKs and gloo's preambles included). A ratio
-near 1 says the link model is right for that codec's aggregation path; gloo's
-per-call overhead (about 1.3 kB per rank per all-reduce at W=2, 4 kB at W=4) makes
-codecs with many small collectives read above 1.
+near 1 says the link model is right for that codec's aggregation path (the model
+includes gloo's measured per-call transport cost and its all-reduce-based
+reduce-scatter, see ``gradzip.codecs.linkmodel``).
 
 Default codecs: the default spec of every registered stage (a lossless-only stage
-runs as ``none | X``), plus ``ef | topk(ratio=0.01)``. A case that fails is reported
+runs as ``none | X``), plus ``ef | topk(ratio=0.01)``, two-phase ``qsgd`` and four
+FSDP2 cases (``fsdp2: SPEC``: its reduce-scatter path). A case that fails is reported
 as failed and the others still run. Also ``python -m gradzip.bench.linkbytes``.
 """
 
@@ -21,7 +22,8 @@ import json
 import sys
 from typing import Any
 
-EXTRA_SPECS = ["ef | topk(ratio=0.01)"]
+EXTRA_SPECS = ["ef | topk(ratio=0.01)", "qsgd | aggregate=two_phase", "fsdp2: none",
+               "fsdp2: fp16", "fsdp2: ef | topk(ratio=0.01)", "fsdp2: qsgd"]
 
 
 def default_specs() -> list[str]:
@@ -85,7 +87,10 @@ def _per_rank_step(row: dict[str, Any]) -> dict[str, Any]:
             "wire_per_rank_step": row["wire"] / div,
             "kernel_per_rank_step": row["kernel"] / div,
             "handed_per_rank_step": row["handed"] / div,
-            "kernel_over_wire": row["kernel"] / row["wire"] if row["wire"] else None,
+            # FSDP2's parameter all-gathers are not gradient traffic (link-modelled apart)
+            "other_per_rank_step": row.get("other_model", 0) / div,
+            "kernel_over_wire": (row["kernel"] / (row["wire"] + row.get("other_model", 0))
+                                 if row["wire"] else None),
             "bytes_by_op": row["by_op"], "calls_by_op": row["calls_by_op"],
             "barrier_bytes": row["barrier"]}
 
@@ -108,7 +113,7 @@ def run(args: Any) -> int:
         specs += [s.strip() for s in args.codecs.split(";") if s.strip()]
     specs = specs or default_specs()
     for spec in specs:  # a bad spec fails before any namespace starts
-        gradzip.codec(spec)
+        gradzip.codec(spec.removeprefix("fsdp2:").strip())
     ok, why = netns_available()
     if not ok:
         print(f"gradzip bench link needs a network namespace: {why}", file=sys.stderr)
@@ -137,20 +142,23 @@ def _print_table(results: list[dict[str, Any]], steps: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"bytes per rank per step, {steps} DDP steps; kernel: lo tx counter")
-    for col in ("codec", "W", "bytes_wire", "kernel", "kernel / wire", "handed",
+    table = Table(title=f"bytes per rank per step, {steps} steps; kernel: lo tx counter; "
+                        "other: FSDP2's parameter all-gathers (link model); "
+                        "kernel / model = kernel / (bytes_wire + other)")
+    for col in ("codec", "W", "bytes_wire", "+ other", "kernel", "kernel / model", "handed",
                 "collective calls per rank per step"):
         left = col == "codec" or col.startswith("coll")
         table.add_column(col, justify="left" if left else "right")
     for r in results:
         if "error" in r:
-            table.add_row(r["spec"], str(r["ranks"]), "-", "-", "failed", "-", r["error"][:60])
+            table.add_row(r["spec"], str(r["ranks"]), "-", "-", "-", "failed", "-",
+                          r["error"][:60])
             continue
         ratio = r["kernel_over_wire"]
         per = r["ranks"] * r["steps"]
         ops = ", ".join(f"{op} {n / per:.1f}" for op, n in r["calls_by_op"].items())
         table.add_row(r["spec"], str(r["ranks"]), f"{r['wire_per_rank_step']:,.0f}",
-                      f"{r['kernel_per_rank_step']:,.0f}",
+                      f"{r['other_per_rank_step']:,.0f}", f"{r['kernel_per_rank_step']:,.0f}",
                       "-" if ratio is None else f"{ratio:.3f}",
                       f"{r['handed_per_rank_step']:,.0f}", ops)
     Console(width=160).print(table)
@@ -160,7 +168,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", default="2,4",
                    help="world sizes to measure, comma-separated (default: 2,4)")
     p.add_argument("--codec", action="append",
-                   help="codec spec (repeatable); default: every registered stage's "
+                   help="codec spec for DDP, or 'fsdp2: SPEC' (repeatable); default: every "
+                        "registered stage's "
                         f"default spec plus {'; '.join(EXTRA_SPECS)}")
     p.add_argument("--codecs", help="codec specs separated by ';' (added to --codec)")
     p.add_argument("--steps", type=int, default=6,

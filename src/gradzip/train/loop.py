@@ -373,6 +373,7 @@ def results_record(cfg: JobConfig, info: DistInfo, n_params: int, step: int, sta
         comm_totals = handle.stats.totals()
     elif comm_timer is not None:
         comm_totals = {"bytes_raw": comm_timer.bytes_total, "bytes_wire": comm_timer.bytes_total,
+                       "aggregation": {"plain": comm_timer.calls_total},
                        "compression_ratio": 1.0, "comm_ms_by_op": {"all_reduce":
                                                                    comm_timer.comm_ms_total},
                        "index_bytes": 0, "density": 1.0, "encode_ms": 0.0, "decode_ms": 0.0,
@@ -409,6 +410,8 @@ def results_record(cfg: JobConfig, info: DistInfo, n_params: int, step: int, sta
         "comm_time_ms_by_op": comm_totals.get("comm_ms_by_op"),
         "bytes_raw_total": comm_totals.get("bytes_raw"),
         "bytes_wire_total": comm_totals.get("bytes_wire"),
+        "bytes_handed_total": comm_totals.get("bytes_handed"),
+        "aggregation": comm_totals.get("aggregation"),
         "compression_ratio": comm_totals.get("compression_ratio"),
         "encode_ms": comm_totals.get("encode_ms"),
         "decode_ms": comm_totals.get("decode_ms"),

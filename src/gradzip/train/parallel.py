@@ -98,6 +98,7 @@ class AllReduceTimer:
         self._spans: list[tuple[float, float]] = []
         self._bytes = 0
         self.bytes_total = 0
+        self.calls_total = 0  # bucket all-reduces
         self.comm_ms_total = 0.0
 
     # No annotations on purpose: DDP checks them against the real classes, and with
@@ -107,6 +108,7 @@ class AllReduceTimer:
         buf.div_(self.world_size)  # what DDP's default hook does: average, not sum
         t0 = time.perf_counter()
         with self._lock:
+            self.calls_total += 1
             self._bytes += link_bytes("all_reduce", buf.numel() * buf.element_size(),
                                       self.world_size, self.link_model)
         fut = dist.all_reduce(buf, async_op=True).get_future()
