@@ -249,16 +249,7 @@ class Codec:
         shapes = checked_shapes(shapes, x.numel())
         if not finite:
             return Payload({}, {"shape": tuple(x.shape), "dtype": _DTYPE_CODE[x.dtype], "nan": 1})
-        if self.wrapper is not None:
-            slot = self.state.slot(0, key)
-            p = self.wrapper.encode(
-                x.float(), slot,
-                lambda t: self._encode_body(t, key, shapes),
-                lambda q: self._decode_body(q, key, x.shape, shapes),
-            )
-            slot.advance()
-        else:
-            p = self._encode_body(x, key, shapes)
+        p = self._encode_with_feedback(x, key, shapes)
         p.meta["shape"] = tuple(x.shape)
         p.meta["dtype"] = _DTYPE_CODE[x.dtype]
         return p
