@@ -195,3 +195,26 @@ def test_command_rejects_zero_repeats(capsys):
     assert main(["bench", "codecs", "--size", "4k", "--no-real", "--quiet",
                  "--repeats", "0"]) == 2
     assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_flat_bucket_is_measured_with_its_tensor_shapes():
+    """As in the DDP hook, per-tensor codecs see the bucket's tensors: a layer ~1e-3
+    next to a layer ~1 keeps its own scale, so the error is far lower with shapes."""
+    g = torch.Generator().manual_seed(0)
+    steps = [{"bucket": torch.cat([torch.randn(4096, generator=g),
+                                   1e-3 * torch.randn(4096, generator=g)])} for _ in range(3)]
+    shapes = {"bucket": [torch.Size((64, 64)), torch.Size((4096,))]}
+    small = slice(4096, None)
+
+    def small_error(layouts):
+        import gradzip
+        c = gradzip.codec("efsignsgd")
+        x = steps[-1]["bucket"]
+        y = c.decode(c.encode(x, key="b", shapes=(layouts or {}).get("bucket")),
+                     key="b", shapes=(layouts or {}).get("bucket"))
+        return float((y[small] - x[small]).norm() / x[small].norm())
+
+    assert small_error(shapes) < small_error(None) / 10
+    with_shapes = bench.measure("efsignsgd", steps, "t", shapes=shapes)
+    without = bench.measure("efsignsgd", steps, "t")
+    assert with_shapes.rel_l2_error != without.rel_l2_error

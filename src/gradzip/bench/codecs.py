@@ -50,6 +50,8 @@ MEASURED_BY_REDUCE = ("sketch",)
 REDUCE_WORLD = 2
 #: one gradient per step, keyed like a codec's state (parameter name or bucket)
 Steps = list[dict[str, torch.Tensor]]
+#: key -> shapes of the tensors inside that flat bucket, in order
+Layouts = dict[str, list[torch.Size]]
 
 
 @dataclass
@@ -164,21 +166,26 @@ def measured_by_reduce(codec: Any) -> bool:
     return any(s.name in MEASURED_BY_REDUCE for s in codec.stages)
 
 
-def measure(spec: str, steps: Steps, label: str, clock: str = "cpu") -> CodecResult:
+def measure(spec: str, steps: Steps, label: str, clock: str = "cpu",
+            shapes: Layouts | None = None) -> CodecResult:
     """Measure ``spec`` on successive gradients: ``steps[0]`` warms its state, untimed,
     then each later step is one timed round; sizes and errors are the last round's.
 
+    ``shapes`` (key -> the shapes of the tensors inside that flat bucket) are handed to
+    the codec as the DDP hook hands them, so per-tensor codecs keep their granularity.
     Codecs in ``MEASURED_BY_REDUCE`` run their ``reduce`` instead (``measure_reduce``).
     """
+    layouts = shapes or {}
     import gradzip
 
     _checked_steps(steps)
     codec = gradzip.codec(spec)
     if measured_by_reduce(codec):
-        return measure_reduce(spec, steps, label, clock)
+        return measure_reduce(spec, steps, label, clock, shapes=layouts)
     now = _clock(clock)
     for key, x in steps[0].items():  # warm-up: state of the step before
-        codec.decode(codec.encode(x, key=key), key=key)
+        codec.decode(codec.encode(x, key=key, shapes=layouts.get(key)), key=key,
+                     shapes=layouts.get(key))
     enc_times, dec_times = [], []
     wire, acc = 0, _Accuracy()
     for tensors in steps[1:]:
@@ -186,9 +193,9 @@ def measure(spec: str, steps: Steps, label: str, clock: str = "cpu") -> CodecRes
         wire, acc = 0, _Accuracy()
         for key, x in tensors.items():
             t0 = now()
-            p = codec.encode(x, key=key)
+            p = codec.encode(x, key=key, shapes=layouts.get(key))
             t1 = now()
-            y = codec.decode(p, key=key)
+            y = codec.decode(p, key=key, shapes=layouts.get(key))
             t2 = now()
             enc += t1 - t0
             dec += t2 - t1
@@ -211,7 +218,7 @@ def measure(spec: str, steps: Steps, label: str, clock: str = "cpu") -> CodecRes
 
 
 def measure_reduce(spec: str, steps: Steps, label: str, clock: str = "cpu",
-                   world: int = REDUCE_WORLD) -> CodecResult:
+                   world: int = REDUCE_WORLD, shapes: Layouts | None = None) -> CodecResult:
     """Measure ``spec``'s ``reduce`` over ``world`` simulated ranks on successive steps.
 
     At step t rank r holds ``steps[(t + r) % len(steps)]`` (different gradients, as
@@ -234,7 +241,8 @@ def measure_reduce(spec: str, steps: Steps, label: str, clock: str = "cpu",
         """Every rank reduces its gradient of step t: (rank 0's means, its link bytes)."""
         def work(rank: int, comm: Any) -> tuple[dict[str, torch.Tensor], int]:
             held = steps[(t + rank) % n]
-            means = {key: codecs[rank].reduce(x, key, comm)[0] for key, x in held.items()}
+            means = {key: codecs[rank].reduce(x, key, comm, shapes=(shapes or {}).get(key))[0]
+                     for key, x in held.items()}
             return means, comm.counter.total_wire
         return run_simulated(world, work)[0]
 
@@ -280,8 +288,9 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     jobs = [(s, label, ts) for label, ts in inputs for s in specs]
+    layouts = {REAL_FLAT: _bucket_shapes(inputs)}
     for spec, label, steps in tqdm(jobs, desc="codecs", unit="codec", disable=args.quiet):
-        result = measure(spec, steps, label, args.clock)
+        result = measure(spec, steps, label, args.clock, shapes=layouts.get(label))
         if label == REAL_PER_PARAM:
             result.meets_speed_bar = None  # see _bars
         results.append(result)
@@ -324,6 +333,14 @@ def _inputs(numel: int, size: str, count: int, seed: int, real: bool
                                    for step in grads]))
         inputs.append((REAL_PER_PARAM, grads))
     return inputs
+
+
+def _bucket_shapes(inputs: list[tuple[str, Steps]]) -> Layouts:
+    """The flat real bucket's tensor shapes (the per-parameter input's, in order)."""
+    per_param = dict(inputs).get(REAL_PER_PARAM)
+    if not per_param:
+        return {}
+    return {"bucket": [t.shape for t in per_param[0].values()]}
 
 
 def _bars(results: list[CodecResult]) -> list[str]:
