@@ -30,6 +30,7 @@ def _run(record, spec, path, world, seed=0):
 
 def test_structure(record):
     assert record["worlds"] == [2, 4, 8] and record["error_worlds"] == [2, 4]
+    assert record["warmup"] == 2
     # seed 0 covers every W of both sweeps, later seeds only the error sweep
     paths = {"none": ["all_reduce", "two_phase"], "qsgd": ["gather", "two_phase"],
              "fp16": ["all_reduce", "two_phase"]}
@@ -104,3 +105,40 @@ def test_default_specs_cover_every_stage():
 def test_bad_worlds_are_refused(capsys):
     assert main(["bench", "aggregate", "--worlds", "1,2", "--quiet"]) != 0
     assert "--worlds needs world sizes >= 2" in capsys.readouterr().err
+
+
+def _small_real(world, warmup):
+    inputs = bench.Inputs("real", 875_264, world + warmup, seed=0)
+    warm = [inputs.for_world(world, 875_264, step=i)[0] for i in range(warmup)]
+    xs, shapes = inputs.for_world(world, 875_264, step=warmup)
+    return warm, xs, shapes
+
+
+def test_warmup_measures_stateful_codecs_in_steady_state():
+    # PowerSGD (per tensor, as DDP reduces it) and GradiVeQ compress after warm-up;
+    # GradiVeQ's first reduction is its uncompressed refresh step
+    warm, xs, shapes = _small_real(4, 2)
+    ps = bench.reduce_once("powersgd", "multi_round", xs, shapes, warmup=warm)
+    assert ps.ratio_fp32 > 1.5 and ps.rel_l2_error > 1e-3
+    gv = bench.reduce_once("gradiveq", "multi_round", xs, shapes, warmup=warm)
+    assert gv.ratio_fp32 > 1.5 and gv.rel_l2_error > 1e-3
+    cold = bench.reduce_once("gradiveq", "multi_round", xs, shapes)
+    assert cold.ratio_fp32 == pytest.approx(1.0, abs=0.01) and cold.rel_l2_error < 1e-6
+
+
+def test_warmup_steps_carry_the_error_feedback_residual():
+    xs0 = [torch.randn(4096, generator=torch.Generator().manual_seed(r)) for r in range(8)]
+    warm, xs = [xs0[:4], xs0[1:5]], xs0[2:6]
+    spec = "ef | topk(ratio=0.01)"
+    cold = bench.reduce_once(spec, "gather", xs, None)
+    hot = bench.reduce_once(spec, "gather", xs, None, warmup=warm)
+    # bytes are the measured reduction's only; the mean now carries earlier residuals
+    assert hot.wire_bytes == cold.wire_bytes
+    assert hot.rel_l2_error != cold.rel_l2_error
+    with pytest.raises(ValueError, match="warm-up"):
+        bench.reduce_once(spec, "gather", xs, None, warmup=[xs0[:3]])
+
+
+def test_bad_warmup_is_refused(capsys):
+    assert main(["bench", "aggregate", "--warmup", "-1", "--quiet"]) != 0
+    assert "--warmup must be >= 0" in capsys.readouterr().err

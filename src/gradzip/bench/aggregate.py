@@ -4,12 +4,21 @@ Every codec's reduction runs for real over W simulated ranks (``run_simulated``:
 thread per rank, each with its own codec and ``Communicator``; real codec code, real
 payload sizes), no ``torch.distributed``. Each rank holds a different gradient.
 
+**Steady state.** Each measurement is ``--warmup`` reductions (default 2) followed by
+the measured one, all with the same codec instance per rank (one ``run_simulated``
+worker runs every step), each step on the ranks' next successive gradients: error
+feedback carries a residual, PowerSGD a warm-started Q, GradiVeQ a fitted basis
+(its refresh step is a warm-up) into the measured reduction. Bytes and error come
+from the measured reduction only. Multi-round codecs reduce each tensor of the
+bucket on its own (key ``grad/p{j}``), as the DDP hook does (``reduce_each``):
+PowerSGD compresses matrices, and a flat bucket has none.
+
 **Bytes.** For each world size W (``--worlds``, default 2, 4, 8, 16, 64) and each
-codec, one reduction is run per aggregation path and the bytes each rank puts on its
-link are read from its ``Communicator`` counter (``counter.total_wire``: the link
-byte model of every collective, size exchanges and padding included; the largest
-over ranks is reported). Payload sizes do not depend on timing, so one reduction is
-the measurement. Paths: summable codecs (casts, random-k) all-reduce their payload,
+codec, one measured reduction is run per aggregation path and the bytes each rank
+puts on its link are read from its ``Communicator`` counter (``counter.total_wire``:
+the link byte model of every collective, size exchanges and padding included; the
+largest over ranks is reported). Payload sizes do not depend on timing, so one
+reduction is the measurement. Paths: summable codecs (casts, random-k) all-reduce their payload,
 and are also run with ``| aggregate=two_phase`` (fp32 sum at the chunk owner);
 non-summable single-round codecs run both ``| aggregate=gather`` (every rank's
 payload all-gathered: (W-1) x payload per rank) and ``| aggregate=two_phase``
@@ -27,17 +36,19 @@ fp16's, with a log2(W)-interpolated estimate between the two sweep points around
 **Error of the mean.** For W in ``--error-worlds`` (default 2, 4, 8, 16) and
 ``--seeds`` inputs, the relative L2 error of the mean a rank gets back against the
 exact fp64 mean of the ranks' inputs, median over seeds, for every path (fp16/bf16:
-the all-reduce sums in 16 bits, ``two_phase`` sums in fp32 at the owner). Each
-reduction starts from fresh codec state (error feedback has no residual yet).
+the all-reduce sums in 16 bits, ``two_phase`` sums in fp32 at the owner), after the
+warm-up reductions (with error feedback, the mean a rank gets back includes the
+residuals carried from them; the exact mean is of the measured step's inputs).
 
-**Input.** ``--input real`` (default): rank r holds the flat gradient (one DDP
-bucket, 875,264 values in 52 tensors, whose shapes are passed to the codec) of SGD
-step 3 + r of the small transformer LM of ``gradzip.bench.samples``, trained on
-standard-library text; the seed sets the model's initialisation. ``--input
-synthetic``: heavy-tailed values (Gaussian x log-normal, ``--numel``, default 1M,
-shaped as one square-ish matrix), rank r a fresh draw with the same per-coordinate
-scales. To keep the run to minutes (W threads each encode and decode in one
-process; a gather decodes W payloads on each of W ranks), a rank holds at most
+**Input.** ``--input real`` (default): in reduction i (warm-ups i = 0 .. warmup - 1,
+then the measured one) rank r holds the flat gradient (one DDP bucket, 875,264 values
+in 52 tensors, whose shapes are passed to the codec) of SGD step 3 + r + i of the
+small transformer LM of ``gradzip.bench.samples``, trained on standard-library
+text; the seed sets the model's initialisation. ``--input synthetic``: heavy-tailed
+values (Gaussian x log-normal, ``--numel``, default 1M, shaped as one square-ish
+matrix), draw r + i, all draws with the same per-coordinate scales. To keep the run
+to minutes (W threads each encode and decode in one process; a gather decodes W
+payloads on each of W ranks), a rank holds at most
 ``--max-total`` / W values (default 16M / W: 262,144 at W = 64, the leading values
 of the gradient); the ``numel`` of every result says what was used.
 """
@@ -143,15 +154,18 @@ class Inputs:
             raise ValueError(f"input must be real or synthetic, got {kind!r}")
         self.kind, self.seed = kind, seed
 
-    def for_world(self, world: int, numel: int) -> tuple[list[torch.Tensor], list[torch.Size]]:
-        """The first ``world`` ranks' gradients, each cut to its first ``numel`` values,
-        and the tensor shapes inside that cut."""
+    def for_world(self, world: int, numel: int, step: int = 0
+                  ) -> tuple[list[torch.Tensor], list[torch.Size]]:
+        """The ``world`` ranks' gradients of reduction ``step`` (rank r: gradient
+        r + step), each cut to its first ``numel`` values, and the tensor shapes inside
+        that cut."""
         from gradzip.codecs.aggregate import piece_shapes
 
-        if world > len(self.tensors):
-            raise ValueError(f"{world} ranks need {world} gradients, have {len(self.tensors)}")
+        if world + step > len(self.tensors):
+            raise ValueError(f"{world} ranks at reduction {step} need {world + step} "
+                             f"gradients, have {len(self.tensors)}")
         numel = min(numel, self.numel)
-        xs = [t[:numel] for t in self.tensors[:world]]
+        xs = [t[:numel] for t in self.tensors[step:step + world]]
         if self.kind == "synthetic":
             return xs, [torch.Size(_square_shape(numel))]
         shapes = piece_shapes(self.shapes, 0, numel)
@@ -166,23 +180,34 @@ def _square_shape(numel: int) -> tuple[int, ...]:
 
 # ---------------------------------------------------------------- measuring
 def reduce_once(spec: str, path: str, xs: list[torch.Tensor], shapes: list[torch.Size] | None,
-                seed: int = 0) -> Run:
+                seed: int = 0, warmup: list[list[torch.Tensor]] | None = None) -> Run:
     """Reduce ``xs[r]`` on rank r through ``spec`` forced onto ``path`` (``all_reduce``
-    and ``multi_round`` are the codec's own); bytes and error of this one reduction."""
+    and ``multi_round`` are the codec's own); bytes and error of this one reduction.
+
+    ``warmup``: earlier reductions (each a list of the ranks' inputs, same sizes and
+    ``shapes``) run first with the same codec instances, unmeasured, so that codec
+    state (residuals, warm starts, fitted bases) is in steady state.
+    """
     import gradzip
     from gradzip.codecs import run_simulated
     from gradzip.codecs.linkmodel import link_bytes
 
     world, numel = len(xs), xs[0].numel()
+    steps = [*(warmup or []), xs]
+    if any(len(s) != world or any(t.numel() != numel for t in s) for s in steps):
+        raise ValueError(f"every warm-up reduction needs {world} inputs of {numel} values")
     forced = {"aggregate": path} if path in ("gather", "two_phase") else {}
     codecs = [gradzip.codec(spec, rank=r, **forced) for r in range(world)]
 
     def work(rank: int, comm: Any) -> tuple[torch.Tensor | None, int, dict[str, int]]:
-        codec = codecs[rank]
+        codec = codecs[rank]  # one instance for every step: its state carries over
         got = codec.aggregation(xs[rank], world, shapes)
         if got != path:
             raise RuntimeError(f"{spec}: expected path {path}, the codec takes {got}")
-        mean, _ = codec.reduce(xs[rank], "grad", comm, shapes=shapes)
+        mean = xs[rank]
+        for step in steps:
+            comm.counter.reset()  # bytes of the last (measured) reduction only
+            mean = _reduce(codec, step[rank], comm, shapes)
         return (mean if rank == 0 else None), comm.counter.total_wire, dict(comm.counter.wire)
 
     try:
@@ -204,6 +229,22 @@ def reduce_once(spec: str, path: str, xs: list[torch.Tensor], shapes: list[torch
                ratio_fp32=raw["fp32"] / wire if wire else math.inf,
                ratio_fp16=raw["fp16"] / wire if wire else math.inf,
                rel_l2_error=err)
+
+
+def _reduce(codec: Any, x: torch.Tensor, comm: Any, shapes: list[torch.Size] | None
+            ) -> torch.Tensor:
+    """One reduction of ``x`` as the DDP hook does it: multi-round codecs get each
+    tensor of the bucket in its own shape (``Reducer.reduce_each``), others the flat
+    bucket with its ``shapes``."""
+    if not codec.multi_round or shapes is None:
+        return codec.reduce(x, "grad", comm, shapes=shapes)[0]
+    out, offset = torch.empty_like(x), 0
+    for j, shape in enumerate(shapes):
+        n = shape.numel()
+        out[offset:offset + n] = codec.reduce(
+            x[offset:offset + n].view(shape), f"grad/p{j}", comm)[0].reshape(-1)
+        offset += n
+    return out
 
 
 def auto_path(spec: str, x: torch.Tensor, world: int, shapes: list[torch.Size] | None) -> str:
@@ -276,6 +317,8 @@ def run(args: argparse.Namespace) -> int:
     error_worlds = _ints(args.error_worlds, "--error-worlds")
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     specs = [s.strip() for s in args.codecs.split(";") if s.strip()] if args.codecs \
         else default_specs()
     paths = {spec: paths_of(spec) for spec in specs}  # also: every spec parses, early
@@ -294,12 +337,14 @@ def run(args: argparse.Namespace) -> int:
         if inputs is None or inputs.seed != seed:
             bar.set_postfix_str(f"input seed {seed}")
             count = max(worlds + error_worlds) if seed == 0 else max(error_worlds)
-            inputs = Inputs(args.input, numel, count, seed)
+            inputs = Inputs(args.input, numel, count + args.warmup, seed)
         bar.set_postfix_str(f"W={w} {spec} [{path}]")
-        xs, shapes = inputs.for_world(w, per_rank_numel(numel, w, max_total))
+        n = per_rank_numel(numel, w, max_total)
+        warm = [inputs.for_world(w, n, step=i)[0] for i in range(args.warmup)]
+        xs, shapes = inputs.for_world(w, n, step=args.warmup)
         if seed == 0 and (spec, w) not in autos:
             autos[(spec, w)] = auto_path(spec, xs[0], w, shapes)
-        runs.append(reduce_once(spec, path, xs, shapes, seed))
+        runs.append(reduce_once(spec, path, xs, shapes, seed, warmup=warm))
     summaries = summarize(specs, runs, autos)
     errors = median_errors(runs, error_worlds)
     _print_tables(runs, summaries, errors, worlds, error_worlds, args)
@@ -314,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
         record = {
             "machine": _machine(), "input": args.input, "numel": numel,
             "max_total": max_total, "worlds": worlds, "error_worlds": error_worlds,
-            "seeds": args.seeds, "threads": args.threads,
+            "seeds": args.seeds, "warmup": args.warmup, "threads": args.threads,
             "runs": [asdict(r) for r in runs],
             "summary": [asdict(s) for s in summaries],
             "error_median": [{"codec": c, "path": p, "world": w, "rel_l2_error": e}
@@ -461,6 +506,10 @@ def register(sub: Any) -> None:
     p.add_argument("--seeds", type=int, default=3,
                    help="inputs (model initialisations) for the error sweep; medians "
                         "are reported (default 3; bytes come from seed 0)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="unmeasured reductions (on the preceding gradients, same codec "
+                        "instances) before each measured one, so stateful codecs are "
+                        "measured in steady state (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--json", metavar="FILE", help="write every run and the summaries here")
     p.add_argument("--markdown", metavar="FILE", help="write the tables as Markdown here")
