@@ -502,3 +502,59 @@ def test_bf16_model_none_is_one_to_one():
     t, _ = run_ranks(_bf16_none, 2)
     assert t["compression_ratio"] == 1.0
     assert t["bytes_handed"] == 3 * 2 * 1633
+
+
+# ---------------------------------------------------------------- future-chained path
+def _chained(rank: int) -> dict:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    out: dict = {"paths": {}}
+    for spec in ("none", "fp16", "randomk(ratio=0.5)", "ef | fp16", "qsgd"):
+        model = DDP(_model(), bucket_cap_mb=0.002)
+        handle = gradzip.attach(model, spec)
+        out["paths"][spec] = handle._ddp_state.chained
+        handle.close()
+    base = _model()
+    theirs = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
+    theirs.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    ours = DDP(copy.deepcopy(base), bucket_cap_mb=0.002)
+    handle = gradzip.attach(ours, "fp16")
+    same = []
+    for step in range(4):
+        x, y = _batch(step, rank)
+        for m in (theirs, ours):
+            m.zero_grad()
+            _loss(m, x, y).backward()
+        handle.stats.end_step()
+        same.append(max(float((a.grad - b.grad).abs().max() / b.grad.abs().max())
+                        for a, b in zip(theirs.parameters(), ours.parameters(), strict=True)))
+    out["diff_to_fp16_hook"] = same
+    out["totals"] = handle.stats.totals()
+    bad = DDP(_model(), bucket_cap_mb=0.002)
+    gradzip.attach(bad, "fp16")
+    for step in range(2):
+        x, y = _batch(step, rank)
+        if step == 1:
+            x[0, 0] = float("nan")
+        bad.zero_grad()
+        try:
+            _loss(bad, x, y).backward()
+        except Exception as e:  # noqa: BLE001 - the hook's error, through DDP
+            out["nan_error"] = str(e)
+    return out
+
+
+def test_summable_codecs_chain_futures_like_pytorch_hooks():
+    """none/fp16/randomk run as PyTorch's own hooks do (async all-reduce + future, no
+    communication thread); gradzip fp16 matches fp16_compress_hook to fp16 rounding
+    (PyTorch casts, then divides in fp16; gradzip divides in fp32, then casts) after the
+    first, uncompressed step; a NaN still stops the step with the codec's message."""
+    r0, _ = run_ranks(_chained, 2)
+    assert r0["paths"] == {"none": True, "fp16": True, "randomk(ratio=0.5)": True,
+                           "ef | fp16": False, "qsgd": False}
+    first, *rest = r0["diff_to_fp16_hook"]
+    assert 0 < first < 1e-3 and all(d < 2e-3 for d in rest), r0["diff_to_fp16_hook"]
+    t = r0["totals"]
+    assert set(t["aggregation"]) == {"plain", "all_reduce"}
+    assert t["bytes_handed"] == (4 * 1633) + 3 * (2 * 1633)  # first step fp32, then fp16
+    assert "non-finite" in r0["nan_error"]

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from gradzip.codecs.chain import Codec
+from gradzip.comm.chained import chainable, reduce_async
 from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import CommStats
@@ -94,6 +95,9 @@ class DDPCommState:
         self.reducers = [Reducer(c, self.stats, diagnose=diagnose) for c in self.codecs]
         self.groups = groups or {}
         self.worker = CommWorker()
+        #: one summable single-stage codec for every parameter: PyTorch's future-chained
+        #: all-reduce, no communication thread (``chained.py``)
+        self.chained = not self.groups and not diagnose and chainable(codec)
         self.iteration = 0
         # bucket index -> identities of its parameters when it was last compressed
         self._layouts: dict[int, tuple[int, ...]] = {}
@@ -181,6 +185,11 @@ def gradzip_hook(state: DDPCommState, bucket: dist.GradBucket) -> torch.futures.
     shapes = [p.shape for p in params]
     if bucket.is_last():
         state.iteration += 1
+    if state.chained:
+        if compress:
+            state.check_layout(index, layout)
+        return reduce_async(state.reducers[0], state.comm, buffer, key, shapes,
+                            plain=not compress)
 
     def job() -> torch.Tensor:
         if not compress:

@@ -72,7 +72,7 @@ class Reducer(CodecObserver):
     def aggregated(self, path: str) -> None:
         self._paths.append(path)
 
-    def _sent_values(self, numel: int, p: Payload) -> int:
+    def sent_values(self, numel: int, p: Payload) -> int:
         """Values this payload carries for a tensor of ``numel`` entries."""
         first = self.codec.compressors[0][1]
         name = first.values_field
@@ -107,7 +107,7 @@ class Reducer(CodecObserver):
             sent = numel
             idx = 0
         else:
-            sent = sum(self._sent_values(n, p) for n, p in self._payloads)
+            sent = sum(self.sent_values(n, p) for n, p in self._payloads)
             idx = sum(index_bytes(p) for _, p in self._payloads)
         self.stats.record(Reduction(
             numel=numel, sent_values=sent, index_bytes=idx,
