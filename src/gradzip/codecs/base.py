@@ -197,6 +197,13 @@ class Compressor(Stage):
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
         """Rebuild a float32 tensor of ``shape`` from a payload (any rank's)."""
 
+    def decode_into(self, p: Payload, out: torch.Tensor, slot: Slot | None) -> None:
+        """Decode into ``out`` (its shape and dtype); casts override it to convert in
+        one pass instead of decoding to fp32 and copying (the hooks' fast path)."""
+        decoded = self.decode(p, out.shape, slot)
+        if decoded.data_ptr() != out.data_ptr():
+            out.copy_(decoded)
+
     def encode_tensors(self, x: torch.Tensor, slot: Slot, shapes: Shapes) -> Payload:
         """Compress a flat bucket ``x`` that holds tensors of ``shapes`` back to back.
 

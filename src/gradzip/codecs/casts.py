@@ -48,12 +48,20 @@ class _Cast(Compressor):
     values_field = "values"
 
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
-        # saturate instead of overflowing to inf: a clipped gradient beats a NaN step
+        # saturate instead of overflowing to inf: a clipped gradient beats a NaN step.
+        # Cast first, then fix the (rare) infinities in the small tensor: one pass over
+        # the input instead of a clamped fp32 copy (NaN stays NaN; an infinite input or
+        # a value that rounds past the largest finite value gets it, as clamping would).
         limit = torch.finfo(self.dtype).max
-        return Payload({"values": x.reshape(-1).clamp(-limit, limit).to(self.dtype)})
+        values = x.reshape(-1).to(self.dtype, copy=True)
+        values.nan_to_num_(nan=float("nan"), posinf=limit, neginf=-limit)
+        return Payload({"values": values})
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
         return _values(p, shape, self.name).float()
+
+    def decode_into(self, p: Payload, out: torch.Tensor, slot: Slot | None) -> None:
+        out.copy_(_values(p, out.shape, self.name))  # converts while copying
 
 
 @register("fp16")

@@ -59,15 +59,16 @@ def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor
     encode_s = time.perf_counter() - start
     works = [dist.all_reduce(t, group=comm.group, async_op=True) for t in leaves]
     handed = sum(t.numel() * t.element_size() for t in leaves)
+    # The callback runs on gloo's thread and must not hold the process group: if it
+    # dropped the last reference there, the group's destructor would join its own
+    # thread ("Resource deadlock avoided"). It captures plain values only.
+    backend = comm.counter.backend
 
     def finish(_: torch.futures.Future) -> torch.Tensor:
         decode_start = time.perf_counter()
-        if payload is not None:
-            mean = codec._decode_stages(payload, None, buffer.shape, shapes)
-            if mean.data_ptr() != buffer.data_ptr():
-                buffer.copy_(mean.reshape(buffer.shape))
+        if payload is not None:  # casts convert straight into the bucket
+            codec.compressors[0][1].decode_into(payload, buffer, None)
         done = time.perf_counter()
-        backend = comm.counter.backend
         reducer.stats.record(Reduction(
             numel=buffer.numel(), bytes_handed=handed,
             sent_values=(buffer.numel() if payload is None
