@@ -67,8 +67,9 @@ def test_comparisons_and_table():
     table = comm.format_table(rows, args)
     assert "| `torch:bf16` | 2 | not supported on gloo |" in table
     assert "- (torch:bf16: not supported on gloo)" in table
-    assert ("| `ef \\| powersgd(rank=4)` | 2 | 15.0 | 1.50x | 0.50x (torch:powersgd(rank=4))"
-            in table)
+    assert ("| `ef \\| powersgd(rank=4)` | 2 | 15.0 | 1.50x "
+            "| 0.50x (torch:powersgd(rank=4), 1 vs 2 buckets)") in table
+    assert "1.25x (torch:none) |" in table
     assert "`torch:powersgd(rank=4)` *" in table
     assert "\\* torch:powersgd(rank=4): one bucket" in table
 

@@ -252,6 +252,8 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
             other = by_method[pair]
             if "step_ms" in other:
                 r["vs_torch"] = r["step_ms"] / other["step_ms"]
+                if other.get("buckets") != r.get("buckets"):
+                    r["torch_pair_buckets"] = other.get("buckets")
             else:
                 r["torch_pair_missing"] = other.get("unsupported", "did not run")
 
@@ -344,6 +346,9 @@ def format_table(rows: list[dict[str, Any]], args: Any, backend: str = "gloo") -
             vs_t = "-"
         elif "vs_torch" in r:
             vs_t = f"{r['vs_torch']:.2f}x ({pair})"
+            if "torch_pair_buckets" in r:  # not the same buckets: say so in the cell
+                vs_t = (f"{r['vs_torch']:.2f}x ({pair}, {r['torch_pair_buckets']} vs "
+                        f"{r['buckets']} buckets)")
         else:
             vs_t = f"- ({pair}: {r.get('torch_pair_missing', 'did not run')})"
         if "encode_decode_ms" in r:
