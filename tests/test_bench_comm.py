@@ -104,5 +104,7 @@ def test_tiny_real_run(capsys):
         assert rows[name]["step_ms"] > 0
     assert rows["none"]["torch_pair"] == "torch:none" and rows["none"]["vs_torch"] > 0
     assert rows["fp16"]["ratio"] > 1.5
+    assert rows["torch:fp16"]["payload_ratio"] == pytest.approx(2.0)
+    assert "payload_ratio" not in rows["torch:none"]  # its C++ all-reduce isn't counted
     assert rows["ef | powersgd(rank=2)"]["torch_pair"] == "torch:powersgd(rank=2)"
     assert rows["bf16"]["torch_pair_missing"] == "not supported on gloo"

@@ -155,6 +155,7 @@ def _rank_main(rank: int, methods: list[str], width: int, depth: int, steps: int
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradzip
+    from gradzip.comm.launch import CollectiveRecorder
 
     torch.set_flush_denormal(True)
     g = torch.Generator().manual_seed(rank)
@@ -213,9 +214,24 @@ def _rank_main(rank: int, methods: list[str], width: int, depth: int, steps: int
             if handle:
                 before.update(handle.stats.totals())
 
-        times = _time_steps(model, opt, x, y, warmup, steps,
-                            on_step=handle.stats.end_step if handle else None, on_warm=warm)
+        recorder = CollectiveRecorder() if method not in ("torch:none",) and not handle else None
+
+        def warm_all(recorder: Any = recorder) -> None:
+            warm()
+            if recorder:  # PyTorch's hooks call dist.all_reduce: count what they hand it
+                recorder.__enter__()
+
+        try:
+            times = _time_steps(model, opt, x, y, warmup, steps,
+                                on_step=handle.stats.end_step if handle else None,
+                                on_warm=warm_all)
+        finally:
+            if recorder:
+                recorder.__exit__()
         row["step_ms"] = statistics.median(times) * 1e3
+        if recorder:
+            row["payload_bytes_per_step"] = recorder.bytes / steps
+            row["payload_ratio"] = 4 * params / max(row["payload_bytes_per_step"], 1)
         if handle:
             after = handle.stats.totals()
             n = steps
@@ -353,6 +369,8 @@ def format_table(rows: list[dict[str, Any]], args: Any, backend: str = "gloo") -
             vs_t = f"- ({pair}: {r.get('torch_pair_missing', 'did not run')})"
         if "encode_decode_ms" in r:
             extra = (f"{r['encode_decode_ms']:.1f} | {r['comm_ms']:.1f} | {r['ratio']:.1f}")
+        elif "payload_ratio" in r:
+            extra = f"- | - | {r['payload_ratio']:.1f} (payload)"
         else:
             extra = "- | - | -"
         lines.append(f"| {name} | {r['buckets']} | {r['step_ms']:.1f} | {vs_c} | {vs_t} "
