@@ -1,21 +1,103 @@
-"""``gradzip bench comm``: DDP step time with and without a gradzip hook, 2 local ranks.
+"""``gradzip bench comm``: DDP step time, gradzip's hooks against PyTorch's own, 2 local ranks.
 
-Spawns ``--ranks`` gloo processes on this machine (loopback; run it inside a
-shaped network namespace to emulate a slow link, see DESIGN.md), trains a ~4M
-parameter MLP with plain DDP and then with ``gradzip.attach`` for each codec, and
-reports the median step time, the hook's codec compute (encode + decode ms) as a
-share of the step, the collective time, and the measured compression ratio.
+Spawns ``--ranks`` gloo processes on this machine (loopback; ``--rate 100mbit`` runs
+the whole benchmark inside a fresh network namespace whose loopback is shaped, see
+``gradzip.comm.netns``), and times, on one ~4M parameter MLP with the same DDP
+buckets for every row:
+
+* ``compute-only``: the plain model's forward/backward/step on every rank at once,
+  no DDP and no communication (the floor any hook is measured against);
+* PyTorch's own hooks, methods ``torch:none`` (DDP without a hook: its C++
+  all-reduce), ``torch:fp16`` (``fp16_compress_hook``), ``torch:bf16``
+  (``bf16_compress_hook``, which refuses gloo: reported, not run) and
+  ``torch:powersgd(rank=R)`` (``powerSGD_hook``, error feedback and warm start on,
+  compressing from step 2);
+* gradzip's hooks (``gradzip.attach`` with each codec spec).
+
+Each gradzip row is paired with PyTorch's row for the same algorithm (``none`` ~
+``torch:none``, ``fp16`` ~ ``torch:fp16``, ``bf16`` ~ ``torch:bf16``,
+``ef | powersgd(rank=R)`` ~ ``torch:powersgd(rank=R)``) and every row is compared
+with ``compute-only``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
+import sys
 import time
+from collections.abc import Iterable
 from typing import Any
 
-DEFAULT_SPECS = ["none", "fp16", "qsgd", "ef | topk(ratio=0.01)", "ef | powersgd(rank=4)",
+COMPUTE_ONLY = "compute-only"
+DEFAULT_SPECS = ["none", "fp16", "bf16", "ef | powersgd(rank=4)", "ef | topk(ratio=0.01)",
                  "efsignsgd"]
+TORCH_FIXED = ["torch:none", "torch:fp16", "torch:bf16"]
+_TORCH_POWERSGD = re.compile(r"^torch:powersgd(?:\(\s*rank\s*=\s*(\d+)\s*\))?$")
+#: PowerSGDState's minimum when error feedback or warm start is on
+POWERSGD_START_ITER = 2
+
+
+def is_torch_method(method: str) -> bool:
+    return method.startswith("torch:")
+
+
+def torch_equivalent(method: str) -> str:
+    """The gradzip spec computing what PyTorch's hook ``method`` computes."""
+    simple = {"torch:none": "none", "torch:fp16": "fp16", "torch:bf16": "bf16"}
+    if method in simple:
+        return simple[method]
+    m = _TORCH_POWERSGD.match(method.replace(" ", ""))
+    if m:
+        return f"ef | powersgd(rank={m.group(1) or 1})"
+    raise ValueError(
+        f"unknown PyTorch method {method!r}; known: torch:none, torch:fp16, torch:bf16, "
+        "torch:powersgd(rank=R)"
+    )
+
+
+def _canonical(spec: str) -> str:
+    import gradzip
+
+    return str(gradzip.codec(spec))
+
+
+def pair_rows(specs: Iterable[str], torch_methods: Iterable[str]) -> dict[str, str | None]:
+    """gradzip spec -> the PyTorch method for the same algorithm among ``torch_methods``
+    (compared by canonical spec, so ``ef|powersgd(rank=4)`` pairs too), else None."""
+    by_canon = {_canonical(torch_equivalent(m)): m for m in torch_methods}
+    return {s: by_canon.get(_canonical(s)) for s in specs}
+
+
+def default_torch_methods(specs: Iterable[str]) -> list[str]:
+    """PyTorch's rows worth running next to ``specs``: the counterparts that exist."""
+    out: list[str] = []
+    for spec in specs:
+        canon = _canonical(spec)
+        for m in [*TORCH_FIXED, *_powersgd_candidates(canon)]:
+            if _canonical(torch_equivalent(m)) == canon and m not in out:
+                out.append(m)
+    order = {m: i for i, m in enumerate(TORCH_FIXED)}
+    return sorted(out, key=lambda m: (order.get(m, len(order)), m))
+
+
+def _powersgd_candidates(canon: str) -> list[str]:
+    """``torch:powersgd(rank=R)`` for an ``ef | powersgd(...)`` spec (its rank may be the
+    codec's default, left out of the canonical spec: try the plausible ones)."""
+    m = re.fullmatch(r"ef \| powersgd(?:\(rank=(\d+)\))?", canon)
+    if not m:
+        return []
+    if m.group(1):
+        return [f"torch:powersgd(rank={m.group(1)})"]
+    return [f"torch:powersgd(rank={r})" for r in range(1, 33)
+            if _canonical(f"ef | powersgd(rank={r})") == canon][:1]
+
+
+def _powersgd_rank(method: str) -> int:
+    m = _TORCH_POWERSGD.match(method.replace(" ", ""))
+    assert m, method
+    return int(m.group(1) or 1)
 
 
 def _model(width: int, depth: int) -> Any:
@@ -29,38 +111,127 @@ def _model(width: int, depth: int) -> Any:
     return nn.Sequential(*layers, nn.Linear(width, 1))
 
 
-def _rank_main(rank: int, specs: list[str], width: int, depth: int, steps: int, warmup: int,
-               batch: int) -> dict[str, Any]:
+def _bucket_count(module: Any, bucket_cap_mb: float | None) -> int:
+    """How many buckets DDP makes of ``module`` (its own assignment function)."""
+    import torch.distributed as dist
+
+    params = [p for p in module.parameters() if p.requires_grad][::-1]
+    cap = int(25 * 1024 * 1024 if bucket_cap_mb is None else bucket_cap_mb * 1024 * 1024)
+    first = dist._DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
+    buckets, _ = dist._compute_bucket_assignment_by_size(params, [first, cap],
+                                                         [False] * len(params))
+    return len(buckets)
+
+
+def _one_bucket_mb(module: Any) -> float:
+    nbytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    return nbytes / 2**20 + 1.0
+
+
+def _time_steps(model: Any, opt: Any, x: Any, y: Any, warmup: int, steps: int,
+                on_step: Any = None, on_warm: Any = None) -> list[float]:
     import torch
+
+    times = []
+    for step in range(warmup + steps):
+        if step == warmup and on_warm:
+            on_warm()
+        start = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+        if on_step:
+            on_step()
+    return times
+
+
+def _rank_main(rank: int, methods: list[str], width: int, depth: int, steps: int, warmup: int,
+               batch: int, bucket_cap_mb: float | None, one_bucket: bool) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradzip
+    from gradzip.comm.launch import CollectiveRecorder
 
     torch.set_flush_denormal(True)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(batch, width, generator=g)
     y = torch.randn(batch, 1, generator=g)
+    backend = dist.get_backend()
+    plain = _model(width, depth)
+    params = sum(p.numel() for p in plain.parameters())
+    if one_bucket:
+        bucket_cap_mb = _one_bucket_mb(plain)
     rows = []
-    for spec in [None, *specs]:
-        model = DDP(_model(width, depth))
-        handle = gradzip.attach(model, spec) if spec else None
+    for method in methods:
+        row: dict[str, Any] = {"method": method, "params": params}
+        dist.barrier()
+        if method == COMPUTE_ONLY:  # every rank at once, as under DDP, but alone
+            model = _model(width, depth)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            row["buckets"] = 0
+            row["step_ms"] = statistics.median(_time_steps(model, opt, x, y, warmup, steps)) * 1e3
+            rows.append(row)
+            continue
+        cap = bucket_cap_mb
+        if (method.startswith("torch:powersgd") and backend == "gloo"
+                and _bucket_count(plain, cap) > 1):
+            cap = _one_bucket_mb(plain)
+            row["note"] = ("one bucket: PyTorch's powerSGD_hook hangs or aborts on gloo with "
+                           f"several (the other rows have {_bucket_count(plain, bucket_cap_mb)})")
+        row["bucket_cap_mb"] = cap
+        row["buckets"] = _bucket_count(plain, cap)
+        model = DDP(_model(width, depth), bucket_cap_mb=cap)
+        handle = None
+        if method == "torch:none":
+            pass
+        elif method == "torch:fp16":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif method == "torch:bf16":
+            try:
+                model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            except (TypeError, RuntimeError) as e:  # needs NCCL; same on every rank
+                row["unsupported"] = f"not supported on {backend}"
+                row["error"] = str(e)
+                rows.append(row)
+                continue
+        elif is_torch_method(method):
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=_powersgd_rank(method),
+                start_powerSGD_iter=POWERSGD_START_ITER, use_error_feedback=True,
+                warm_start=True)
+            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        else:
+            handle = gradzip.attach(model, method)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        times = []
         before: dict[str, Any] = {}
-        for step in range(warmup + steps):
-            if step == warmup and handle:
-                before = handle.stats.totals()
-            start = time.perf_counter()
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            if step >= warmup:
-                times.append(time.perf_counter() - start)
+
+        def warm(handle: Any = handle, before: dict[str, Any] = before) -> None:
             if handle:
-                handle.stats.end_step()
-        row: dict[str, Any] = {"spec": spec or "(no hook: DDP all-reduce)",
-               "params": sum(p.numel() for p in model.parameters()),
-               "step_ms": statistics.median(times) * 1e3}
+                before.update(handle.stats.totals())
+
+        recorder = CollectiveRecorder() if method not in ("torch:none",) and not handle else None
+
+        def warm_all(recorder: Any = recorder) -> None:
+            warm()
+            if recorder:  # PyTorch's hooks call dist.all_reduce: count what they hand it
+                recorder.__enter__()
+
+        try:
+            times = _time_steps(model, opt, x, y, warmup, steps,
+                                on_step=handle.stats.end_step if handle else None,
+                                on_warm=warm_all)
+        finally:
+            if recorder:
+                recorder.__exit__()
+        row["step_ms"] = statistics.median(times) * 1e3
+        if recorder:
+            row["payload_bytes_per_step"] = recorder.bytes / steps
+            row["payload_ratio"] = 4 * params / max(row["payload_bytes_per_step"], 1)
         if handle:
             after = handle.stats.totals()
             n = steps
@@ -73,50 +244,209 @@ def _rank_main(rank: int, specs: list[str], width: int, depth: int, steps: int, 
             row["overhead_share"] = row["encode_decode_ms"] / row["step_ms"]
             handle.close()
         rows.append(row)
-    return {"rows": rows}
+        del model, opt
+    return {"rows": rows, "backend": backend}
+
+
+def add_comparisons(rows: list[dict[str, Any]]) -> None:
+    """Fill ``vs_compute_only`` for every timed row, and ``torch_pair``/``vs_torch`` for
+    gradzip rows whose PyTorch counterpart is among ``rows``."""
+    by_method = {r["method"]: r for r in rows}
+    compute = by_method.get(COMPUTE_ONLY)
+    torch_methods = [r["method"] for r in rows if is_torch_method(r["method"])]
+    specs = [r["method"] for r in rows
+             if r["method"] != COMPUTE_ONLY and not is_torch_method(r["method"])]
+    pairs = pair_rows(specs, torch_methods)
+    for r in rows:
+        if "step_ms" not in r:
+            continue
+        if compute and r is not compute:
+            r["vs_compute_only"] = r["step_ms"] / compute["step_ms"]
+        pair = pairs.get(r["method"])
+        if pair:
+            r["torch_pair"] = pair
+            other = by_method[pair]
+            if "step_ms" in other:
+                r["vs_torch"] = r["step_ms"] / other["step_ms"]
+                if other.get("buckets") != r.get("buckets"):
+                    r["torch_pair_buckets"] = other.get("buckets")
+            else:
+                r["torch_pair_missing"] = other.get("unsupported", "did not run")
+
+
+def _methods(args: Any) -> list[str]:
+    given = args.spec or DEFAULT_SPECS
+    specs = [s for s in given if not is_torch_method(s) and s != COMPUTE_ONLY]
+    torch_given = [s for s in given if is_torch_method(s)]
+    import gradzip
+
+    for s in torch_given:
+        torch_equivalent(s)  # fail on an unknown name before spawning anything
+    for s in specs:
+        gradzip.codec(s)
+    if args.no_torch:
+        torch_methods = torch_given
+    else:
+        torch_methods = list(dict.fromkeys([*torch_given, *default_torch_methods(specs)]))
+    return [COMPUTE_ONLY, *torch_methods, *specs]
+
+
+def _netns_argv(args: Any) -> list[str]:
+    """This command again, without ``--rate`` (it runs inside the shaped namespace)."""
+    argv = [sys.executable, "-m", "gradzip", "bench", "comm", "--ranks", str(args.ranks),
+            "--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch),
+            "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--link-note", f"loopback shaped to {args.rate} (tbf, one link shared by all ranks)"]
+    for s in args.spec or []:
+        argv += ["--spec", s]
+    if args.bucket_cap_mb is not None:
+        argv += ["--bucket-cap-mb", str(args.bucket_cap_mb)]
+    for flag in ("one_bucket", "no_torch", "json"):
+        if getattr(args, flag):
+            argv.append("--" + flag.replace("_", "-"))
+    return argv
+
+
+def _run_shaped(args: Any) -> int:
+    from gradzip.comm.netns import NetnsError, rate_bits_per_second, run_in_netns
+
+    try:
+        rate_bits_per_second(args.rate)
+    except ValueError as e:
+        print(f"gradzip bench comm: error: --rate: {e}", file=sys.stderr)
+        return 2
+    try:
+        proc = run_in_netns(_netns_argv(args), rate=args.rate, timeout=4 * 3600.0,
+                            on_line=lambda line: print(line, flush=True))
+    except NetnsError as e:
+        print(f"gradzip bench comm: error: --rate needs a network namespace: {e}",
+              file=sys.stderr)
+        return 2
+    if proc.returncode != 0:
+        print(proc.stderr[-4000:], file=sys.stderr, end="")
+    return proc.returncode
+
+
+def _fmt_x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def format_table(rows: list[dict[str, Any]], args: Any, backend: str = "gloo") -> str:
+    compute = next((r for r in rows if r["method"] == COMPUTE_ONLY), None)
+    ddp = [r for r in rows if r["method"] != COMPUTE_ONLY and "buckets" in r]
+    caps = sorted({r["buckets"] for r in ddp if "note" not in r})
+    link = getattr(args, "link_note", None) or "unlimited loopback"
+    lines = [
+        f"{args.ranks} ranks, {backend} over {link}, MLP {rows[0]['params'] / 1e6:.2f}M params, "
+        f"batch {args.batch}, median of {args.steps} steps after {args.warmup} warm-up; "
+        f"DDP buckets: {', '.join(map(str, caps)) or '-'}"
+        + (" (--one-bucket)" if args.one_bucket else
+           f" (bucket_cap_mb {args.bucket_cap_mb or '25, first bucket 1 MB: PyTorch default'})"),
+        "| method | buckets | step ms | vs compute-only | vs PyTorch | encode+decode ms "
+        "| comm ms | ratio |",
+        "|---|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    notes = []
+    for r in rows:
+        name = r["method"].replace("|", "\\|")  # a pipe would split the markdown cell
+        name = f"`{name}`"
+        if "unsupported" in r:
+            lines.append(f"| {name} | {r['buckets']} | {r['unsupported']} | - | - | - | - | - |")
+            continue
+        if r.get("note"):
+            notes.append(f"{r['method']}: {r['note']}")
+            name += " *"
+        vs_c = "1.00x" if r is compute else _fmt_x(r.get("vs_compute_only"))
+        pair = r.get("torch_pair")
+        if pair is None:
+            vs_t = "-"
+        elif "vs_torch" in r:
+            vs_t = f"{r['vs_torch']:.2f}x ({pair})"
+            if "torch_pair_buckets" in r:  # not the same buckets: say so in the cell
+                vs_t = (f"{r['vs_torch']:.2f}x ({pair}, {r['torch_pair_buckets']} vs "
+                        f"{r['buckets']} buckets)")
+        else:
+            vs_t = f"- ({pair}: {r.get('torch_pair_missing', 'did not run')})"
+        if "encode_decode_ms" in r:
+            extra = (f"{r['encode_decode_ms']:.1f} | {r['comm_ms']:.1f} | {r['ratio']:.1f}")
+        elif "payload_ratio" in r:
+            extra = f"- | - | {r['payload_ratio']:.1f} (payload)"
+        else:
+            extra = "- | - | -"
+        lines.append(f"| {name} | {r['buckets']} | {r['step_ms']:.1f} | {vs_c} | {vs_t} "
+                     f"| {extra} |")
+    lines += [f"\\* {n}" for n in notes]
+    return "\n".join(lines)
 
 
 def run(args: Any) -> int:
+    if args.rate:
+        return _run_shaped(args)
     from gradzip.comm.launch import run_ranks
 
-    specs = args.spec or DEFAULT_SPECS
-    import gradzip
-
-    for spec in specs:  # fail on a bad spec before spawning anything
-        gradzip.codec(spec)
-    results = run_ranks(_rank_main, args.ranks, specs, args.width, args.depth, args.steps,
-                        args.warmup, args.batch, timeout=3600.0)
+    methods = _methods(args)
+    results = run_ranks(_rank_main, args.ranks, methods, args.width, args.depth, args.steps,
+                        args.warmup, args.batch, args.bucket_cap_mb, args.one_bucket,
+                        timeout=3600.0)
     rows = results[0]["rows"]
+    add_comparisons(rows)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    base = rows[0]["step_ms"]
-    print(f"{args.ranks} ranks, gloo over loopback, MLP {rows[0]['params'] / 1e6:.2f}M params, "
-          f"batch {args.batch}, median of {args.steps} steps after {args.warmup} warm-up")
-    print("| codec | step ms | vs no hook | encode+decode ms | share of step | comm ms "
-          "| ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        if "ratio" not in r:
-            print(f"| {r['spec']} | {r['step_ms']:.1f} | 1.00x | - | - | - | 1.0 |")
-            continue
-        name = r["spec"].replace("|", "\\|")  # a pipe would split the markdown cell
-        print(f"| `{name}` | {r['step_ms']:.1f} | {r['step_ms'] / base:.2f}x "
-              f"| {r['encode_decode_ms']:.1f} | {100 * r['overhead_share']:.0f}% "
-              f"| {r['comm_ms']:.1f} | {r['ratio']:.1f} |")
+    print(format_table(rows, args, results[0]["backend"]))
     return 0
 
 
+_EPILOG = """\
+rows:
+  compute-only            the plain model (no DDP, no communication) stepping on
+                          every rank at once: the floor; "vs compute-only" is each
+                          row's step time over it
+  torch:none              DDP without a hook (PyTorch's C++ all-reduce)
+  torch:fp16, torch:bf16  PyTorch's fp16_compress_hook / bf16_compress_hook
+                          (bf16 refuses gloo: reported as not supported)
+  torch:powersgd(rank=R)  PyTorch's powerSGD_hook, error feedback and warm start
+                          on, compressing from step 2; on gloo it runs with one
+                          bucket (it hangs with several) and says so
+  SPEC                    gradzip.attach with that codec spec
+pairing ("vs PyTorch", gradzip step time over PyTorch's for the same algorithm):
+  none ~ torch:none, fp16 ~ torch:fp16, bf16 ~ torch:bf16,
+  ef | powersgd(rank=R) ~ torch:powersgd(rank=R)
+  PyTorch rows for the given specs' counterparts are added unless --no-torch;
+  --spec torch:... adds one explicitly. --one-bucket (every row one bucket) is the
+  fair comparison for PowerSGD.
+"""
+
+
 def register(sub: Any) -> None:
-    p = sub.add_parser("comm", help="DDP step time with/without a gradzip hook (2 local ranks)")
-    p.add_argument("--spec", action="append",
-                   help=f"codec spec (repeatable); default: {'; '.join(DEFAULT_SPECS)}")
+    import argparse
+
+    p = sub.add_parser(
+        "comm", help="DDP step time: gradzip's hooks vs PyTorch's own and compute only",
+        description=__doc__.split("\n\n")[0] if __doc__ else None, epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--spec", action="append", metavar="METHOD",
+                   help="gradzip codec spec or torch:none|fp16|bf16|powersgd(rank=R) "
+                        f"(repeatable); default: {'; '.join(DEFAULT_SPECS)} and their "
+                        "PyTorch counterparts")
+    p.add_argument("--no-torch", action="store_true",
+                   help="don't add PyTorch's counterparts of the gradzip specs")
     p.add_argument("--ranks", type=int, default=2, help="local gloo processes")
     p.add_argument("--width", type=int, default=1024, help="MLP width (1024 x 4 = ~4.2M params)")
     p.add_argument("--depth", type=int, default=4, help="hidden layers")
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per codec")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per row")
     p.add_argument("--warmup", type=int, default=3,
-                   help="untimed steps first (the first one is uncompressed by design)")
+                   help="untimed steps first (gradzip's first and PowerSGD's first two "
+                        "steps are uncompressed by design)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="DDP bucket_cap_mb for every row (default: PyTorch's, 25 MB with "
+                        "a 1 MB first bucket)")
+    p.add_argument("--one-bucket", action="store_true",
+                   help="one DDP bucket for every row (bucket_cap_mb above the model size)")
+    p.add_argument("--rate", default=None,
+                   help="run everything in a fresh network namespace whose loopback is "
+                        "shaped to this tc rate, e.g. 100mbit (no root needed)")
+    p.add_argument("--link-note", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print rows as JSON")
     p.set_defaults(func=run)
