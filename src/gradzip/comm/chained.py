@@ -49,13 +49,18 @@ def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor
             failed: torch.futures.Future = torch.futures.Future()
             failed.set_exception(e)
             return failed
-    buffer.div_(world)
     if plain:
-        leaves = [buffer]
+        leaves = [buffer.div_(world)]
         payload = None
     else:
         payload = codec._encode_stages(buffer, key, shapes)  # no observer: stats below
         leaves = [t for _, t in payload.leaves()]
+        if all(t.dtype.is_floating_point for t in leaves):
+            for t in leaves:  # the average, as PyTorch's fp16 hook: cast, then divide
+                t.div_(world)  # (``none``'s leaf is the bucket itself)
+        else:  # integer leaves do not divide: divide the input and encode again
+            payload = codec._encode_stages(buffer.div_(world), key, shapes)
+            leaves = [t for _, t in payload.leaves()]
     encode_s = time.perf_counter() - start
     works = [dist.all_reduce(t, group=comm.group, async_op=True) for t in leaves]
     handed = sum(t.numel() * t.element_size() for t in leaves)
