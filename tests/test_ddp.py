@@ -559,3 +559,38 @@ def test_summable_codecs_chain_futures_like_pytorch_hooks():
     assert set(t["aggregation"]) == {"plain", "all_reduce"}
     assert t["bytes_handed"] == (4 * 1633) + 3 * (2 * 1633)  # first step fp32, then fp16
     assert "non-finite" in r0["nan_error"]
+
+
+# ---------------------------------------------------------------- PowerSGD, many buckets
+def _powersgd_buckets(rank: int) -> dict:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(16, 64), nn.Tanh()]
+    for _ in range(5):
+        layers += [nn.Linear(64, 64), nn.Tanh()]
+    # each 64 x 64 weight (16 kB) overflows a 10 kB bucket: a bucket per layer
+    model = DDP(nn.Sequential(*layers, nn.Linear(64, 1)), bucket_cap_mb=0.01)
+    handle = gradzip.attach(model, "ef | powersgd(rank=2)")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = _batch(0, rank, n=64)
+    losses = []
+    for _ in range(50):
+        opt.zero_grad()
+        loss = _loss(model, x, y)
+        loss.backward()
+        opt.step()
+        handle.stats.end_step()
+        losses.append(float(loss))
+    totals = handle.stats.totals()
+    handle.close()
+    return {"losses": losses, "totals": totals}
+
+
+def test_powersgd_many_buckets_two_all_reduces_each_never_hangs():
+    """Where PyTorch's powerSGD_hook hangs on gloo (several buckets), gradzip's runs
+    50 steps and trains, with two all-reduces per bucket per step."""
+    r0, _ = run_ranks(_powersgd_buckets, 2, timeout=240.0)
+    losses, t = r0["losses"], r0["totals"]
+    assert losses[-1] < 0.5 * losses[0], losses
+    compressed = t["aggregation"]["multi_round"]
+    assert compressed >= 4 * 49  # 4+ buckets, every step after the first
+    assert t["calls_by_op"]["all_reduce"] == t["aggregation"]["plain"] + 2 * compressed

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from gradzip.codecs.base import Compressor, Slot
+from gradzip.codecs.base import Compressor, Shapes, Slot
 from gradzip.codecs.communicator import Communicator
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, at_least, register
@@ -167,3 +167,74 @@ class PowerSGD(Compressor):
         q_mean = q_sum / world
         self._remember(slot, q_mean)
         return (p @ q_mean.T).reshape(x.shape), local
+
+    def reduce_tensors(
+        self, x: torch.Tensor, slot: Slot, comm: Communicator, want_local: bool,
+        shapes: Shapes,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Algorithm 2 for a whole bucket in two all-reduces, as ``powerSGD_hook`` does.
+
+        Every matrix's P goes into one buffer (with the uncompressed vectors appended),
+        every matrix's Q into another: 2 collectives per bucket instead of 2 per matrix.
+        Each matrix keeps its own warm-start Q (``q{j}`` in the slot).
+        """
+        world, rank = comm.world_size, self.params["rank"]
+        flat = x.reshape(-1)
+        mats, vecs = _split_bucket(shapes, rank)
+        fresh = slot.generator("cpu", shared=True)  # one draw per matrix, in order
+        qs = [self._start_q_at(slot, f"q{j}", dims[1], x.device, fresh)
+              for j, _, dims in mats]
+        views = [flat[o:o + d[0] * d[1]].view(d) for _, o, d in mats]
+        vec_parts = [flat[o:o + n] for o, n in vecs]
+        first = torch.cat([(m @ q).reshape(-1) for m, q in zip(views, qs, strict=True)]
+                          + vec_parts) if views or vec_parts else flat.new_zeros(0)
+        (first,) = comm.all_reduce([first])  # sums: orthogonalisation is scale invariant
+        ps, offset = [], 0
+        for _, _, d in mats:
+            ps.append(orthonormal(first[offset:offset + d[0] * rank].view(d[0], rank)))
+            offset += d[0] * rank
+        q_locals = [m.T @ p for m, p in zip(views, ps, strict=True)]
+        local = None
+        if want_local:  # before the all-reduce below, which may reuse the buffer
+            local = flat.clone()
+            for (_, o, d), p, q in zip(mats, ps, q_locals, strict=True):
+                local[o:o + d[0] * d[1]] = (p @ q.T).reshape(-1)
+        second = (torch.cat([q.reshape(-1) for q in q_locals]) if q_locals
+                  else flat.new_zeros(0))
+        (second,) = comm.all_reduce([second]) if q_locals else (second,)
+        mean = torch.empty_like(flat)
+        qoff = 0
+        for (j, o, d), p in zip(mats, ps, strict=True):
+            q_mean = second[qoff:qoff + d[1] * rank].view(d[1], rank) / world
+            qoff += d[1] * rank
+            if self.params["warm_start"]:
+                slot.data[f"q{j}"] = q_mean.detach().clone()
+            mean[o:o + d[0] * d[1]] = (p @ q_mean.T).reshape(-1)
+        voff = offset
+        for o, n in vecs:
+            mean[o:o + n] = first[voff:voff + n] / world
+            voff += n
+        return mean.reshape(x.shape), (local.reshape(x.shape) if local is not None else None)
+
+    def _start_q_at(self, slot: Slot, name: str, m: int, device: torch.device,
+                    fresh: torch.Generator) -> torch.Tensor:
+        """Matrix ``name``'s starting Q: its last one, or drawn from ``fresh``."""
+        r = self.params["rank"]
+        q = slot.data.get(name) if self.params["warm_start"] else None
+        if q is None or tuple(q.shape) != (m, r):
+            q = torch.randn(m, r, generator=fresh)
+        return orthonormal(q.to(device=device, dtype=torch.float32))
+
+
+def _split_bucket(shapes: Shapes, rank: int
+                  ) -> tuple[list[tuple[int, int, tuple[int, int]]], list[tuple[int, int]]]:
+    """(index, offset, matrix dims) of compressible tensors; (offset, numel) of the rest."""
+    mats, vecs, offset = [], [], 0
+    for j, s in enumerate(shapes):
+        dims = matrix_view(torch.Size(s), rank)
+        if dims is None:
+            vecs.append((offset, torch.Size(s).numel()))
+        else:
+            mats.append((j, offset, dims))
+        offset += torch.Size(s).numel()
+    return mats, vecs

@@ -16,12 +16,12 @@ also remembers which parameters each bucket index held when it compressed it, an
 if that ever changes it drops that bucket's codec state (with a warning) instead
 of applying a residual to the wrong parameters.
 
-Codecs that exploit tensor shape — the multi-round ones, PowerSGD's low-rank
-matrices above all — get each parameter's gradient as its own tensor (a view of
-the bucket, key ``bucket{i}/p{j}``), as PyTorch's ``powerSGD_hook`` does; a flat
-bucket has no matrix structure to compress. Every other codec sees the whole flat
-bucket with the shapes of the tensors inside it (one payload, one collective per
-bucket; ``per_tensor`` codecs keep per-tensor statistics in that one call).
+Every codec sees the whole flat bucket with the shapes of the tensors inside it (one
+payload, one collective per bucket; ``per_tensor`` codecs keep per-tensor statistics
+in that one call). Multi-round codecs that reduce a bucket of tensors at once do so
+(PowerSGD: every matrix's P in one all-reduce, every Q in another, as PyTorch's
+``powerSGD_hook``); the other multi-round protocols run once per parameter (a view of
+the bucket, key ``bucket{i}/p{j}``).
 
 A policy (``policy.py``) may give some parameters another codec: a bucket holding
 parameters of several groups reduces each group's gradients through its own codec
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradzip.codecs.base import Compressor
 from gradzip.codecs.chain import Codec
 from gradzip.comm.chained import chainable, reduce_async
 from gradzip.comm.communicator import TorchCommunicator
@@ -156,6 +157,14 @@ def load_codec_states(codecs: list[Codec], sd: dict[str, Any]) -> None:
         codec.load_state_dict(state)
 
 
+def _reduces_buckets(codec: Codec) -> bool:
+    """A multi-round compressor that reduces a whole bucket of tensors at once
+    (``reduce_tensors``: PowerSGD's two all-reduces per bucket, TernGrad's shared
+    scales); the others run their protocol once per parameter."""
+    comp = codec.compressors[0][1]
+    return type(comp).reduce_tensors is not Compressor.reduce_tensors
+
+
 def _reduce_group(state: DDPCommState, g: int, buffer: torch.Tensor, key: str,
                   offsets: list[int], shapes: list[torch.Size]) -> None:
     """Reduce the parameters at ``offsets`` of ``buffer`` through group ``g``'s codec."""
@@ -165,8 +174,8 @@ def _reduce_group(state: DDPCommState, g: int, buffer: torch.Tensor, key: str,
     start, end = offsets[0], offsets[-1] + sizes[-1]
     flat = buffer[start:end] if contiguous else torch.cat(
         [buffer[o:o + n] for o, n in zip(offsets, sizes, strict=True)])
-    if reducer.codec.multi_round:  # PowerSGD needs each parameter's own matrix
-        reducer.reduce_each(flat, shapes, key, state.comm)
+    if reducer.codec.multi_round and not _reduces_buckets(reducer.codec):
+        reducer.reduce_each(flat, shapes, key, state.comm)  # one protocol per matrix
     else:
         flat.copy_(reducer.reduce_mean(flat, key, state.comm, shapes=shapes).reshape(-1))
     if not contiguous:
