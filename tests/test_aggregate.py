@@ -216,3 +216,29 @@ def test_every_codec_aggregates_in_two_phases(spec):
     for mean in means:
         assert mean.shape == (n,) and bool(torch.isfinite(mean).all())
         torch.testing.assert_close(mean, means[0])  # every rank holds the same mean
+
+
+def test_gloo_link_model():
+    """gloo's reduce-scatter is a ring all-reduce, and every call adds its transport."""
+    from gradzip.codecs.linkmodel import GLOO_CALL_BYTES
+
+    n, w = 1 << 20, 4
+    assert link_bytes("reduce_scatter", n, w, "gloo") == link_bytes("all_reduce", n, w, "gloo")
+    assert (link_bytes("all_gather", n, w, "gloo")
+            == link_bytes("all_gather", n, w) + 3 * GLOO_CALL_BYTES["all_gather"])
+    assert link_bytes("all_reduce", n, 1, "gloo") == 0
+    with pytest.raises(ValueError, match="unknown link model"):
+        link_bytes("all_reduce", n, w, "mpi")
+
+
+def test_chain_options_in_the_spec():
+    c = gradzip.codec("ef | qsgd | aggregate=two_phase")
+    assert c.aggregate == "two_phase" and str(c) == "ef | qsgd | aggregate=two_phase"
+    assert gradzip.codec(str(c)).aggregate == "two_phase"
+    assert gradzip.codec(c.to_json()).aggregate == "two_phase"
+    assert gradzip.codec("qsgd").to_json() == [{"name": "qsgd", "levels": 16, "bucket": 512}]
+    for bad, message in [("qsgd | aggregate=ring", "aggregate must be one of"),
+                         ("aggregate=gather | qsgd", "go at the end"),
+                         ("qsgd | agg=gather", "unknown chain option")]:
+        with pytest.raises(gradzip.SpecError, match=message):
+            gradzip.codec(bad)

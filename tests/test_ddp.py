@@ -98,23 +98,29 @@ def _codec_specs() -> list[str]:
 _LR = {"dgc": 0.01, "signsgd": 0.01}
 
 
+def _fit(model: nn.Module, handle, rank: int, steps: int, lr: float) -> list[float]:
+    """``steps`` SGD steps on this rank's fixed batch; the mean loss over ranks each step."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    x, y = _batch(0, rank, n=64)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = _loss(model, x, y)
+        loss.backward()
+        opt.step()
+        handle.stats.end_step()
+        t = torch.tensor([loss.item()])
+        dist.all_reduce(t)
+        losses.append(float(t) / dist.get_world_size())
+    return losses
+
+
 def _train(rank: int, specs: list[str], steps: int) -> dict:
     out = {}
     for spec in specs:
         model = DDP(_model(), bucket_cap_mb=0.002)
         handle = gradzip.attach(model, spec, seed=1)
-        opt = torch.optim.SGD(model.parameters(), lr=_LR.get(spec, 0.1))
-        x, y = _batch(0, rank, n=64)
-        losses = []
-        for _ in range(steps):
-            opt.zero_grad()
-            loss = _loss(model, x, y)
-            loss.backward()
-            opt.step()
-            handle.stats.end_step()
-            t = torch.tensor([loss.item()])
-            dist.all_reduce(t)
-            losses.append(float(t) / 2)
+        losses = _fit(model, handle, rank, steps, _LR.get(spec, 0.1))
         out[spec] = {"losses": losses, "totals": handle.stats.totals()}
         handle.close()
     return out
@@ -392,18 +398,7 @@ def _four_ranks(rank: int, specs: list[str], steps: int) -> dict:
     for spec in specs:
         model = DDP(_wide_model(), bucket_cap_mb=0.1)
         handle = gradzip.attach(model, spec, seed=1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        x, y = _batch(0, rank, n=64)
-        losses = []
-        for _ in range(steps):
-            opt.zero_grad()
-            loss = _loss(model, x, y)
-            loss.backward()
-            opt.step()
-            handle.stats.end_step()
-            t = torch.tensor([loss.item()])
-            dist.all_reduce(t)
-            losses.append(float(t) / 4)
+        losses = _fit(model, handle, rank, steps, 0.1)
         out[spec] = {"losses": losses, "totals": handle.stats.totals(),
                      "params": [p.detach().clone() for p in model.parameters()]}
         handle.close()
@@ -570,16 +565,7 @@ def _powersgd_buckets(rank: int) -> dict:
     # each 64 x 64 weight (16 kB) overflows a 10 kB bucket: a bucket per layer
     model = DDP(nn.Sequential(*layers, nn.Linear(64, 1)), bucket_cap_mb=0.01)
     handle = gradzip.attach(model, "ef | powersgd(rank=2)")
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    x, y = _batch(0, rank, n=64)
-    losses = []
-    for _ in range(50):
-        opt.zero_grad()
-        loss = _loss(model, x, y)
-        loss.backward()
-        opt.step()
-        handle.stats.end_step()
-        losses.append(float(loss))
+    losses = _fit(model, handle, rank, 50, 0.05)
     totals = handle.stats.totals()
     handle.close()
     return {"losses": losses, "totals": totals}

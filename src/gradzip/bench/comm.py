@@ -149,13 +149,10 @@ def _time_steps(model: Any, opt: Any, x: Any, y: Any, warmup: int, steps: int,
 
 def _rank_main(rank: int, methods: list[str], width: int, depth: int, steps: int, warmup: int,
                batch: int, bucket_cap_mb: float | None, one_bucket: bool) -> dict[str, Any]:
+    """One rank's rows: every method in turn on the same model, data and buckets."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import gradzip
-    from gradzip.comm.launch import CollectiveRecorder
 
     torch.set_flush_denormal(True)
     g = torch.Generator().manual_seed(rank)
@@ -177,75 +174,105 @@ def _rank_main(rank: int, methods: list[str], width: int, depth: int, steps: int
             row["step_ms"] = statistics.median(_time_steps(model, opt, x, y, warmup, steps)) * 1e3
             rows.append(row)
             continue
-        cap = bucket_cap_mb
-        if (method.startswith("torch:powersgd") and backend == "gloo"
-                and _bucket_count(plain, cap) > 1):
-            cap = _one_bucket_mb(plain)
-            row["note"] = ("one bucket: PyTorch's powerSGD_hook hangs or aborts on gloo with "
-                           f"several (the other rows have {_bucket_count(plain, bucket_cap_mb)})")
-        row["bucket_cap_mb"] = cap
-        row["buckets"] = _bucket_count(plain, cap)
+        cap = _bucket_cap(method, plain, bucket_cap_mb, backend, row)
         model = DDP(_model(width, depth), bucket_cap_mb=cap)
-        handle = None
-        if method == "torch:none":
-            pass
-        elif method == "torch:fp16":
-            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif method == "torch:bf16":
-            try:
-                model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-            except (TypeError, RuntimeError) as e:  # needs NCCL; same on every rank
-                row["unsupported"] = f"not supported on {backend}"
-                row["error"] = str(e)
-                rows.append(row)
-                continue
-        elif is_torch_method(method):
-            state = powerSGD_hook.PowerSGDState(
-                process_group=None, matrix_approximation_rank=_powersgd_rank(method),
-                start_powerSGD_iter=POWERSGD_START_ITER, use_error_feedback=True,
-                warm_start=True)
-            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        else:
-            handle = gradzip.attach(model, method)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        before: dict[str, Any] = {}
-
-        def warm(handle: Any = handle, before: dict[str, Any] = before) -> None:
-            if handle:
-                before.update(handle.stats.totals())
-
-        recorder = CollectiveRecorder() if method not in ("torch:none",) and not handle else None
-
-        def warm_all(recorder: Any = recorder) -> None:
-            warm()
-            if recorder:  # PyTorch's hooks call dist.all_reduce: count what they hand it
-                recorder.__enter__()
-
         try:
-            times = _time_steps(model, opt, x, y, warmup, steps,
-                                on_step=handle.stats.end_step if handle else None,
-                                on_warm=warm_all)
-        finally:
-            if recorder:
-                recorder.__exit__()
-        row["step_ms"] = statistics.median(times) * 1e3
-        if recorder:
-            row["payload_bytes_per_step"] = recorder.bytes / steps
-            row["payload_ratio"] = 4 * params / max(row["payload_bytes_per_step"], 1)
-        if handle:
-            after = handle.stats.totals()
-            n = steps
-            row["encode_decode_ms"] = (after["encode_ms"] + after["decode_ms"]
-                                       - before["encode_ms"] - before["decode_ms"]) / n
-            row["comm_ms"] = (after["comm_ms"] - before["comm_ms"]) / n
-            row["ratio"] = ((after["bytes_raw"] - before["bytes_raw"])
-                            / max(after["bytes_wire"] - before["bytes_wire"], 1))
-            row["bytes_wire_per_step"] = (after["bytes_wire"] - before["bytes_wire"]) / n
-            row["overhead_share"] = row["encode_decode_ms"] / row["step_ms"]
-            handle.close()
+            handle = _install(model, method, backend)
+        except _Unsupported as e:  # the same on every rank
+            row["unsupported"] = f"not supported on {backend}"
+            row["error"] = str(e)
+            rows.append(row)
+            continue
+        _measure(row, model, handle, x, y, warmup, steps, params)
         rows.append(row)
-        del model, opt
+        del model
     return {"rows": rows, "backend": backend}
+
+
+class _Unsupported(Exception):
+    """PyTorch's hook refuses this backend (bf16_compress_hook needs NCCL)."""
+
+
+def _bucket_cap(method: str, plain: Any, bucket_cap_mb: float | None, backend: str,
+                row: dict[str, Any]) -> float | None:
+    """The method's bucket cap: PyTorch's PowerSGD gets one bucket on gloo (it hangs or
+    aborts with several), and the row says so."""
+    cap = bucket_cap_mb
+    if (method.startswith("torch:powersgd") and backend == "gloo"
+            and _bucket_count(plain, cap) > 1):
+        cap = _one_bucket_mb(plain)
+        row["note"] = ("one bucket: PyTorch's powerSGD_hook hangs or aborts on gloo with "
+                       f"several (the other rows have {_bucket_count(plain, bucket_cap_mb)})")
+    row["bucket_cap_mb"] = cap
+    row["buckets"] = _bucket_count(plain, cap)
+    return cap
+
+
+def _install(model: Any, method: str, backend: str) -> Any:
+    """Register ``method``'s comm hook on the DDP ``model``; gradzip's handle or None."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    import gradzip
+
+    if method == "torch:none":
+        return None
+    if method == "torch:fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return None
+    if method == "torch:bf16":
+        try:
+            model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        except (TypeError, RuntimeError) as e:
+            raise _Unsupported(str(e)) from None
+        return None
+    if is_torch_method(method):
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=_powersgd_rank(method),
+            start_powerSGD_iter=POWERSGD_START_ITER, use_error_feedback=True,
+            warm_start=True)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return None
+    return gradzip.attach(model, method)
+
+
+def _measure(row: dict[str, Any], model: Any, handle: Any, x: Any, y: Any, warmup: int,
+             steps: int, params: int) -> None:
+    """Time the steps; gradzip's stats (or what PyTorch's hooks hand dist.all_reduce)."""
+    import torch
+
+    from gradzip.comm.launch import CollectiveRecorder
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    before: dict[str, Any] = {}
+    method = row["method"]
+    recorder = CollectiveRecorder() if method != "torch:none" and not handle else None
+
+    def warm() -> None:
+        if handle:
+            before.update(handle.stats.totals())
+        if recorder:  # PyTorch's hooks call dist.all_reduce: count what they hand it
+            recorder.__enter__()
+
+    try:
+        times = _time_steps(model, opt, x, y, warmup, steps,
+                            on_step=handle.stats.end_step if handle else None, on_warm=warm)
+    finally:
+        if recorder:
+            recorder.__exit__()
+    row["step_ms"] = statistics.median(times) * 1e3
+    if recorder:
+        row["payload_bytes_per_step"] = recorder.bytes / steps
+        row["payload_ratio"] = 4 * params / max(row["payload_bytes_per_step"], 1)
+    if handle:
+        after = handle.stats.totals()
+        row["encode_decode_ms"] = (after["encode_ms"] + after["decode_ms"]
+                                   - before["encode_ms"] - before["decode_ms"]) / steps
+        row["comm_ms"] = (after["comm_ms"] - before["comm_ms"]) / steps
+        row["ratio"] = ((after["bytes_raw"] - before["bytes_raw"])
+                        / max(after["bytes_wire"] - before["bytes_wire"], 1))
+        row["bytes_wire_per_step"] = (after["bytes_wire"] - before["bytes_wire"]) / steps
+        row["overhead_share"] = row["encode_decode_ms"] / row["step_ms"]
+        handle.close()
 
 
 def add_comparisons(rows: list[dict[str, Any]]) -> None:

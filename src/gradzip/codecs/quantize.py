@@ -221,6 +221,14 @@ def numels(shapes: Shapes) -> list[int]:
     return [torch.Size(s).numel() for s in shapes]
 
 
+def _dequantize_tensors(q: torch.Tensor, scale: torch.Tensor, shape: torch.Size,
+                        shapes: Shapes, block: int, what: str) -> torch.Tensor:
+    """``q`` x its block's scale, blocks restarting at each tensor of ``shapes``."""
+    _check_numel(q, shape, what)
+    layout = tensor_layout(numels(shapes), block)
+    return dequantize_layout(q, layout, scale).reshape(shape)
+
+
 # ---------------------------------------------------------------- int8
 @register("int8")
 class Int8(Compressor):
@@ -298,10 +306,8 @@ class Int8(Compressor):
                        shapes: Shapes) -> torch.Tensor:
         if len(shapes) == 1:
             return self.decode(p, shape, slot)
-        q = p.tensor("q")
-        _check_numel(q, shape, "int8 payload")
-        layout = tensor_layout(numels(shapes), self.params["block"])
-        return dequantize_layout(q, layout, p.tensor("scale")).reshape(shape)
+        return _dequantize_tensors(p.tensor("q"), p.tensor("scale"), shape, shapes,
+                                   self.params["block"], "int8 payload")
 
     def reduce(
         self, x: torch.Tensor, slot: Slot, comm: Communicator, want_local: bool
@@ -389,11 +395,9 @@ class QSGD(Compressor):
                        shapes: Shapes) -> torch.Tensor:
         if len(shapes) == 1:
             return self.decode(p, shape, slot)
-        q = p.tensor("q")
-        _check_numel(q, shape, "qsgd payload")
-        layout = tensor_layout(numels(shapes), self.params["bucket"])
         scale = p.tensor("norm").float() / self.params["levels"]
-        return dequantize_layout(q, layout, scale).reshape(shape)
+        return _dequantize_tensors(p.tensor("q"), scale, shape, shapes,
+                                   self.params["bucket"], "qsgd payload")
 
 
 # ---------------------------------------------------------------- natural
