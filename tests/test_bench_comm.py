@@ -74,6 +74,20 @@ def test_comparisons_and_table():
     assert "\\* torch:powersgd(rank=4): one bucket" in table
 
 
+def test_vs_torch_is_the_median_of_per_step_ratios():
+    """Interleaved steps pair up: a slow round slows both rows and cancels out."""
+    rows = [
+        {"method": "torch:none", "params": 1, "buckets": 1, "step_ms": 20.0,
+         "step_times_ms": [10.0, 20.0, 40.0]},
+        {"method": "none", "params": 1, "buckets": 1, "step_ms": 22.0,
+         "step_times_ms": [11.0, 22.0, 100.0], "encode_decode_ms": 0.0, "comm_ms": 0.0,
+         "ratio": 1.0},
+    ]
+    comm.add_comparisons(rows)
+    assert rows[1]["vs_torch"] == pytest.approx(1.1)  # ratios 1.1, 1.1, 2.5
+    assert comm.paired_ratio({"step_ms": 3.0}, {"step_ms": 2.0}) == pytest.approx(1.5)
+
+
 def test_rate_reinvokes_the_same_command_without_rate():
     args = main.__globals__["build_parser"]().parse_args(
         ["bench", "comm", "--rate", "100mbit", "--one-bucket", "--steps", "4", "--spec", "fp16",

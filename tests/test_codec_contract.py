@@ -95,6 +95,23 @@ def test_nonfinite_input_is_an_error(name, bad):
     assert torch.isnan(nan.decode(nan.encode(x))).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+def test_finiteness_check_is_exact_when_the_sum_overflows(dtype, bad):
+    """Huge finite values whose sum overflows are still finite; one bad value is not."""
+    big = torch.finfo(dtype).max / 2
+    x = torch.full((1000,), big, dtype=dtype)
+    x[1::2] = big * 0.99  # same sign everywhere: the sum overflows to +inf
+    if bad is not None:
+        x[7] = bad
+    codec = gradzip.codec("none")
+    if bad is None:
+        assert codec._check_input(x, "huge")
+    else:
+        with pytest.raises(gradzip.NonFiniteGradientError):
+            codec._check_input(x, "huge")
+
+
 @pytest.mark.parametrize("name", COMPRESSORS)
 def test_reduce_over_simulated_group(name):
     """Every codec aggregates over 3 virtual workers; all agree on the result."""

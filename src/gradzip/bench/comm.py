@@ -128,31 +128,75 @@ def _one_bucket_mb(module: Any) -> float:
     return nbytes / 2**20 + 1.0
 
 
-def _time_steps(model: Any, opt: Any, x: Any, y: Any, warmup: int, steps: int,
-                on_step: Any = None, on_warm: Any = None) -> list[float]:
+def _step(model: Any, opt: Any, x: Any, y: Any) -> None:
     import torch
 
-    times = []
-    for step in range(warmup + steps):
-        if step == warmup and on_warm:
-            on_warm()
-        start = time.perf_counter()
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-        if on_step:
-            on_step()
-    return times
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+class _Run:
+    """One method under test: its model, optimizer and hook, and its timed steps."""
+
+    def __init__(self, row: dict[str, Any], model: Any, handle: Any) -> None:
+        import torch
+
+        from gradzip.comm.launch import CollectiveRecorder
+
+        self.row, self.model, self.handle = row, model, handle
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        self.times: list[float] = []
+        self.before: dict[str, Any] = {}
+        # PyTorch's hooks call dist.all_reduce: count what they hand it
+        ddp_hook = row["method"] not in (COMPUTE_ONLY, "torch:none") and not handle
+        self.recorder = CollectiveRecorder() if ddp_hook else None
+
+    def step(self, x: Any, y: Any, timed: bool) -> None:
+        if timed and self.recorder:
+            self.recorder.__enter__()
+        try:
+            start = time.perf_counter()
+            _step(self.model, self.opt, x, y)
+            if timed:
+                self.times.append(time.perf_counter() - start)
+        finally:
+            if timed and self.recorder:
+                self.recorder.__exit__()
+        if self.handle:
+            self.handle.stats.end_step()
+
+    def start_timing(self) -> None:
+        if self.handle:
+            self.before = self.handle.stats.totals()
+
+    def finish(self, params: int) -> None:
+        """Fill the row: median step, and gradzip's stats or PyTorch's payload bytes."""
+        row, steps = self.row, len(self.times)
+        row["step_ms"] = statistics.median(self.times) * 1e3
+        row["step_times_ms"] = [t * 1e3 for t in self.times]
+        if self.recorder:
+            row["payload_bytes_per_step"] = self.recorder.bytes / steps
+            row["payload_ratio"] = 4 * params / max(row["payload_bytes_per_step"], 1)
+        if self.handle:
+            after, before = self.handle.stats.totals(), self.before
+            row["encode_decode_ms"] = (after["encode_ms"] + after["decode_ms"]
+                                       - before["encode_ms"] - before["decode_ms"]) / steps
+            row["comm_ms"] = (after["comm_ms"] - before["comm_ms"]) / steps
+            row["ratio"] = ((after["bytes_raw"] - before["bytes_raw"])
+                            / max(after["bytes_wire"] - before["bytes_wire"], 1))
+            row["bytes_wire_per_step"] = (after["bytes_wire"] - before["bytes_wire"]) / steps
+            row["overhead_share"] = row["encode_decode_ms"] / row["step_ms"]
+            self.handle.close()
 
 
 def _rank_main(rank: int, methods: list[str], width: int, depth: int, steps: int, warmup: int,
                batch: int, bucket_cap_mb: float | None, one_bucket: bool) -> dict[str, Any]:
-    """One rank's rows: every method in turn on the same model, data and buckets."""
+    """One rank's rows, every method on the same model, data and buckets, interleaved:
+    timed step i runs every method once (starting with a different one each time),
+    so a change in the machine's load falls on all rows alike."""
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_flush_denormal(True)
     g = torch.Generator().manual_seed(rank)
@@ -163,30 +207,42 @@ def _rank_main(rank: int, methods: list[str], width: int, depth: int, steps: int
     params = sum(p.numel() for p in plain.parameters())
     if one_bucket:
         bucket_cap_mb = _one_bucket_mb(plain)
-    rows = []
-    for method in methods:
-        row: dict[str, Any] = {"method": method, "params": params}
-        dist.barrier()
-        if method == COMPUTE_ONLY:  # every rank at once, as under DDP, but alone
-            model = _model(width, depth)
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-            row["buckets"] = 0
-            row["step_ms"] = statistics.median(_time_steps(model, opt, x, y, warmup, steps)) * 1e3
-            rows.append(row)
-            continue
-        cap = _bucket_cap(method, plain, bucket_cap_mb, backend, row)
-        model = DDP(_model(width, depth), bucket_cap_mb=cap)
-        try:
-            handle = _install(model, method, backend)
-        except _Unsupported as e:  # the same on every rank
-            row["unsupported"] = f"not supported on {backend}"
-            row["error"] = str(e)
-            rows.append(row)
-            continue
-        _measure(row, model, handle, x, y, warmup, steps, params)
-        rows.append(row)
-        del model
+    rows: list[dict[str, Any]] = []
+    runs = [run for method in methods
+            if (run := _setup(method, plain, bucket_cap_mb, backend, params, rows))]
+    for run in runs:
+        for _ in range(warmup):
+            run.step(x, y, timed=False)
+        run.start_timing()
+    for i in range(steps):
+        for run in runs[i % len(runs):] + runs[:i % len(runs)]:
+            dist.barrier()  # every rank starts the step together, as under DDP
+            run.step(x, y, timed=True)
+    for run in runs:
+        run.finish(params)
     return {"rows": rows, "backend": backend}
+
+
+def _setup(method: str, plain: Any, bucket_cap_mb: float | None, backend: str, params: int,
+           rows: list[dict[str, Any]]) -> _Run | None:
+    """``method``'s row (appended to ``rows``) and its run, or None if unsupported."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    width, depth = plain[0].in_features, (len(plain) - 1) // 2
+    row: dict[str, Any] = {"method": method, "params": params}
+    rows.append(row)
+    if method == COMPUTE_ONLY:  # every rank at once, as under DDP, but alone
+        row["buckets"] = 0
+        return _Run(row, _model(width, depth), None)
+    cap = _bucket_cap(method, plain, bucket_cap_mb, backend, row)
+    model = DDP(_model(width, depth), bucket_cap_mb=cap)
+    try:
+        handle = _install(model, method, backend)
+    except _Unsupported as e:  # the same on every rank
+        row["unsupported"] = f"not supported on {backend}"
+        row["error"] = str(e)
+        return None
+    return _Run(row, model, handle)
 
 
 class _Unsupported(Exception):
@@ -235,44 +291,14 @@ def _install(model: Any, method: str, backend: str) -> Any:
     return gradzip.attach(model, method)
 
 
-def _measure(row: dict[str, Any], model: Any, handle: Any, x: Any, y: Any, warmup: int,
-             steps: int, params: int) -> None:
-    """Time the steps; gradzip's stats (or what PyTorch's hooks hand dist.all_reduce)."""
-    import torch
-
-    from gradzip.comm.launch import CollectiveRecorder
-
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    before: dict[str, Any] = {}
-    method = row["method"]
-    recorder = CollectiveRecorder() if method != "torch:none" and not handle else None
-
-    def warm() -> None:
-        if handle:
-            before.update(handle.stats.totals())
-        if recorder:  # PyTorch's hooks call dist.all_reduce: count what they hand it
-            recorder.__enter__()
-
-    try:
-        times = _time_steps(model, opt, x, y, warmup, steps,
-                            on_step=handle.stats.end_step if handle else None, on_warm=warm)
-    finally:
-        if recorder:
-            recorder.__exit__()
-    row["step_ms"] = statistics.median(times) * 1e3
-    if recorder:
-        row["payload_bytes_per_step"] = recorder.bytes / steps
-        row["payload_ratio"] = 4 * params / max(row["payload_bytes_per_step"], 1)
-    if handle:
-        after = handle.stats.totals()
-        row["encode_decode_ms"] = (after["encode_ms"] + after["decode_ms"]
-                                   - before["encode_ms"] - before["decode_ms"]) / steps
-        row["comm_ms"] = (after["comm_ms"] - before["comm_ms"]) / steps
-        row["ratio"] = ((after["bytes_raw"] - before["bytes_raw"])
-                        / max(after["bytes_wire"] - before["bytes_wire"], 1))
-        row["bytes_wire_per_step"] = (after["bytes_wire"] - before["bytes_wire"]) / steps
-        row["overhead_share"] = row["encode_decode_ms"] / row["step_ms"]
-        handle.close()
+def paired_ratio(row: dict[str, Any], base: dict[str, Any]) -> float:
+    """Median over timed steps of row's step time / base's in the same round (the
+    steps are interleaved, so each pair saw the same machine load); the ratio of
+    medians when the per-step times are not there."""
+    a, b = row.get("step_times_ms"), base.get("step_times_ms")
+    if a and b and len(a) == len(b):
+        return statistics.median(x / y for x, y in zip(a, b, strict=True))
+    return float(row["step_ms"]) / float(base["step_ms"])
 
 
 def add_comparisons(rows: list[dict[str, Any]]) -> None:
@@ -288,13 +314,13 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
         if "step_ms" not in r:
             continue
         if compute and r is not compute:
-            r["vs_compute_only"] = r["step_ms"] / compute["step_ms"]
+            r["vs_compute_only"] = paired_ratio(r, compute)
         pair = pairs.get(r["method"])
         if pair:
             r["torch_pair"] = pair
             other = by_method[pair]
             if "step_ms" in other:
-                r["vs_torch"] = r["step_ms"] / other["step_ms"]
+                r["vs_torch"] = paired_ratio(r, other)
                 if other.get("buckets") != r.get("buckets"):
                     r["torch_pair_buckets"] = other.get("buckets")
             else:
@@ -365,7 +391,8 @@ def format_table(rows: list[dict[str, Any]], args: Any, backend: str = "gloo") -
     link = getattr(args, "link_note", None) or "unlimited loopback"
     lines = [
         f"{args.ranks} ranks, {backend} over {link}, MLP {rows[0]['params'] / 1e6:.2f}M params, "
-        f"batch {args.batch}, median of {args.steps} steps after {args.warmup} warm-up; "
+        f"batch {args.batch}, median of {args.steps} interleaved steps after {args.warmup} "
+        "warm-up (ratios: median of per-step ratios); "
         f"DDP buckets: {', '.join(map(str, caps)) or '-'}"
         + (" (--one-bucket)" if args.one_bucket else
            f" (bucket_cap_mb {args.bucket_cap_mb or '25, first bucket 1 MB: PyTorch default'})"),

@@ -133,7 +133,9 @@ class CodecState:
         return {
             "seed": self.seed,
             "rank": self.rank,
-            "records": {f"{s}:{k}": r for (s, k), r in self.records.items()},
+            # copies: stages update their state in place (the ef residual), and a
+            # snapshot must not change after it is taken
+            "records": {f"{s}:{k}": _snapshot(r) for (s, k), r in self.records.items()},
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -147,6 +149,17 @@ class CodecState:
 
     def keys(self) -> list[str]:
         return sorted({k for _, k in self.records})
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy of ``value`` whose tensors do not share storage with it."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_snapshot(v) for v in value]
+    return value
 
 
 class Compressor(Stage):

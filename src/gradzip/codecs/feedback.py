@@ -28,15 +28,17 @@ class ErrorFeedback(Wrapper):
     def _compensate(self, x: torch.Tensor, slot: Slot) -> torch.Tensor:
         residual = slot.data.get("residual")
         gamma, beta = self.params["gamma"], self.params["beta"]
-        out = x * gamma if gamma != 1.0 else x.clone()
-        if residual is not None:
-            if residual.shape != x.shape:
-                raise ValueError(
-                    f"ef: key {slot.key!r} changed shape {tuple(residual.shape)} -> "
-                    f"{tuple(x.shape)}; use a distinct key per tensor"
-                )
-            out.add_(residual.to(out.device), alpha=beta)
-        return out
+        if residual is None:
+            return x * gamma if gamma != 1.0 else x.clone()
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"ef: key {slot.key!r} changed shape {tuple(residual.shape)} -> "
+                f"{tuple(x.shape)}; use a distinct key per tensor"
+            )
+        residual = residual.to(x.device)
+        if gamma == 1.0:  # one pass over the tensor: this runs on every step
+            return torch.add(x, residual, alpha=beta)
+        return (x * gamma).add_(residual, alpha=beta)
 
     def encode(self, x: torch.Tensor, slot: Slot, inner: Encode, inner_decode: Decode) -> Payload:
         compensated = self._compensate(x, slot)
@@ -50,10 +52,20 @@ class ErrorFeedback(Wrapper):
         compensated = self._compensate(x, slot)
         mean, local = inner(compensated, True)
         assert local is not None
-        slot.data["residual"] = compensated - local.to(compensated)
+        slot.data["residual"] = _difference(compensated, local, slot.data.get("residual"))
         return mean, (local if want_local else None)
 
     @staticmethod
     def residual_norm(slot: Slot) -> float:
         r = slot.data.get("residual")
         return float(r.norm()) if r is not None else 0.0
+
+
+def _difference(a: torch.Tensor, b: torch.Tensor, reuse: torch.Tensor | None) -> torch.Tensor:
+    """a - b, written into ``reuse`` (last step's residual, already added into ``a``)
+    when it fits: no fresh bucket-sized allocation on every step."""
+    b = b.to(a)
+    if reuse is not None and reuse.shape == a.shape and reuse.dtype == a.dtype \
+            and reuse.device == a.device and reuse.is_contiguous():
+        return torch.sub(a, b, out=reuse)
+    return a - b

@@ -67,6 +67,21 @@ def matrix_view(shape: torch.Size, rank: int) -> tuple[int, int] | None:
     return n, m
 
 
+def times_thin(mat: torch.Tensor, thin: torch.Tensor) -> torch.Tensor:
+    """``mat @ thin`` for a thin ``thin`` (m x r, r small), computed as (thinᵀ matᵀ)ᵀ.
+
+    The same product; CPU BLAS runs the wide-times-matrix form 3-4x faster than the
+    matrix-times-thin one for r <= 8 (``gradzip bench comm`` measures the step).
+    """
+    return (thin.T @ mat.T).T
+
+
+def transposed_times_thin(mat: torch.Tensor, thin: torch.Tensor) -> torch.Tensor:
+    """``mat.T @ thin`` (thin: n x r), computed as (thinᵀ mat)ᵀ: 10x faster on CPU
+    BLAS than multiplying by a transposed view of a large row-major matrix."""
+    return (thin.T @ mat).T
+
+
 def orthonormal(a: torch.Tensor) -> torch.Tensor:
     """Orthonormal basis of the columns of ``a`` (n x r, r <= n), by Householder QR."""
     return torch.linalg.qr(a, mode="reduced").Q
@@ -115,8 +130,8 @@ class PowerSGD(Compressor):
             return Payload({"values": x.reshape(-1)})
         mat = x.reshape(dims)
         q = self._start_q(slot, dims[1], x.device)
-        p = orthonormal(mat @ q)
-        q = mat.T @ p
+        p = orthonormal(times_thin(mat, q))
+        q = transposed_times_thin(mat, p)
         self._remember(slot, q)
         return Payload({"p": p, "q": q})
 
@@ -158,9 +173,9 @@ class PowerSGD(Compressor):
         mat = x.reshape(dims)
         q = self._start_q(slot, dims[1], x.device)
         # sum, not mean: orthogonalisation is scale invariant
-        (p,) = comm.all_reduce([mat @ q])
+        (p,) = comm.all_reduce([times_thin(mat, q).contiguous()])
         p = orthonormal(p)
-        q_local = mat.T @ p
+        q_local = transposed_times_thin(mat, p).contiguous()
         # before the all-reduce, which may overwrite q_local in place
         local = (p @ q_local.T).reshape(x.shape) if want_local else None
         (q_sum,) = comm.all_reduce([q_local])
@@ -186,19 +201,21 @@ class PowerSGD(Compressor):
               for j, _, dims in mats]
         views = [flat[o:o + d[0] * d[1]].view(d) for _, o, d in mats]
         vec_parts = [flat[o:o + n] for o, n in vecs]
-        first = torch.cat([(m @ q).reshape(-1) for m, q in zip(views, qs, strict=True)]
+        first = torch.cat([times_thin(m, q).reshape(-1) for m, q in zip(views, qs, strict=True)]
                           + vec_parts) if views or vec_parts else flat.new_zeros(0)
         (first,) = comm.all_reduce([first])  # sums: orthogonalisation is scale invariant
         ps, offset = [], 0
         for _, _, d in mats:
             ps.append(orthonormal(first[offset:offset + d[0] * rank].view(d[0], rank)))
             offset += d[0] * rank
-        q_locals = [m.T @ p for m, p in zip(views, ps, strict=True)]
+        q_locals = [transposed_times_thin(m, p) for m, p in zip(views, ps, strict=True)]
         local = None
         if want_local:  # before the all-reduce below, which may reuse the buffer
-            local = flat.clone()
+            local = torch.empty_like(flat)
             for (_, o, d), p, q in zip(mats, ps, q_locals, strict=True):
-                local[o:o + d[0] * d[1]] = (p @ q.T).reshape(-1)
+                torch.mm(p, q.T, out=local[o:o + d[0] * d[1]].view(d))
+            for o, n in vecs:
+                local[o:o + n] = flat[o:o + n]
         second = (torch.cat([q.reshape(-1) for q in q_locals]) if q_locals
                   else flat.new_zeros(0))
         (second,) = comm.all_reduce([second]) if q_locals else (second,)
@@ -209,7 +226,7 @@ class PowerSGD(Compressor):
             qoff += d[1] * rank
             if self.params["warm_start"]:
                 slot.data[f"q{j}"] = q_mean.detach().clone()
-            mean[o:o + d[0] * d[1]] = (p @ q_mean.T).reshape(-1)
+            torch.mm(p, q_mean.T, out=mean[o:o + d[0] * d[1]].view(d))
         voff = offset
         for o, n in vecs:
             mean[o:o + n] = first[voff:voff + n] / world
