@@ -260,3 +260,24 @@ def test_bucket_feedback_converges_like_per_tensor():
     held = sum(r[2] for r in results) / 2
     for _, total_out, _ in results:
         torch.testing.assert_close(total_out, total_in - held, rtol=1e-4, atol=1e-3)
+
+
+def test_min_compression_rate_sends_barely_smaller_matrices_whole():
+    """PyTorch's min_compression_rate: a 10 x 10 matrix at rank 2 has factors 2.5x
+    smaller, compressed at rate 2, sent whole at rate 3 (whole bucket and alone)."""
+    assert matrix_view(torch.Size([10, 10]), 2, 2.0) == (10, 10)
+    assert matrix_view(torch.Size([10, 10]), 2, 3.0) is None
+    x = torch.randn(10, 10)
+    _, p = roundtrip(gradzip.codec("powersgd(rank=2, min_compression_rate=3)"), x)
+    assert set(p.fields) == {"values"}
+
+    def work(rank, comm):
+        c = gradzip.codec("powersgd(rank=2, min_compression_rate=3)", rank=rank)
+        flat = torch.cat([x.reshape(-1), torch.ones(40, 30).reshape(-1)]) * (rank + 1)
+        mean, _ = c.reduce(flat, "b", comm, shapes=[torch.Size([10, 10]),
+                                                    torch.Size([40, 30])])
+        return mean
+
+    for mean in run_simulated(2, work):
+        assert torch.allclose(mean[:100], x.reshape(-1) * 1.5)  # sent whole: exact mean
+        assert torch.allclose(mean[100:], torch.full((1200,), 1.5), atol=1e-5)  # rank 1

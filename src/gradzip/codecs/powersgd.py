@@ -25,8 +25,13 @@ Design choices:
   kernel (out, in, kh, kw) that is out x (in*kh*kw), the reshape used by the paper
   and by PyTorch's ``powerSGD_hook``; it keeps each output filter a row.
 * **Uncompressed fallback.** Vectors, scalars, empty tensors and matrices with
-  (n + m) * r >= n * m (low rank would not send fewer numbers) go uncompressed,
-  as PyTorch's hook does (``_should_compress`` with rate 1).
+  (n + m) * r * min_compression_rate >= n * m (low rank would not send enough fewer
+  numbers) go uncompressed, as PyTorch's hook does (``_should_compress``; its default
+  rate is 2, gradzip's 1 compresses every matrix the paper would). Start compressing
+  after N uncompressed steps (PyTorch's ``start_powerSGD_iter``) with
+  ``gradzip.attach(..., start_step=N)``.
+* **Thin products.** M Q and Mᵀ P are computed as (Qᵀ Mᵀ)ᵀ and (Pᵀ M)ᵀ: the same
+  numbers, 3-10x faster on CPU BLAS for a large row-major M.
 * **Shared initial Q.** Drawn from the slot's *shared* generator (same seed on every
   rank) and orthogonalised, so all ranks start identical and, since Q is then
   updated from all-reduced quantities, stay identical.
@@ -49,11 +54,13 @@ from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, at_least, register
 
 
-def matrix_view(shape: torch.Size, rank: int) -> tuple[int, int] | None:
+def matrix_view(shape: torch.Size, rank: int, min_rate: float = 1.0
+                ) -> tuple[int, int] | None:
     """(n, m) of the matrix PowerSGD compresses, or None if it is sent uncompressed.
 
     None for tensors with fewer than 2 dims, empty tensors, and matrices where
-    r * (n + m) >= n * m, i.e. the factors would not be smaller than the matrix.
+    r * (n + m) * min_rate >= n * m, i.e. the factors would not be ``min_rate`` times
+    smaller than the matrix (PyTorch's ``min_compression_rate``).
     """
     if len(shape) < 2:
         return None
@@ -62,7 +69,7 @@ def matrix_view(shape: torch.Size, rank: int) -> tuple[int, int] | None:
     if numel == 0:
         return None
     m = numel // n
-    if rank * (n + m) >= n * m:
+    if rank * (n + m) * min_rate >= n * m:
         return None
     return n, m
 
@@ -98,6 +105,11 @@ class PowerSGD(Compressor):
             "warm_start", bool, True,
             "reuse last step's Q, so successive steps continue one power iteration",
         ),
+        Param(
+            "min_compression_rate", float, 1.0,
+            "compress a matrix only if its factors are this many times smaller "
+            "(PyTorch's powerSGD_hook uses 2)", at_least(1.0),
+        ),
     )
     # decode(P1 + P2, Q1 + Q2) != P1 Q1ᵀ + P2 Q2ᵀ: the payload is bilinear, not linear;
     # ``reduce`` all-reduces P and Q in two rounds instead.
@@ -109,6 +121,9 @@ class PowerSGD(Compressor):
     needs_matrices = True  # a 1-D tensor is all-reduced uncompressed
 
     # ------------------------------------------------------------ helpers
+    def _matrix(self, shape: torch.Size) -> tuple[int, int] | None:
+        return matrix_view(shape, self.params["rank"], self.params["min_compression_rate"])
+
     def _start_q(self, slot: Slot, m: int, device: torch.device) -> torch.Tensor:
         """The orthonormal Q this step starts from: last step's, or shared-random."""
         r = self.params["rank"]
@@ -125,7 +140,7 @@ class PowerSGD(Compressor):
     # ------------------------------------------------------------ standalone
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
         """One power-iteration step on this tensor alone: payload (P̂, Q)."""
-        dims = matrix_view(x.shape, self.params["rank"])
+        dims = self._matrix(x.shape)
         if dims is None:
             return Payload({"values": x.reshape(-1)})
         mat = x.reshape(dims)
@@ -165,7 +180,7 @@ class PowerSGD(Compressor):
         Uncompressed tensors are all-reduced as they are.
         """
         world = comm.world_size
-        dims = matrix_view(x.shape, self.params["rank"])
+        dims = self._matrix(x.shape)
         if dims is None:
             # clone: a real all-reduce may work in place, and x may be the caller's tensor
             (total,) = comm.all_reduce([x.reshape(-1).clone()])
@@ -195,7 +210,7 @@ class PowerSGD(Compressor):
         """
         world, rank = comm.world_size, self.params["rank"]
         flat = x.reshape(-1)
-        mats, vecs = _split_bucket(shapes, rank)
+        mats, vecs = _split_bucket(shapes, rank, self.params["min_compression_rate"])
         fresh = slot.generator("cpu", shared=True)  # one draw per matrix, in order
         qs = [self._start_q_at(slot, f"q{j}", dims[1], x.device, fresh)
               for j, _, dims in mats]
@@ -243,12 +258,12 @@ class PowerSGD(Compressor):
         return orthonormal(q.to(device=device, dtype=torch.float32))
 
 
-def _split_bucket(shapes: Shapes, rank: int
+def _split_bucket(shapes: Shapes, rank: int, min_rate: float
                   ) -> tuple[list[tuple[int, int, tuple[int, int]]], list[tuple[int, int]]]:
     """(index, offset, matrix dims) of compressible tensors; (offset, numel) of the rest."""
     mats, vecs, offset = [], [], 0
     for j, s in enumerate(shapes):
-        dims = matrix_view(torch.Size(s), rank)
+        dims = matrix_view(torch.Size(s), rank, min_rate)
         if dims is None:
             vecs.append((offset, torch.Size(s).numel()))
         else:
