@@ -536,6 +536,16 @@ def _chained(rank: int) -> dict:
             _loss(bad, x, y).backward()
         except Exception as e:  # noqa: BLE001 - the hook's error, through DDP
             out["nan_error"] = str(e)
+    passing = DDP(_model(), bucket_cap_mb=0.002)  # a GradScaler must see the NaN
+    gradzip.attach(passing, "none", nonfinite="propagate")
+    for step in range(2):
+        x, y = _batch(step, rank)
+        if step == 1 and rank == 0:
+            x[0, 0] = float("nan")
+        passing.zero_grad()
+        _loss(passing, x, y).backward()
+    out["nan_reached_every_rank"] = all(not torch.isfinite(p.grad).all()
+                                        for p in passing.parameters())
     return out
 
 
@@ -544,7 +554,7 @@ def test_summable_codecs_chain_futures_like_pytorch_hooks():
     communication thread); gradzip fp16 equals fp16_compress_hook bit for bit after the
     first, uncompressed step (cast, then divide in fp16); a NaN still stops the step
     with the codec's message."""
-    r0, _ = run_ranks(_chained, 2)
+    r0, r1 = run_ranks(_chained, 2)
     assert r0["paths"] == {"none": True, "fp16": True, "randomk(ratio=0.5)": True,
                            "ef | fp16": False, "qsgd": False}
     # the first step is uncompressed by design; then PyTorch's arithmetic exactly
@@ -554,6 +564,8 @@ def test_summable_codecs_chain_futures_like_pytorch_hooks():
     assert set(t["aggregation"]) == {"plain", "all_reduce"}
     assert t["bytes_handed"] == (4 * 1633) + 3 * (2 * 1633)  # first step fp32, then fp16
     assert "non-finite" in r0["nan_error"]
+    # under 'propagate' rank 0's NaN crosses the all-reduce, unchecked, as with DDP's own
+    assert r0["nan_reached_every_rank"] and r1["nan_reached_every_rank"]
 
 
 # ---------------------------------------------------------------- PowerSGD, many buckets

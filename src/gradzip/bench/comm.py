@@ -191,7 +191,8 @@ class _Run:
 
 
 def _rank_main(rank: int, methods: list[str], width: int, depth: int, steps: int, warmup: int,
-               batch: int, bucket_cap_mb: float | None, one_bucket: bool) -> dict[str, Any]:
+               batch: int, bucket_cap_mb: float | None, one_bucket: bool,
+               nonfinite: str = "error") -> dict[str, Any]:
     """One rank's rows, every method on the same model, data and buckets, interleaved:
     timed step i runs every method once (starting with a different one each time),
     so a change in the machine's load falls on all rows alike."""
@@ -209,7 +210,7 @@ def _rank_main(rank: int, methods: list[str], width: int, depth: int, steps: int
         bucket_cap_mb = _one_bucket_mb(plain)
     rows: list[dict[str, Any]] = []
     runs = [run for method in methods
-            if (run := _setup(method, plain, bucket_cap_mb, backend, params, rows))]
+            if (run := _setup(method, plain, bucket_cap_mb, backend, params, rows, nonfinite))]
     for run in runs:
         for _ in range(warmup):
             run.step(x, y, timed=False)
@@ -224,7 +225,7 @@ def _rank_main(rank: int, methods: list[str], width: int, depth: int, steps: int
 
 
 def _setup(method: str, plain: Any, bucket_cap_mb: float | None, backend: str, params: int,
-           rows: list[dict[str, Any]]) -> _Run | None:
+           rows: list[dict[str, Any]], nonfinite: str) -> _Run | None:
     """``method``'s row (appended to ``rows``) and its run, or None if unsupported."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -237,7 +238,7 @@ def _setup(method: str, plain: Any, bucket_cap_mb: float | None, backend: str, p
     cap = _bucket_cap(method, plain, bucket_cap_mb, backend, row)
     model = DDP(_model(width, depth), bucket_cap_mb=cap)
     try:
-        handle = _install(model, method, backend)
+        handle = _install(model, method, backend, nonfinite)
     except _Unsupported as e:  # the same on every rank
         row["unsupported"] = f"not supported on {backend}"
         row["error"] = str(e)
@@ -264,7 +265,7 @@ def _bucket_cap(method: str, plain: Any, bucket_cap_mb: float | None, backend: s
     return cap
 
 
-def _install(model: Any, method: str, backend: str) -> Any:
+def _install(model: Any, method: str, backend: str, nonfinite: str) -> Any:
     """Register ``method``'s comm hook on the DDP ``model``; gradzip's handle or None."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -288,7 +289,7 @@ def _install(model: Any, method: str, backend: str) -> Any:
             warm_start=True)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return None
-    return gradzip.attach(model, method)
+    return gradzip.attach(model, method, nonfinite=nonfinite)
 
 
 def paired_ratio(row: dict[str, Any], base: dict[str, Any]) -> float:
@@ -354,6 +355,7 @@ def _netns_argv(args: Any) -> list[str]:
         argv += ["--spec", s]
     if args.bucket_cap_mb is not None:
         argv += ["--bucket-cap-mb", str(args.bucket_cap_mb)]
+    argv += ["--nonfinite", args.nonfinite]
     for flag in ("one_bucket", "no_torch", "json"):
         if getattr(args, flag):
             argv.append("--" + flag.replace("_", "-"))
@@ -441,6 +443,7 @@ def run(args: Any) -> int:
     methods = _methods(args)
     results = run_ranks(_rank_main, args.ranks, methods, args.width, args.depth, args.steps,
                         args.warmup, args.batch, args.bucket_cap_mb, args.one_bucket,
+                        args.nonfinite,
                         timeout=3600.0)
     rows = results[0]["rows"]
     add_comparisons(rows)
@@ -501,6 +504,10 @@ def register(sub: Any) -> None:
     p.add_argument("--rate", default=None,
                    help="run everything in a fresh network namespace whose loopback is "
                         "shaped to this tc rate, e.g. 100mbit (no root needed)")
+    p.add_argument("--nonfinite", choices=("error", "propagate"), default="error",
+                   help="gradzip's policy for NaN/Inf gradients: error (default) checks "
+                        "every bucket; propagate lets them cross as DDP's own all-reduce "
+                        "does (for none: no check at all)")
     p.add_argument("--link-note", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print rows as JSON")
     p.set_defaults(func=run)
