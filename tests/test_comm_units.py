@@ -11,7 +11,7 @@ import gradzip
 from gradzip.codecs.payload import Payload
 from gradzip.comm.fsdp import scaling
 from gradzip.comm.reducer import index_bytes
-from gradzip.comm.stats import CommStats, Reduction
+from gradzip.comm.stats import CommStats, Reduction, union_length
 
 
 def test_bad_spec_fails_at_attach_before_anything_else():
@@ -47,6 +47,28 @@ def test_stats_per_step_and_totals():
     tot = s.totals()
     assert tot["steps"] == 2 and tot["bytes_wire"] == 468 and tot["bytes_raw"] == 800
     assert tot["density"] == pytest.approx(110 / 200)
+
+
+def test_comm_time_is_the_union_of_overlapping_async_reductions():
+    """Two asynchronous buckets in flight at once count their overlap once; reductions
+    on the communication thread (no span) add up; extra rounds are reported apart."""
+    s = CommStats()
+    s.record(Reduction(numel=1, sent_values=1, bytes_raw=4, span=(10.0, 10.004),
+                       seconds_by_op={"all_reduce": 0.004}))
+    s.record(Reduction(numel=1, sent_values=1, bytes_raw=4, span=(10.002, 10.005),
+                       seconds_by_op={"all_reduce": 0.003}))
+    s.record(Reduction(numel=1, sent_values=1, bytes_raw=4, extra_collective_s=0.001,
+                       seconds_by_op={"all_reduce": 0.002, "all_gather": 0.001}))
+    s.end_step()
+    one = s.summary()
+    assert one["comm_ms"] == pytest.approx(5.0 + 3.0)  # union 10.000-10.005, then 3 ms
+    assert one["comm_ms_by_op"] == {"all_gather": pytest.approx(1.0),
+                                    "all_reduce": pytest.approx(9.0)}
+    assert one["extra_collective_ms"] == pytest.approx(1.0)
+    s.record(Reduction(numel=1, sent_values=1, bytes_raw=4, span=(20.0, 20.001)))
+    s.end_step()
+    assert s.totals()["comm_ms"] == pytest.approx(9.0)
+    assert union_length([(0, 2), (1, 3), (5, 6)]) == pytest.approx(4.0)
 
 
 def test_index_bytes_counts_index_fields_at_any_depth():

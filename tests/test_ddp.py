@@ -219,6 +219,7 @@ def test_bytes_handed_equals_bytes_passed_to_collectives():
     assert fp16["bytes_wire"] < 0.7 * fp16["bytes_raw"]  # link gloo adds a per-call cost
     assert 0 < fp16["grad_rel_error"] < 1e-2
     assert r0["ef | powersgd"]["last"]["extra_collectives"] > 0
+    assert r0["ef | powersgd"]["last"]["extra_collective_ms"] > 0  # its second round
     # summable payloads are all-reduced, the others all-gathered (sizes first)
     assert set(r0["none"]["last"]["calls_by_op"]) == {"all_reduce"}
     assert set(r0["fp16"]["last"]["calls_by_op"]) == {"all_reduce"}

@@ -93,3 +93,17 @@ def test_missing_files_are_clear_errors(tmp_path: Path) -> None:
         parse("--config", str(tmp_path / "nope.toml"))
     with pytest.raises(FileNotFoundError, match="cannot resume"):
         parse("--resume", "--out", str(tmp_path / "never-ran"))
+
+
+def test_nonfinite_policy_lets_a_grad_scaler_see_inf_under_fp16() -> None:
+    """fp16's GradScaler skips steps with Inf/NaN gradients: the codec must pass them on
+    (propagate) rather than stop the step; elsewhere a NaN is an error naming the tensor."""
+    from gradzip.train.config import TrainConfig, nonfinite_policy
+
+    assert nonfinite_policy(TrainConfig(dtype="fp16")) == "propagate"
+    assert nonfinite_policy(TrainConfig(dtype="bf16")) == "error"
+    assert nonfinite_policy(TrainConfig(dtype="fp32", nonfinite="propagate")) == "propagate"
+    cfg = JobConfig()
+    cfg.train.nonfinite = "ignore"
+    with pytest.raises(ValueError, match="--nonfinite"):
+        cfg.validate()

@@ -59,7 +59,9 @@ def test_plain_ddp_counts_every_all_reduce_byte(cache: Path, tmp_path: Path) -> 
     assert rec["bytes_raw_total"] == rec["bytes_wire_total"]
     assert 4 * rec["params"] * 5 < rec["bytes_wire_total"] < 1.05 * 4 * rec["params"] * 5
     assert rec["compression_ratio"] == 1.0
-    assert rec["aggregation"]["plain"] >= 5  # one all-reduce per bucket per step
+    # gradzip's ``none``: DDP's first step plain (buckets not yet rebuilt), then all-reduce
+    assert rec["aggregation"]["plain"] >= 1 and rec["aggregation"]["all_reduce"] >= 4
+    assert rec["compression_ratio_steady"] == 1.0 and rec["comm_time_ms_total"] > 0
     assert rec["comm_time_ms_total"] > 0 and list(rec["comm_time_ms_by_op"]) == ["all_reduce"]
 
 

@@ -251,3 +251,31 @@ def test_codec_policy_flags(cache: Path, tmp_path: Path,
     assert main(["train", *argv]) == 2
     assert "PATTERNS=SPEC" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("extra", [["--val-fraction", "0"], ["--max-tokens", "3000"]])
+def test_no_validation_data_trains_without_evaluation(cache: Path, tmp_path: Path,
+                                                      extra: list[str]) -> None:
+    """What the data error message recommends (--val-fraction 0) and a tiny dataset
+    whose validation split has no full batch: the run ends, checkpoints, and says so."""
+    out = tmp_path / "r"
+    rec = train(cache, out, "--max-steps", "5", "--eval-every", "2", *extra)
+    assert rec["steps"] == 5 and rec["val_loss"] is None and rec["val_ppl"] is None
+    assert rec["evaluation"].startswith("skipped: ")
+    assert (out / "checkpoints" / "step_0000005" / "meta.json").is_file()
+    assert "training without evaluation" in (out / "logs" / "rank0.log").read_text()
+
+
+def test_every_record_is_strict_json_even_when_no_step_is_timed(cache: Path,
+                                                                tmp_path: Path) -> None:
+    """Steps <= --timing-warmup leave the timing statistics empty: null, never NaN."""
+    out = tmp_path / "r"
+    rec = train(cache, out, "--max-steps", "2", "--timing-warmup", "5",
+                "--ppl-budget-s", "1e-9")
+    line = (out / "results.jsonl").read_text().splitlines()[-1]
+    strict = json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in results.jsonl"))
+    assert strict == rec and rec["timed_steps"] == 0
+    assert rec["step_time_ms_p50"] is None and rec["tokens_per_s"] is None
+    # the budget is reached after step 1: evaluated there, at a fixed training time
+    assert rec["ppl_at_fixed_time_step"] == 1 and rec["ppl_at_fixed_time"] > 1
+    assert rec["nonfinite_grad_steps"] == 0 and rec["clipped_steps"] >= 0

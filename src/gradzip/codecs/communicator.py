@@ -40,6 +40,8 @@ class CommCounter:
     handed: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    #: the longest single call since the last reset (the reduction's main collective)
+    longest: float = 0.0
 
     def add(self, op: str, nbytes: int, seconds: float) -> None:
         """Count one ``op`` call that was handed ``nbytes`` by this rank."""
@@ -47,6 +49,7 @@ class CommCounter:
         self.wire[op] += link_bytes(op, nbytes, self.world_size, self.backend)
         self.calls[op] += 1
         self.seconds[op] += seconds
+        self.longest = max(self.longest, seconds)
 
     @property
     def total_wire(self) -> int:
@@ -65,6 +68,7 @@ class CommCounter:
         self.handed.clear()
         self.calls.clear()
         self.seconds.clear()
+        self.longest = 0.0
 
 
 def _nbytes(t: torch.Tensor) -> int:

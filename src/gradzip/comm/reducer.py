@@ -117,6 +117,7 @@ class Reducer(CodecObserver):
             encode_s=encode_s, decode_s=self._decode_s,
             seconds_by_op=dict(c.seconds), bytes_by_op=dict(c.wire), calls_by_op=dict(c.calls),
             paths=["plain"] if plain else list(self._paths),
+            extra_collective_s=max(comm_s - c.longest, 0.0),
         ))
         self._payloads = []
 

@@ -12,7 +12,12 @@ Every number comes from what was actually done, never from a formula:
   FSDP): the baseline of ``compression_ratio`` (a bf16 model's ``none`` is 1.0x).
 * ``bytes_handed``: the bytes this rank handed to collectives. Not wire bytes (an
   all-gather's input crosses the link W-1 times); kept to compare with other tools.
-* ``comm_ms`` / ``comm_ms_by_op``: wall time inside collectives, per collective.
+* ``comm_ms``: wall time during which this rank had a collective in flight: the
+  union of the reductions' intervals where they overlap (asynchronous buckets on the
+  future-chained path), the sum where they run one after another (the communication
+  thread). ``comm_ms_by_op``: time inside each kind of collective, summed per call.
+* ``extra_collective_ms``: time in collective calls beyond the main one (its longest
+  call) of each reduced tensor: second rounds, size exchanges, flags.
 * ``encode_ms`` / ``decode_ms``: codec compute time (multi-round codecs interleave
   their compute with their collectives; all of it is reported as ``encode_ms``).
 * ``index_bytes``: payload bytes of position fields (a field path component named
@@ -65,11 +70,23 @@ class _Acc:
     est_sq: float = 0.0
     dot: float = 0.0
     residual_norm: float | None = None
+    extra_collective_s: float = 0.0
+    #: (start, end) of asynchronous reductions, which may overlap each other
+    spans: list[tuple[float, float]] = field(default_factory=list)
+    #: collective seconds of reductions that ran one after another (no span)
+    sequential_s: float = 0.0
+    #: comm seconds of closed steps (each step's union computed when it closed)
+    closed_comm_s: float = 0.0
+
+    def comm_s(self) -> float:
+        return self.closed_comm_s + self.sequential_s + union_length(self.spans)
 
     def merge(self, o: _Acc) -> None:
+        """Add a closed step ``o`` into these totals."""
+        self.closed_comm_s += o.comm_s()
         for name in ("reductions", "numel", "sent_values", "bytes_raw", "bytes_wire",
                      "bytes_handed", "index_bytes", "encode_s", "decode_s", "bytes_diagnostic",
-                     "err_sq", "ref_sq", "est_sq", "dot"):
+                     "err_sq", "ref_sq", "est_sq", "dot", "extra_collective_s"):
             setattr(self, name, getattr(self, name) + getattr(o, name))
         for op, v in o.seconds_by_op.items():
             self.seconds_by_op[op] += v
@@ -101,7 +118,8 @@ class _Acc:
             "density": self.sent_values / self.numel if self.numel else None,
             "encode_ms": self.encode_s * 1e3,
             "decode_ms": self.decode_s * 1e3,
-            "comm_ms": sum(self.seconds_by_op.values()) * 1e3,
+            "comm_ms": self.comm_s() * 1e3,
+            "extra_collective_ms": self.extra_collective_s * 1e3,
             "comm_ms_by_op": {op: s * 1e3 for op, s in sorted(self.seconds_by_op.items())},
             "bytes_by_op": dict(sorted(self.bytes_by_op.items())),
             "calls_by_op": dict(sorted(self.calls_by_op.items())),
@@ -131,6 +149,21 @@ class Reduction:
     #: aggregation path of each codec call: plain, all_reduce, gather, two_phase,
     #: multi_round or reduce_scatter
     paths: list[str] = field(default_factory=list)
+    #: seconds in calls beyond the main (longest) one
+    extra_collective_s: float = 0.0
+    #: (start, end) perf_counter times of an asynchronous reduction, which may overlap
+    #: others; None when it ran on the communication thread, one after another
+    span: tuple[float, float] | None = None
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping intervals."""
+    busy, covered_to = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > covered_to:
+            busy += end - max(start, covered_to)
+            covered_to = end
+    return busy
 
 
 class CommStats:
@@ -159,6 +192,11 @@ class CommStats:
             a.decode_s += r.decode_s
             for op, v in r.seconds_by_op.items():
                 a.seconds_by_op[op] += v
+            a.extra_collective_s += r.extra_collective_s
+            if r.span is not None:
+                a.spans.append(r.span)
+            else:
+                a.sequential_s += sum(r.seconds_by_op.values())
             for op, n in r.bytes_by_op.items():
                 a.bytes_by_op[op] += n
                 a.bytes_wire += n

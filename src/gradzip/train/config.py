@@ -154,6 +154,10 @@ class TrainConfig:
     iteration, DGC's warm-up)."""
     diagnose: bool = False
     """Measure each step's compression error (grad_rel_error, grad_cos_sim); costs time."""
+    nonfinite: str = "auto"
+    """NaN/Inf gradients in the codec: error (stop the step, naming the tensor), propagate
+    (send them on, so fp16's GradScaler sees them and skips the step) or auto (propagate
+    with --dtype fp16, else error)."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB (PyTorch's default)."""
     eval_every: int = 50
@@ -163,6 +167,9 @@ class TrainConfig:
     every evaluation of every run is on identical data."""
     target_loss: float = 0.0
     """Record time_to_target_s, the training time until val loss first reaches this; 0 = off."""
+    ppl_budget_s: float = 0.0
+    """Evaluate once training time first reaches this many seconds and record that val
+    perplexity as ppl_at_fixed_time (compare codecs at equal time); 0 = off."""
     threads: int = 0
     """torch CPU threads per process; 0 = torch's default."""
 
@@ -230,6 +237,7 @@ class JobConfig:
         _choice("--device", t.device, ("auto", "cpu", "cuda"))
         _choice("--dtype", t.dtype, ("fp32", "bf16", "fp16"))
         _choice("--parallel", t.parallel, ("none", "ddp", "fsdp"))
+        _choice("--nonfinite", t.nonfinite, ("auto", "error", "propagate"))
         for flag, v in [("--n-layer", m.n_layer), ("--n-head", m.n_head), ("--dim", m.dim),
                         ("--max-seq-len", m.max_seq_len), ("--seq-len", d.seq_len),
                         ("--batch-size", d.batch_size), ("--max-steps", t.max_steps),
@@ -253,14 +261,22 @@ class JobConfig:
             raise ValueError("--lr must be > 0 and --min-lr-ratio in [0, 1]")
         if t.dtype == "fp16" and t.device == "cpu":
             raise ValueError("--dtype fp16 needs CUDA (its grad scaler); use bf16 on CPU")
-        if t.max_time < 0 or t.eval_every < 0 or r.ckpt_every < 0:
-            raise ValueError("--max-time, --eval-every and --ckpt-every must be >= 0")
+        if t.max_time < 0 or t.eval_every < 0 or r.ckpt_every < 0 or t.ppl_budget_s < 0:
+            raise ValueError("--max-time, --eval-every, --ckpt-every and --ppl-budget-s "
+                             "must be >= 0")
         parse_profile_steps(r.profile_steps)
         if t.codec_start_step < 0:
             raise ValueError(f"--codec-start-step must be >= 0, got {t.codec_start_step}")
         if t.codec == "none" and (t.codec_groups or t.codec_start_step):
             raise ValueError("--codec-groups and --codec-start-step need a --codec")
         codec_policy(t.codec, t.codec_groups, t.codec_start_step)  # SpecError before work
+
+
+def nonfinite_policy(t: TrainConfig) -> str:
+    """The codec's NaN/Inf policy: ``auto`` propagates when a GradScaler will skip the step."""
+    if t.nonfinite != "auto":
+        return t.nonfinite
+    return "propagate" if t.dtype == "fp16" else "error"
 
 
 def codec_policy(codec: str, groups: str, start_step: int) -> Any:

@@ -1,13 +1,15 @@
-"""The training loop, top to bottom: setup, resume, steps, evaluation, checkpoints, results.
-
-One optimizer step is:
+"""The training loop, as torchtitan's ``train.py`` reads: ``Trainer.forward_backward_step``
+(one micro-batch), ``Trainer.train_step`` (one optimizer step) and ``Trainer.train``
+(steps, evaluation, checkpoints, the results record). One optimizer step is:
 
     for each of grad_accum micro-batches:      (gradients are synchronized on the last only)
         data -> forward -> backward            (DDP/FSDP communicate inside backward)
     unscale -> clip -> AdamW step -> zero grads
 
-and every phase is timed (``metrics.PhaseTimer``); communication time comes from the
-codec's stats or, for uncompressed DDP, a timing all-reduce hook.
+Setup is in ``Trainer.__init__``; the parallelism is one ``Parallelism`` object
+(``parallel.parallelize``), so the loop has no branch on the strategy; every number
+comes from one ``RunMetrics`` (``metrics.py``), whose communication source is the
+codec's ``CommStats``.
 """
 
 from __future__ import annotations
@@ -26,12 +28,18 @@ import torch
 from torch import nn
 
 from gradzip.train import checkpoint as ckpt
-from gradzip.train.config import JobConfig, OptimConfig, codec_policy, parse_profile_steps
+from gradzip.train.config import (
+    JobConfig,
+    OptimConfig,
+    codec_policy,
+    nonfinite_policy,
+    parse_profile_steps,
+)
 from gradzip.train.evaluate import autocast_for, evaluate
 from gradzip.train.metrics import (
     MetricLogger,
     PhaseTimer,
-    RunStats,
+    RunMetrics,
     append_results,
     format_line,
     git_commit,
@@ -41,15 +49,12 @@ from gradzip.train.metrics import (
 from gradzip.train.model import GPT
 from gradzip.train.parallel import (
     DistInfo,
+    Parallelism,
     all_reduce_mean,
     any_rank,
-    apply_ddp,
-    apply_fsdp,
-    attach_codec,
     destroy_distributed,
     init_distributed,
-    no_sync,
-    settle_ddp_buckets,
+    parallelize,
 )
 from gradzip.train.profiling import maybe_enable_profiling
 
@@ -100,337 +105,378 @@ def train(cfg: JobConfig, *, data: Any = None,
         # ``cleanup`` stops the loader's prefetch thread and closes the log files and
         # TensorBoard writer however the run ends (an error included).
         with contextlib.ExitStack() as cleanup:
-            return _train(cfg, info, data, make_loader, cleanup)
+            return Trainer(cfg, info, data, make_loader, cleanup).train()
     finally:
         if not was_initialized:
             destroy_distributed()
 
 
-def _train(cfg: JobConfig, info: DistInfo, data: Any, make_loader: Callable[..., Any] | None,
-           cleanup: contextlib.ExitStack) -> dict[str, Any]:
-    t, o, r, d = cfg.train, cfg.optim, cfg.run, cfg.data
-    device = info.device
-    if t.dtype == "fp16" and device.type != "cuda":
+def _check_environment(cfg: JobConfig, info: DistInfo) -> None:
+    """Fail before any work on what the configuration alone could not tell."""
+    t = cfg.train
+    if t.dtype == "fp16" and info.device.type != "cuda":
         raise ValueError("--dtype fp16 needs CUDA (its grad scaler); use bf16 on CPU")
-    if device.type == "cpu":
-        # Denormal floats in backward made a small GPT 35x slower on CPU; flush them to 0.
-        torch.set_flush_denormal(True)
-    if t.threads:
-        torch.set_num_threads(t.threads)
-    if r.wandb and info.is_main:
-        require_wandb()  # fail now, not after the data is prepared
     if t.codec != "none" and t.parallel == "none":
         raise ValueError("--codec compresses communication between ranks: it needs "
                          "--parallel ddp or fsdp (ddp also runs as a single process)")
+    if cfg.run.wandb and info.is_main:
+        require_wandb()  # fail now, not after the data is prepared
 
-    # ---- run directory: a fresh run must not silently mix with an old one
-    run_dir = Path(r.out)
-    resume_from = ckpt.find_checkpoint(run_dir) if r.resume else None
-    if not r.resume and ckpt.step_dirs(run_dir):
-        raise ValueError(f"{run_dir} already holds checkpoints: pass --resume to continue "
-                         f"that run, or choose another --out")
 
-    # Same seed on every rank: FSDP shards identical initial weights (DDP would
-    # broadcast rank 0's anyway); data order and codec randomness derive from it too.
-    random.seed(t.seed)
-    np.random.seed(t.seed)
-    torch.manual_seed(t.seed)
+def _set_seeds(seed: int) -> None:
+    """Same seed on every rank: FSDP shards identical initial weights (DDP would broadcast
+    rank 0's anyway); data order and codec randomness derive from it too."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
-    # ---- data and model
-    if data is None:
-        data = load_data(cfg, info)
-    if make_loader is None:
-        from gradzip.train.data import BatchLoader
 
-        make_loader = BatchLoader
-    vocab = data.tokenizer.vocab_size
-    if cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = vocab
-    elif cfg.model.vocab_size < vocab:
-        raise ValueError(f"--model-vocab-size {cfg.model.vocab_size} is smaller than the "
-                         f"tokenizer's vocabulary ({vocab})")
-    if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+def validation_problem(data: Any, make_loader: Callable[..., Any], cfg: JobConfig,
+                       info: DistInfo) -> str | None:
+    """Why this run cannot evaluate (no validation data, too little of it), or None."""
+    d = cfg.data
+    if d.val_fraction == 0:
+        return "--val-fraction 0: no validation data"
+    try:
+        make_loader(data.val, batch_size=d.batch_size, seq_len=d.seq_len, rank=info.rank,
+                    world_size=info.world_size, seed=0, prefetch=0).close()
+    except ValueError as e:
+        return f"the validation split is too small ({e})"
+    return None
+
+
+class Trainer:
+    """One run: its setup, and the loop in three levels (micro-batch, step, run)."""
+
+    def __init__(self, cfg: JobConfig, info: DistInfo, data: Any,
+                 make_loader: Callable[..., Any] | None, cleanup: contextlib.ExitStack) -> None:
+        self.cfg, self.info, self.device = cfg, info, info.device
+        t, o, r, d = cfg.train, cfg.optim, cfg.run, cfg.data
+        _check_environment(cfg, info)
+        if self.device.type == "cpu":
+            # Denormal floats in backward made a small GPT 35x slower on CPU; flush to 0.
+            torch.set_flush_denormal(True)
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        self.run_dir = Path(r.out)
+        self.resume_from = self._find_resume()
+        _set_seeds(t.seed)
+        self.data = data if data is not None else load_data(cfg, info)
+        if make_loader is None:
+            from gradzip.train.data import BatchLoader
+
+            make_loader = BatchLoader
+        self.make_loader = make_loader
+        self.no_eval = validation_problem(self.data, make_loader, cfg, info)
+        self._size_vocab()
+        self._write_run_files()
+        raw = GPT(cfg.model).to(self.device)
+        self.n_params = raw.num_params()
+        policy = (None if t.codec == "none"
+                  else codec_policy(t.codec, t.codec_groups, t.codec_start_step))
+        self.par: Parallelism = parallelize(
+            raw, info, parallel=t.parallel, policy=policy, bucket_cap_mb=t.bucket_cap_mb,
+            seed=t.seed, diagnose=t.diagnose, nonfinite=nonfinite_policy(t))
+        self.model = self.par.model
+        self.optimizer = build_optimizer(self.model, o)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.dtype == "fp16")
+        self.loader = make_loader(self.data.train, batch_size=d.batch_size, seq_len=d.seq_len,
+                                  rank=info.rank, world_size=info.world_size, seed=t.seed,
+                                  prefetch=d.prefetch)
+        cleanup.callback(self.loader.close)
+        #: what a checkpoint carries beyond weights: training time, history
+        self.progress: dict[str, Any] = {"train_time_s": 0.0, "time_to_target_s": None,
+                                         "ppl_at_fixed_time": None, "history": []}
+        self.start_step = (self._resume(self.resume_from) if self.resume_from is not None
+                           else 0)
+        if self.start_step >= t.max_steps:
+            raise ValueError(f"checkpoint is at step {self.start_step}, not before "
+                             f"--max-steps {t.max_steps}: raise --max-steps to train further")
+        self.log = MetricLogger(self.run_dir, info.rank, cfg, total_steps=t.max_steps,
+                                start_step=self.start_step)
+        cleanup.callback(self.log.close)
+        self.tokens_per_step = d.batch_size * d.seq_len * o.grad_accum * info.world_size
+        self.metrics = RunMetrics(r.timing_warmup, self.tokens_per_step, self.par.comm_stats,
+                                  o.grad_clip)
+        self.timer = PhaseTimer(self.device)
+        self._announce()
+
+    # ------------------------------------------------------------ setup helpers
+    def _find_resume(self) -> Path | None:
+        """The checkpoint to resume from; a fresh run must not mix with an old one."""
+        if self.cfg.run.resume:
+            return ckpt.find_checkpoint(self.run_dir)
+        if ckpt.step_dirs(self.run_dir):
+            raise ValueError(f"{self.run_dir} already holds checkpoints: pass --resume to "
+                             "continue that run, or choose another --out")
+        return None
+
+    def _size_vocab(self) -> None:
+        vocab = self.data.tokenizer.vocab_size
+        m = self.cfg.model
+        if m.vocab_size == 0:
+            m.vocab_size = vocab
+        elif m.vocab_size < vocab:
+            raise ValueError(f"--model-vocab-size {m.vocab_size} is smaller than the "
+                             f"tokenizer's vocabulary ({vocab})")
+
+    def _write_run_files(self) -> None:
+        """config.json (atomically: --resume reads it back) and the tokenizer, rank 0."""
+        if not self.info.is_main:
+            return
         from gradzip.train.data.atomic import atomic_write_bytes
 
-        # atomic: --resume reads it back, and a resumed run rewrites it
-        atomic_write_bytes(run_dir / "config.json",
-                           (json.dumps(cfg.to_dict(), indent=2) + "\n").encode())
-        data.tokenizer.save(run_dir / "tokenizer.json")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(self.run_dir / "config.json",
+                           (json.dumps(self.cfg.to_dict(), indent=2) + "\n").encode())
+        self.data.tokenizer.save(self.run_dir / "tokenizer.json")
 
-    raw_model = GPT(cfg.model).to(device)  # unwrapped: checkpoints, parameter counts
-    model: nn.Module = raw_model  # what forward/backward run on (maybe DDP/FSDP-wrapped)
-    n_params = raw_model.num_params()
-    comm_timer = handle = None
-    if t.parallel == "ddp":
-        model, comm_timer = apply_ddp(raw_model, info, bucket_cap_mb=t.bucket_cap_mb,
-                                      timed=t.codec == "none")
-    elif t.parallel == "fsdp":
-        model = apply_fsdp(raw_model, info)
-    if t.codec != "none":
-        handle = attach_codec(model, codec_policy(t.codec, t.codec_groups, t.codec_start_step),
-                              seed=t.seed, diagnose=t.diagnose)
-    sharded = t.parallel == "fsdp"
-    optimizer = build_optimizer(model, o)
-    scaler = torch.amp.GradScaler(device.type, enabled=t.dtype == "fp16")
-    loader = make_loader(data.train, batch_size=d.batch_size, seq_len=d.seq_len,
-                         rank=info.rank, world_size=info.world_size, seed=t.seed,
-                         prefetch=d.prefetch)
-    cleanup.callback(loader.close)
-
-    # ---- resume: weights, optimizer, and everything that makes the next step identical
-    start_step = 0
-    trainer: dict[str, Any] = {"train_time_s": 0.0, "time_to_target_s": None, "history": []}
-    if resume_from is not None:
-        meta, rank_state = ckpt.load(resume_from, model=raw_model, optimizer=optimizer,
-                                     rank=info.rank, world_size=info.world_size,
-                                     sharded=sharded)
-        start_step = meta["step"]
-        trainer.update(meta.get("trainer", {}))
+    def _resume(self, path: Path) -> int:
+        """Weights, optimizer, and everything that makes the next step identical."""
+        t, d, info = self.cfg.train, self.cfg.data, self.info
+        meta, rank_state = ckpt.load(path, model=self.par.raw,
+                                     optimizer=self.optimizer, rank=info.rank,
+                                     world_size=info.world_size, sharded=self.par.sharded)
+        self.progress.update(meta.get("trainer", {}))
         ckpt.set_rng_state(rank_state["rng"])
-        loader.load_state_dict(rank_state["loader"])
-        scaler.load_state_dict(rank_state["scaler"])
+        self.loader.load_state_dict(rank_state["loader"])
+        self.scaler.load_state_dict(rank_state["scaler"])
         if meta.get("codec", t.codec) != t.codec:
-            raise ValueError(f"checkpoint {resume_from} was written with codec "
+            raise ValueError(f"checkpoint {path} was written with codec "
                              f"{meta.get('codec')!r} but this run uses {t.codec!r}")
-        if handle is not None:
-            handle.load_state_dict(rank_state["codec"])
-            if t.parallel == "ddp":
-                sample = torch.zeros(d.batch_size, d.seq_len, dtype=torch.long, device=device)
-                settle_ddp_buckets(model, sample)
-                handle.stats.end_step()  # the warm-up's all-reduce is a step of its own
-    if start_step >= t.max_steps:
-        raise ValueError(f"checkpoint is at step {start_step}, not before --max-steps "
-                         f"{t.max_steps}: raise --max-steps to train further")
+        sample = torch.zeros(d.batch_size, d.seq_len, dtype=torch.long, device=self.device)
+        self.par.resume_codec(rank_state["codec"], sample)
+        return int(meta["step"])
 
-    log = MetricLogger(run_dir, info.rank, cfg, total_steps=t.max_steps, start_step=start_step)
-    cleanup.callback(log.close)
-    tokens_per_step = d.batch_size * d.seq_len * o.grad_accum * info.world_size
-    log.info(f"{'resuming ' + str(resume_from) if resume_from else 'run ' + str(run_dir)}: "
-             f"model {cfg.model.name} ({n_params / 1e6:.2f}M params), {info.world_size} "
-             f"rank(s) x {d.batch_size}x{d.seq_len} tokens x {o.grad_accum} accum, "
-             f"parallel {t.parallel}, codec {t.codec!r}, {t.dtype} on {device}")
+    def _announce(self) -> None:
+        cfg, info, d, o, t = self.cfg, self.info, self.cfg.data, self.cfg.optim, self.cfg.train
+        where = (f"resuming {self.resume_from}" if self.resume_from else f"run {self.run_dir}")
+        self.log.info(f"{where}: model {cfg.model.name} ({self.n_params / 1e6:.2f}M params), "
+                      f"{info.world_size} rank(s) x {d.batch_size}x{d.seq_len} tokens x "
+                      f"{o.grad_accum} accum, parallel {t.parallel}, codec {t.codec!r}, "
+                      f"{t.dtype} on {self.device}")
+        if self.no_eval:
+            self.log.info(f"training without evaluation: {self.no_eval}; val_loss will be "
+                          "null in the results")
 
-    timer = PhaseTimer(device)
-    stats = RunStats(warmup=r.timing_warmup)
-    val: dict[str, float] = {}
-    train_loss = float("nan")
-    interval_ms, interval_tokens = 0.0, 0
-    clock0 = time.perf_counter()
+    # ------------------------------------------------------------ the loop
+    def forward_backward_step(self, x: torch.Tensor, y: torch.Tensor,
+                              sync: bool) -> torch.Tensor:
+        """One micro-batch: forward, backward (communicating only when ``sync``)."""
+        accum = self.cfg.optim.grad_accum
+        with self.par.no_sync(enabled=not sync):
+            with self.timer.phase("forward"), autocast_for(self.device, self.cfg.train.dtype):
+                _, loss = self.model(x, y)
+                loss = loss / accum  # so the accumulated gradient is a mean
+            with self.timer.phase("backward"):
+                self.scaler.scale(loss).backward()
+        return loss.detach()
 
-    def save_checkpoint(step: int) -> None:
-        rank_state = {"rng": ckpt.rng_state(), "loader": loader.state_dict(),
-                      "scaler": scaler.state_dict(),
-                      "codec": handle.state_dict() if handle is not None else None}
-        path = ckpt.save(run_dir, step, model=model if sharded else raw_model,
-                         optimizer=optimizer, rank_state=rank_state,
-                         meta={"codec": t.codec, "trainer": trainer}, rank=info.rank,
-                         world_size=info.world_size, sharded=sharded, keep=r.keep_ckpts)
-        log.info(f"checkpoint {path}")
+    def train_step(self, step: int) -> tuple[torch.Tensor, float, float | None]:
+        """One optimizer step; returns (summed micro-batch loss, lr, gradient norm)."""
+        o = self.cfg.optim
+        lr = lr_at(step, o, self.cfg.train.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(o.grad_accum):
+            with self.timer.phase("data"):
+                x, y = next(self.loader)
+                x = x.to(self.device, non_blocking=True)
+                y = y.to(self.device, non_blocking=True)
+            loss_sum += self.forward_backward_step(x, y, sync=micro == o.grad_accum - 1)
+        with self.timer.phase("optimizer"):
+            self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the scaled one
+            # the norm always (inf: measure, do not clip): counts non-finite/clipped steps
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                  o.grad_clip if o.grad_clip > 0 else math.inf)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+        full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return loss_sum, lr, float(full)
 
-    model.train()
-    step = start_step
-    with maybe_enable_profiling(r.profile, parse_profile_steps(r.profile_steps), run_dir,
-                                info.rank, start_step, log.info) as profiler:
-        while step < t.max_steps:
-            step += 1
-            t0 = time.perf_counter()
-            lr = lr_at(step, o, t.max_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(o.grad_accum):
-                with timer.phase("data"):
-                    x, y = next(loader)
-                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with no_sync(model, t.parallel, enabled=micro < o.grad_accum - 1):
-                    with timer.phase("forward"), autocast_for(device, t.dtype):
-                        _, loss = model(x, y)
-                        loss = loss / o.grad_accum  # so the accumulated gradient is a mean
-                    with timer.phase("backward"):
-                        scaler.scale(loss).backward()
-                loss_sum += loss.detach()
-
-            with timer.phase("optimizer"):
-                scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
-                grad_norm = None
-                if o.grad_clip > 0:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-
-            # Communication happened inside backward; take its time and bytes now.
-            comm: dict[str, Any] = {}
-            if handle is not None:
-                handle.stats.end_step()
-                comm = handle.stats.summary()
-            elif comm_timer is not None:
-                comm = comm_timer.end_step()
-            if comm:
-                timer.add("comm", comm["comm_ms"])
-            phases = timer.end_step()
-            step_ms = (time.perf_counter() - t0) * 1e3
-            stats.add_step(step_ms, phases, tokens_per_step)
-            trainer["train_time_s"] += step_ms / 1e3
-            interval_ms += step_ms
-            interval_tokens += tokens_per_step
-            profiler.step(step, phases, step_ms)
-
-            out_of_time = t.max_time > 0 and time.perf_counter() - clock0 >= t.max_time
-            if t.max_time > 0:
-                out_of_time = any_rank(out_of_time, device)  # all ranks stop at the same step
-            last = step == t.max_steps or out_of_time
-
-            if step % r.log_every == 0 or last:
-                # .item() waits for the device; only once per log interval.
-                (train_loss,) = all_reduce_mean([loss_sum.item()], device)
-                if not math.isfinite(train_loss):
-                    raise RuntimeError(f"training loss is {train_loss} at step {step}; "
-                                       f"try a lower --lr or --dtype fp32")
-                metrics = {
-                    "loss/train": train_loss, "optim/lr": lr,
-                    "throughput/tokens_per_s": interval_tokens / (interval_ms / 1e3),
-                    "time/step(ms)": step_ms,
-                    **{f"time/{k}(ms)": v for k, v in phases.items()},
-                    "mem/peak(MiB)": peak_memory(device)["mem_peak"] / 2**20,
-                }
-                if grad_norm is not None:
-                    gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-                    metrics["optim/grad_norm"] = float(gn)
-                if comm:
-                    metrics["comm/time(ms)"] = comm["comm_ms"]
-                    metrics["comm/share(%)"] = 100 * comm["comm_ms"] / step_ms
-                    metrics["comm/bytes_raw"] = comm["bytes_raw"]
-                    metrics["comm/bytes_wire"] = comm["bytes_wire"]
-                    if comm["bytes_wire"]:
-                        metrics["comm/compression_ratio"] = comm["bytes_raw"] / comm["bytes_wire"]
-                    for k in ("density", "residual_norm", "grad_rel_error", "grad_cos_sim",
-                              "encode_ms", "decode_ms"):
-                        if comm.get(k) is not None:
-                            metrics[f"comm/{k}"] = comm[k]
-                interval_ms, interval_tokens = 0.0, 0
-                if not (t.eval_every and step % t.eval_every == 0 or last):
-                    log.info(format_line(step, t.max_steps, metrics))
-                trainer["history"].append({"step": step, "train_loss": train_loss})
-                log.scalars(step, metrics)
-
-            if t.eval_every and step % t.eval_every == 0 or last:
-                val = evaluate(model, data.val, make_loader=make_loader,
-                               batch_size=d.batch_size, seq_len=d.seq_len, steps=t.eval_steps,
-                               rank=info.rank, world_size=info.world_size, device=device,
-                               dtype=t.dtype)
-                if t.target_loss and trainer["time_to_target_s"] is None \
-                        and val["val_loss"] <= t.target_loss:
-                    trainer["time_to_target_s"] = trainer["train_time_s"]
-                trainer["history"].append({"step": step, **val})
-                log.scalars(step, {"loss/val": val["val_loss"], "loss/val_ppl": val["val_ppl"]})
+    def train(self) -> dict[str, Any]:
+        """Steps until --max-steps or --max-time, evaluating, logging and checkpointing."""
+        t, r = self.cfg.train, self.cfg.run
+        self.model.train()
+        step, train_loss, val = self.start_step, math.nan, {}
+        clock0 = time.perf_counter()
+        with maybe_enable_profiling(r.profile, parse_profile_steps(r.profile_steps),
+                                    self.run_dir, self.info.rank, self.start_step,
+                                    self.log.info) as profiler:
+            while step < t.max_steps:
+                step += 1
+                t0 = time.perf_counter()
+                loss_sum, lr, grad_norm = self.train_step(step)
+                phases = self.timer.end_step()
+                step_ms = (time.perf_counter() - t0) * 1e3
+                self.metrics.end_step(step_ms, phases, grad_norm)
+                self.progress["train_time_s"] += step_ms / 1e3
+                profiler.step(step, phases, step_ms)
+                last = step == t.max_steps or self._out_of_time(clock0)
                 if step % r.log_every == 0 or last:
-                    log.info(format_line(step, t.max_steps, {
-                        **metrics, "loss/val": val["val_loss"], "loss/val_ppl": val["val_ppl"]}))
-                else:
-                    log.info(f"step {step}: val loss {val['val_loss']:.4f} "
-                             f"(ppl {val['val_ppl']:.1f})")
+                    train_loss = self._log_interval(step, loss_sum, lr, step_ms, phases,
+                                                    grad_norm)
+                if self._evaluation_due(step, last):
+                    val = self._evaluate(step, train_loss)
+                if r.ckpt_every and step % r.ckpt_every == 0 or last:
+                    self._save_checkpoint(step)
+                self.log.advance()
+                if last:
+                    break
+        return self._finish(step, train_loss, val)
 
-            if r.ckpt_every and step % r.ckpt_every == 0 or last:
-                save_checkpoint(step)
-            log.advance()
-            if last:
-                break
+    # ------------------------------------------------------------ loop helpers
+    def _out_of_time(self, clock0: float) -> bool:
+        """--max-time reached (all ranks stop at the same step)."""
+        if self.cfg.train.max_time <= 0:
+            return False
+        done = time.perf_counter() - clock0 >= self.cfg.train.max_time
+        return any_rank(done, self.device)
 
-    record = results_record(cfg, info, n_params, step, start_step, train_loss, val, stats,
-                            handle, comm_timer, trainer)
-    if info.is_main:
-        paths = [run_dir / "results.jsonl"] + ([Path(r.results_file)] if r.results_file else [])
-        append_results(record, paths)
-        plot_history(trainer["history"], run_dir / "plots" / "loss.png")
-        s = stats.summary()
-        log.info(f"done at step {step}: train loss {train_loss:.4f}, val loss "
-                 f"{record['val_loss']:.4f}, {s['tokens_per_s']:,.0f} tok/s, step "
-                 f"{s['step_time_ms_p50']:.1f} ms (p50); results in {run_dir / 'results.jsonl'}")
-    return record
+    def _log_interval(self, step: int, loss_sum: torch.Tensor, lr: float, step_ms: float,
+                      phases: dict[str, float], grad_norm: float | None) -> float:
+        """Log the interval that ends at ``step``; returns the mean train loss."""
+        (train_loss,) = all_reduce_mean([loss_sum.item()], self.device)  # .item() syncs
+        if not math.isfinite(train_loss):
+            raise RuntimeError(f"training loss is {train_loss} at step {step}; "
+                               f"try a lower --lr or --dtype fp32")
+        self._interval = self.metrics.interval(train_loss, lr, step_ms, phases, grad_norm,
+                                               self.device)
+        self.progress["history"].append({"step": step, "train_loss": train_loss})
+        self.log.scalars(step, self._interval)
+        if not self._evaluation_due(step, step == self.cfg.train.max_steps):
+            self.log.info(format_line(step, self.cfg.train.max_steps, self._interval))
+        return train_loss
+
+    def _evaluation_due(self, step: int, last: bool) -> bool:
+        t = self.cfg.train
+        if self.no_eval:
+            return False
+        budget = (t.ppl_budget_s and self.progress["ppl_at_fixed_time"] is None
+                  and self.progress["train_time_s"] >= t.ppl_budget_s)
+        return bool(t.eval_every and step % t.eval_every == 0 or last or budget)
+
+    def _evaluate(self, step: int, train_loss: float) -> dict[str, float]:
+        t, d, info = self.cfg.train, self.cfg.data, self.info
+        val = evaluate(self.model, self.data.val, make_loader=self.make_loader,
+                       batch_size=d.batch_size, seq_len=d.seq_len, steps=t.eval_steps,
+                       rank=info.rank, world_size=info.world_size, device=self.device,
+                       dtype=t.dtype)
+        p = self.progress
+        if t.target_loss and p["time_to_target_s"] is None and val["val_loss"] <= t.target_loss:
+            p["time_to_target_s"] = p["train_time_s"]
+        if t.ppl_budget_s and p["ppl_at_fixed_time"] is None \
+                and p["train_time_s"] >= t.ppl_budget_s:
+            p["ppl_at_fixed_time"] = {"val_ppl": val["val_ppl"], "step": step,
+                                      "train_time_s": p["train_time_s"]}
+        p["history"].append({"step": step, **val})
+        self.log.scalars(step, {"loss/val": val["val_loss"], "loss/val_ppl": val["val_ppl"]})
+        interval = getattr(self, "_interval", None)
+        if interval is not None and interval.get("loss/train") == train_loss:
+            self.log.info(format_line(step, t.max_steps, {
+                **interval, "loss/val": val["val_loss"], "loss/val_ppl": val["val_ppl"]}))
+        else:
+            self.log.info(f"step {step}: val loss {val['val_loss']:.4f} "
+                          f"(ppl {val['val_ppl']:.1f})")
+        return val
+
+    def _save_checkpoint(self, step: int) -> None:
+        rank_state = {"rng": ckpt.rng_state(), "loader": self.loader.state_dict(),
+                      "scaler": self.scaler.state_dict(), "codec": self.par.codec_state()}
+        path = ckpt.save(self.run_dir, step, model=self.par.checkpoint_model,
+                         optimizer=self.optimizer, rank_state=rank_state,
+                         meta={"codec": self.cfg.train.codec, "trainer": self.progress},
+                         rank=self.info.rank, world_size=self.info.world_size,
+                         sharded=self.par.sharded, keep=self.cfg.run.keep_ckpts)
+        self.log.info(f"checkpoint {path}")
+
+    def _finish(self, step: int, train_loss: float, val: dict[str, float]) -> dict[str, Any]:
+        """Write the results record (rank 0) and the loss plot; returns the record."""
+        record = self.results_record(step, train_loss, val)
+        if self.info.is_main:
+            r = self.cfg.run
+            paths = [self.run_dir / "results.jsonl"] + (
+                [Path(r.results_file)] if r.results_file else [])
+            append_results(record, paths)
+            plot_history(self.progress["history"], self.run_dir / "plots" / "loss.png")
+            val_text = (f"{record['val_loss']:.4f}" if record["val_loss"] is not None
+                        else "not evaluated")
+            tok = record["tokens_per_s"]
+            p50 = record["step_time_ms_p50"]
+            self.log.info(f"done at step {step}: train loss {train_loss:.4f}, val loss "
+                          f"{val_text}, "
+                          + (f"{tok:,.0f} tok/s, step {p50:.1f} ms (p50); " if tok else "")
+                          + f"results in {self.run_dir / 'results.jsonl'}")
+        return record
+
+    def results_record(self, step: int, train_loss: float,
+                       val: dict[str, float]) -> dict[str, Any]:
+        """The one JSON line this run appends to results.jsonl (docs/results.md).
+
+        Timing and communication totals cover the steps this process ran (after a
+        resume: since the resume); the losses are those at the final step. The byte
+        totals are what this process sent, so a DDP run resumed with a codec also counts
+        the one uncompressed synchronization that rebuilds DDP's buckets
+        (``settle_ddp_buckets``), as an uninterrupted run counts its uncompressed first
+        step. FSDP without a codec has no communication figures (None): its collectives
+        run inside FSDP, visible only in ``--profile`` traces.
+        """
+        cfg, info, t, d = self.cfg, self.info, self.cfg.train, self.cfg.data
+        p = self.progress
+        return {
+            "run_name": cfg.run.run_name or Path(cfg.run.out).name,
+            "world_size": info.world_size,
+            "parallel": t.parallel,
+            "model": cfg.model.name,
+            "params": self.n_params,
+            "dataset": "+".join(d.sources),
+            "seq_len": d.seq_len,
+            "batch_size": d.batch_size,
+            "grad_accum": cfg.optim.grad_accum,
+            "global_batch_tokens": self.tokens_per_step,
+            "dtype": t.dtype,
+            "codec": t.codec,
+            "codec_config": _codec_config(t),
+            "nonfinite_policy": nonfinite_policy(t),
+            "seed": t.seed,
+            "steps": step,
+            "resumed_from_step": self.start_step or None,
+            "train_loss": train_loss,
+            "val_loss": val.get("val_loss"),
+            "val_ppl": val.get("val_ppl"),
+            "evaluation": "skipped: " + self.no_eval if self.no_eval else "done",
+            **self.metrics.timing(),
+            **self.metrics.communication(),
+            **self.metrics.counters(),
+            "ef_memory_bytes": _state_bytes(self.par.codec_state()),
+            **peak_memory(info.device),
+            "target_loss": t.target_loss or None,
+            "time_to_target_s": p["time_to_target_s"],
+            "ppl_budget_s": t.ppl_budget_s or None,
+            "ppl_at_fixed_time": (p["ppl_at_fixed_time"] or {}).get("val_ppl"),
+            "ppl_at_fixed_time_step": (p["ppl_at_fixed_time"] or {}).get("step"),
+            "train_time_s": p["train_time_s"],
+            "git_commit": git_commit(),
+            "torch_version": torch.__version__,
+            "device": str(info.device) if info.device.type == "cpu"
+            else torch.cuda.get_device_name(info.device),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
 
 
-def results_record(cfg: JobConfig, info: DistInfo, n_params: int, step: int, start_step: int,
-                   train_loss: float, val: dict[str, float], stats: RunStats, handle: Any,
-                   comm_timer: Any, trainer: dict[str, Any]) -> dict[str, Any]:
-    """The one JSON line this run appends to results.jsonl.
-
-    Timing and communication totals cover the steps this process ran (after a resume:
-    since the resume); the losses are those at the final step. The byte totals are what
-    this process sent, so a DDP run resumed with a codec also counts the one uncompressed
-    synchronization that rebuilds DDP's buckets (``settle_ddp_buckets``), as an
-    uninterrupted run counts its uncompressed first step. FSDP without a codec has
-    no communication figures (None): its collectives run inside FSDP, visible only in
-    ``--profile`` traces.
-    """
-
-    t, d = cfg.train, cfg.data
-    s = stats.summary()
-    comm_totals: dict[str, Any] = {}
-    if handle is not None:
-        comm_totals = handle.stats.totals()
-    elif comm_timer is not None:
-        comm_totals = {"bytes_raw": comm_timer.bytes_total, "bytes_wire": comm_timer.bytes_total,
-                       "aggregation": {"plain": comm_timer.calls_total},
-                       "compression_ratio": 1.0, "comm_ms_by_op": {"all_reduce":
-                                                                   comm_timer.comm_ms_total},
-                       "index_bytes": 0, "density": 1.0, "encode_ms": 0.0, "decode_ms": 0.0,
-                       "extra_collectives": 0}
-    return {
-        "run_name": cfg.run.run_name or Path(cfg.run.out).name,
-        "world_size": info.world_size,
-        "parallel": t.parallel,
-        "model": cfg.model.name,
-        "params": n_params,
-        "dataset": "+".join(d.sources),
-        "seq_len": d.seq_len,
-        "batch_size": d.batch_size,
-        "grad_accum": cfg.optim.grad_accum,
-        "global_batch_tokens": d.batch_size * d.seq_len * cfg.optim.grad_accum * info.world_size,
-        "dtype": t.dtype,
-        "codec": t.codec,
-        "codec_config": _codec_config(t),
-        "seed": t.seed,
-        "steps": step,
-        "resumed_from_step": start_step or None,
-        "train_loss": train_loss,
-        "val_loss": val.get("val_loss"),
-        "val_ppl": val.get("val_ppl"),
-        "step_time_ms_mean": s["step_time_ms_mean"],
-        "step_time_ms_p50": s["step_time_ms_p50"],
-        "step_time_ms_p90": s["step_time_ms_p90"],
-        "timed_steps": s["timed_steps"],
-        "tokens_per_s": s["tokens_per_s"],
-        "phase_ms_mean": s["phase_ms_mean"],
-        "phase_share": s["phase_share"],
-        "comm_time_ms_total": s["comm_time_ms_total"] if comm_totals else None,
-        "comm_ratio": s["comm_ratio"] if comm_totals else None,
-        "comm_time_ms_by_op": comm_totals.get("comm_ms_by_op"),
-        "bytes_raw_total": comm_totals.get("bytes_raw"),
-        "bytes_wire_total": comm_totals.get("bytes_wire"),
-        "bytes_handed_total": comm_totals.get("bytes_handed"),
-        "aggregation": comm_totals.get("aggregation"),
-        "compression_ratio": comm_totals.get("compression_ratio"),
-        "encode_ms": comm_totals.get("encode_ms"),
-        "decode_ms": comm_totals.get("decode_ms"),
-        "extra_collectives": comm_totals.get("extra_collectives"),
-        "index_bytes": comm_totals.get("index_bytes"),
-        "density": comm_totals.get("density"),
-        "residual_norm": comm_totals.get("residual_norm"),
-        "grad_rel_error": comm_totals.get("grad_rel_error"),
-        "grad_cos_sim": comm_totals.get("grad_cos_sim"),
-        **peak_memory(info.device),
-        "target_loss": t.target_loss or None,
-        "time_to_target_s": trainer["time_to_target_s"],
-        "train_time_s": trainer["train_time_s"],
-        "git_commit": git_commit(),
-        "torch_version": torch.__version__,
-        "device": str(info.device) if info.device.type == "cpu"
-        else torch.cuda.get_device_name(info.device),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+def _state_bytes(state: Any) -> int | None:
+    """Bytes of the tensors in a codec's state (error-feedback residuals, warm starts)."""
+    if state is None:
+        return None
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) or 0 for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(_state_bytes(v) or 0 for v in state)
+    return 0
 
 
 def plot_history(history: list[dict[str, Any]], path: Path) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import resource
 import subprocess
@@ -67,61 +68,155 @@ class PhaseTimer:
         return out
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]); nan for no values."""
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
     if not values:
-        return float("nan")
+        return None
     return float(torch.tensor(values, dtype=torch.float64).quantile(q / 100).item())
 
 
-class RunStats:
-    """Running totals for the results record; the first ``warmup`` steps are excluded
-    from the timing statistics (allocator and cache warm-up make them unrepresentative)."""
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
 
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
+
+class RunMetrics:
+    """A run's numbers from one source, as torchtitan's ``MetricsProcessor``: the step
+    timings and counters, each log interval's metrics and the results record's measured
+    fields. Communication comes from the codec's ``CommStats`` only (None: no gradzip
+    communication, e.g. FSDP's own reduce-scatter). The first ``warmup`` steps are left
+    out of the timing statistics (allocator and cache warm-up) but not of the totals.
+    """
+
+    def __init__(self, warmup: int, tokens_per_step: int, comm: Any, grad_clip: float) -> None:
+        self.warmup, self.tokens_per_step = warmup, tokens_per_step
+        self.comm, self.grad_clip = comm, grad_clip
         self.steps_seen = 0
         self.step_ms: list[float] = []
         self.phase_ms: dict[str, float] = defaultdict(float)
         self.tokens = 0  # tokens (all ranks) in the timed steps
-        self.comm_ms_total = 0.0  # over all steps, warm-up included: matches the byte totals
-        self.train_time_s = 0.0  # every step, warm-up included (for time_to_target_s)
+        self.nonfinite_steps = 0
+        self.clipped_steps = 0
+        self.steady = {"bytes_raw": 0, "bytes_wire": 0}  # steps compressed throughout
+        self.last_comm: dict[str, Any] = {}
+        self._interval_ms, self._interval_tokens = 0.0, 0
 
-    def add_step(self, step_ms: float, phases: dict[str, float], tokens: int) -> None:
+    def end_step(self, step_ms: float, phases: dict[str, float],
+                 grad_norm: float | None) -> None:
+        """Close a step: its communication (from ``CommStats``), time and counters."""
+        if self.comm is not None:
+            self.comm.end_step()
+            self.last_comm = self.comm.summary()
+            phases["comm"] = self.last_comm["comm_ms"]
+            if "plain" not in self.last_comm["aggregation"]:
+                for k in self.steady:
+                    self.steady[k] += self.last_comm[k]
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            self.nonfinite_steps += 1
+        elif grad_norm is not None and 0 < self.grad_clip < grad_norm:
+            self.clipped_steps += 1
         self.steps_seen += 1
-        self.train_time_s += step_ms / 1e3
-        self.comm_ms_total += phases.get("comm", 0.0)
+        self._interval_ms += step_ms
+        self._interval_tokens += self.tokens_per_step
         if self.steps_seen <= self.warmup:
             return
         self.step_ms.append(step_ms)
-        self.tokens += tokens
+        self.tokens += self.tokens_per_step
         for k, v in phases.items():
             self.phase_ms[k] += v
 
-    def summary(self) -> dict[str, Any]:
-        timed = sum(self.step_ms)
-        n = len(self.step_ms)
+    def interval(self, loss: float, lr: float, step_ms: float, phases: dict[str, float],
+                 grad_norm: float | None, device: torch.device) -> dict[str, Any]:
+        """The metrics logged for the interval that ends now (then a new one starts)."""
+        m: dict[str, Any] = {
+            "loss/train": loss, "optim/lr": lr,
+            "throughput/tokens_per_s": self._interval_tokens / (self._interval_ms / 1e3),
+            "time/step(ms)": step_ms,
+            **{f"time/{k}(ms)": v for k, v in phases.items()},
+            "mem/peak(MiB)": peak_memory(device)["mem_peak"] / 2**20,
+        }
+        if grad_norm is not None:
+            m["optim/grad_norm"] = grad_norm
+        c = self.last_comm
+        if c:
+            m.update({"comm/time(ms)": c["comm_ms"], "comm/share(%)": 100 * c["comm_ms"] / step_ms,
+                      "comm/bytes_raw": c["bytes_raw"], "comm/bytes_wire": c["bytes_wire"]})
+            if c["bytes_wire"]:
+                m["comm/compression_ratio"] = c["bytes_raw"] / c["bytes_wire"]
+            for k in ("density", "residual_norm", "grad_rel_error", "grad_cos_sim",
+                      "encode_ms", "decode_ms", "extra_collective_ms"):
+                if c.get(k) is not None:
+                    m[f"comm/{k}"] = c[k]
+        self._interval_ms, self._interval_tokens = 0.0, 0
+        return m
+
+    def timing(self) -> dict[str, Any]:
+        """Step-time statistics over the timed steps (None where there are none)."""
+        timed, n = sum(self.step_ms), len(self.step_ms)
         return {
             "timed_steps": n,
-            "step_time_ms_mean": timed / n if n else float("nan"),
+            "step_time_ms_mean": timed / n if n else None,
             "step_time_ms_p50": percentile(self.step_ms, 50),
             "step_time_ms_p90": percentile(self.step_ms, 90),
-            "tokens_per_s": self.tokens / (timed / 1e3) if timed else float("nan"),
+            "step_time_ms_p95": percentile(self.step_ms, 95),
+            "tokens_per_s": self.tokens / (timed / 1e3) if timed else None,
             "phase_ms_mean": {k: v / n for k, v in self.phase_ms.items()} if n else {},
             # Share of step time per phase; comm overlaps backward, so shares can sum > 1.
             "phase_share": {k: v / timed for k, v in self.phase_ms.items()} if timed else {},
-            "comm_time_ms_total": self.comm_ms_total,
-            "comm_ratio": self.phase_ms.get("comm", 0.0) / timed if timed else float("nan"),
+            "comm_ratio": (self.phase_ms.get("comm", 0.0) / timed
+                           if timed and self.comm is not None else None),
         }
+
+    def communication(self) -> dict[str, Any]:
+        """The record's communication fields, totals over every step of this process."""
+        if self.comm is None:
+            return dict.fromkeys(COMM_FIELDS)
+        t = self.comm.totals()
+        seconds = t["comm_ms"] / 1e3
+        return {
+            "comm_time_ms_total": t["comm_ms"],
+            "comm_time_ms_by_op": t["comm_ms_by_op"],
+            "extra_collective_time_ms": t["extra_collective_ms"],
+            "bytes_raw_total": t["bytes_raw"],
+            "bytes_wire_total": t["bytes_wire"],
+            "bytes_handed_total": t["bytes_handed"],
+            "effective_bandwidth_bytes_per_s": t["bytes_wire"] / seconds if seconds else None,
+            "aggregation": t["aggregation"],
+            "compression_ratio": t["compression_ratio"],
+            "compression_ratio_steady": _ratio(self.steady["bytes_raw"],
+                                               self.steady["bytes_wire"]),
+            "encode_ms": t["encode_ms"],
+            "decode_ms": t["decode_ms"],
+            "extra_collectives": t["extra_collectives"],
+            "index_bytes": t["index_bytes"],
+            "density": t["density"],
+            "residual_norm": t["residual_norm"],
+            "grad_rel_error": t["grad_rel_error"],
+            "grad_cos_sim": t["grad_cos_sim"],
+        }
+
+    def counters(self) -> dict[str, int]:
+        return {"nonfinite_grad_steps": self.nonfinite_steps,
+                "clipped_steps": self.clipped_steps}
+
+
+#: the record's communication fields (all None without gradzip communication)
+COMM_FIELDS = ("comm_time_ms_total", "comm_time_ms_by_op", "extra_collective_time_ms",
+               "bytes_raw_total", "bytes_wire_total", "bytes_handed_total",
+               "effective_bandwidth_bytes_per_s", "aggregation", "compression_ratio",
+               "compression_ratio_steady", "encode_ms", "decode_ms", "extra_collectives",
+               "index_bytes", "density", "residual_norm", "grad_rel_error", "grad_cos_sim")
 
 
 def peak_memory(device: torch.device) -> dict[str, Any]:
-    """Peak memory in bytes: allocated CUDA memory, or the process's peak RSS on CPU."""
+    """Peak memory in bytes: allocated and reserved CUDA memory (the caching allocator's
+    pool), or the process's peak RSS on CPU (which has no separate reserved figure)."""
     if device.type == "cuda":
-        return {"mem_peak": torch.cuda.max_memory_allocated(device), "mem_peak_kind": "cuda"}
+        return {"mem_peak": torch.cuda.max_memory_allocated(device),
+                "mem_reserved_peak": torch.cuda.max_memory_reserved(device),
+                "mem_peak_kind": "cuda"}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return {"mem_peak": rss if sys.platform == "darwin" else rss * 1024,
-            "mem_peak_kind": "cpu_rss"}
+            "mem_reserved_peak": None, "mem_peak_kind": "cpu_rss"}
 
 
 def git_commit() -> str:
@@ -139,7 +234,8 @@ def git_commit() -> str:
 
 def append_results(record: dict[str, Any], paths: list[Path]) -> None:
     """Append one JSON line per file; an exclusive lock keeps concurrent runs' lines whole."""
-    line = json.dumps(record, default=_jsonable, allow_nan=True) + "\n"
+    # strict JSON: NaN/Infinity are not JSON, so non-finite numbers are written as null
+    line = json.dumps(_finite_or_null(record), default=_jsonable, allow_nan=False) + "\n"
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
@@ -147,6 +243,17 @@ def append_results(record: dict[str, Any], paths: list[Path]) -> None:
             f.write(line)
             f.flush()
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _finite_or_null(x: Any) -> Any:
+    """``x`` with every non-finite float (at any depth) replaced by None."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite_or_null(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite_or_null(v) for v in x]
+    return x
 
 
 def _jsonable(x: Any) -> Any:

@@ -1,11 +1,18 @@
-"""Process groups and data parallelism: one ``apply_*`` function per strategy.
+"""Process groups and data parallelism: one ``apply_*`` function per strategy, and
+``parallelize``, the one entry the training loop calls.
 
-* ``apply_ddp`` — DistributedDataParallel; without a codec a timing comm hook that does
-  exactly what DDP's default all-reduce does, so the uncompressed baseline reports its
-  communication time and bytes like every codec does;
+* ``apply_ddp`` — DistributedDataParallel (no buffer broadcast before each forward);
 * ``apply_fsdp`` — FSDP2: ``fully_shard`` on every transformer block, then the root, so
   each block's parameters are gathered just before it runs and freed after;
 * ``attach_codec`` — hands the wrapped model to ``gradzip.attach`` (the comm layer).
+
+``parallelize`` applies the strategy of ``--parallel`` and returns a ``Parallelism``
+that answers everything the loop asks (the model to run, gradient sync on or off for
+a micro-batch, the communication stats, what a checkpoint holds, how a resume
+settles), so the loop has no branch on the strategy. Under DDP every run, ``--codec
+none`` included, communicates through gradzip's hook: ``none`` is PyTorch's own
+all-reduce arithmetic (bit-identical, tested) and all runs report the same
+``CommStats``.
 
 ``--parallel ddp`` also works as one process without torchrun (a 1-rank group), which
 is handy for checking a codec end to end.
@@ -17,8 +24,6 @@ import contextlib
 import inspect
 import os
 import socket
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -27,7 +32,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradzip.codecs.linkmodel import backend_model, link_bytes
 from gradzip.train.model import GPT
 
 
@@ -81,64 +85,8 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-class AllReduceTimer:
-    """A DDP comm hook equal to the built-in all-reduce, that times and counts it.
-
-    Communication runs inside backward, overlapped with it, so it cannot be timed by
-    wrapping a phase; instead each bucket records when its all-reduce was launched and
-    when it completed, and a step's comm time is the union of those intervals.
-    Bytes are the link bytes of each bucket's ring all-reduce (``gradzip.codecs.linkmodel``;
-    raw == wire: no codec).
-    """
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self.link_model = backend_model(dist.get_backend()) if dist.is_initialized() else "ideal"
-        self._lock = threading.Lock()  # completion callbacks run on the backend's thread
-        self._spans: list[tuple[float, float]] = []
-        self._bytes = 0
-        self.bytes_total = 0
-        self.calls_total = 0  # bucket all-reduces
-        self.comm_ms_total = 0.0
-
-    # No annotations on purpose: DDP checks them against the real classes, and with
-    # ``from __future__ import annotations`` they would be strings.
-    def hook(self, state, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001
-        buf = bucket.buffer()
-        buf.div_(self.world_size)  # what DDP's default hook does: average, not sum
-        t0 = time.perf_counter()
-        with self._lock:
-            self.calls_total += 1
-            self._bytes += link_bytes("all_reduce", buf.numel() * buf.element_size(),
-                                      self.world_size, self.link_model)
-        fut = dist.all_reduce(buf, async_op=True).get_future()
-
-        def done(f: torch.futures.Future) -> torch.Tensor:
-            t1 = time.perf_counter()
-            with self._lock:
-                self._spans.append((t0, t1))
-            return f.value()[0]
-
-        return fut.then(done)
-
-    def end_step(self) -> dict[str, float]:
-        """This step's comm time (ms) and bytes; resets for the next step."""
-        with self._lock:
-            spans, nbytes = sorted(self._spans), self._bytes
-            self._spans, self._bytes = [], 0
-        busy, covered_to = 0.0, float("-inf")
-        for s, e in spans:  # length of the union of the intervals, sorted by start
-            if e > covered_to:
-                busy += e - max(s, covered_to)
-                covered_to = e
-        self.bytes_total += nbytes
-        self.comm_ms_total += busy * 1e3
-        return {"comm_ms": busy * 1e3, "bytes_raw": nbytes, "bytes_wire": nbytes}
-
-
-def apply_ddp(model: nn.Module, info: DistInfo, *, bucket_cap_mb: float,
-              timed: bool) -> tuple[nn.Module, AllReduceTimer | None]:
-    """Wrap in DDP; with ``timed`` register the timing all-reduce hook."""
+def apply_ddp(model: nn.Module, info: DistInfo, *, bucket_cap_mb: float) -> nn.Module:
+    """Wrap in DDP, without the buffer broadcast before every forward."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ids = [info.device.index] if info.device.type == "cuda" else None
@@ -151,12 +99,7 @@ def apply_ddp(model: nn.Module, info: DistInfo, *, bucket_cap_mb: float,
         {"forward_sync_buffers": False}
         if "forward_sync_buffers" in inspect.signature(DDP).parameters
         else {"broadcast_buffers": False})
-    ddp = DDP(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb, **no_sync_buffers)
-    timer = None
-    if timed:
-        timer = AllReduceTimer(info.world_size)
-        ddp.register_comm_hook(None, timer.hook)
-    return ddp, timer
+    return DDP(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb, **no_sync_buffers)
 
 
 def settle_ddp_buckets(ddp: nn.Module, sample: torch.Tensor) -> None:
@@ -193,7 +136,8 @@ def apply_fsdp(model: GPT, info: DistInfo) -> nn.Module:
     return model
 
 
-def attach_codec(model: nn.Module, spec: Any, *, seed: int, diagnose: bool) -> Any:
+def attach_codec(model: nn.Module, spec: Any, *, seed: int, diagnose: bool,
+                 nonfinite: str = "error") -> Any:
     """Install the gradient codec on a DDP or FSDP2 module; returns gradzip's handle."""
     import gradzip
 
@@ -201,27 +145,93 @@ def attach_codec(model: nn.Module, spec: Any, *, seed: int, diagnose: bool) -> A
     if attach is None:
         raise RuntimeError("this gradzip has no gradzip.attach (the comm layer is missing); "
                            "--codec needs it")
-    return attach(model, spec, seed=seed, diagnose=diagnose, nonfinite="error")
+    return attach(model, spec, seed=seed, diagnose=diagnose, nonfinite=nonfinite)
 
 
-@contextlib.contextmanager
-def no_sync(model: nn.Module, parallel: str, enabled: bool) -> Iterator[None]:
-    """Skip gradient synchronization for a micro-batch that is not the last one.
+class Parallelism:
+    """The loop's view of a data-parallel strategy; this base class is one process."""
 
-    Gradients accumulate locally and are reduced once, on the last micro-batch: the
-    communication of one step, not grad_accum steps.
-    """
-    if not enabled or parallel == "none":
-        yield
-    elif parallel == "ddp":
-        with cast(Any, model).no_sync():
+    #: checkpoints hold per-rank shards written from the wrapped model (DCP)
+    sharded = False
+
+    def __init__(self, raw: nn.Module, model: nn.Module, handle: Any = None) -> None:
+        self.raw = raw  # the unwrapped model: parameter counts, replicated checkpoints
+        self.model = model  # what forward and backward run on
+        self.handle = handle  # gradzip's handle when a codec is attached
+
+    @property
+    def comm_stats(self) -> Any:
+        """The attached codec's ``CommStats``, or None (no gradzip communication)."""
+        return self.handle.stats if self.handle is not None else None
+
+    @property
+    def checkpoint_model(self) -> nn.Module:
+        return self.model if self.sharded else self.raw
+
+    def no_sync(self, enabled: bool) -> contextlib.AbstractContextManager[None]:
+        """Skip gradient synchronization for a micro-batch that is not the last one."""
+        return contextlib.nullcontext()
+
+    def codec_state(self) -> Any:
+        return self.handle.state_dict() if self.handle is not None else None
+
+    def resume_codec(self, state: Any, sample: torch.Tensor) -> None:
+        """Restore the codec's state from a checkpoint (see ``DataParallel``)."""
+        if self.handle is not None:
+            self.handle.load_state_dict(state)
+
+
+class DataParallel(Parallelism):
+    """DDP; the codec (``none`` included) is gradzip's comm hook."""
+
+    @contextlib.contextmanager
+    def no_sync(self, enabled: bool) -> Iterator[None]:
+        if not enabled:
             yield
-    else:  # FSDP2
-        cast(Any, model).set_requires_gradient_sync(False)
+            return
+        with cast(Any, self.model).no_sync():
+            yield
+
+    def resume_codec(self, state: Any, sample: torch.Tensor) -> None:
+        """Restore the codec state, then settle DDP's buckets (``settle_ddp_buckets``)."""
+        super().resume_codec(state, sample)
+        settle_ddp_buckets(self.model, sample)
+        self.handle.stats.end_step()  # the settling all-reduce is a step of its own
+
+
+class FullyShard(Parallelism):
+    """FSDP2; without a codec FSDP's own reduce-scatter runs (no ``CommStats``)."""
+
+    sharded = True
+
+    @contextlib.contextmanager
+    def no_sync(self, enabled: bool) -> Iterator[None]:
+        if not enabled:
+            yield
+            return
+        module = cast(Any, self.model)
+        module.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            cast(Any, model).set_requires_gradient_sync(True)
+            module.set_requires_gradient_sync(True)
+
+
+def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, policy: Any,
+                bucket_cap_mb: float, seed: int, diagnose: bool,
+                nonfinite: str) -> Parallelism:
+    """Apply ``parallel`` (none, ddp, fsdp) and the codec ``policy`` (None: no codec)."""
+    if parallel == "none":
+        return Parallelism(raw, raw)
+    if parallel == "ddp":
+        model = apply_ddp(raw, info, bucket_cap_mb=bucket_cap_mb)
+        policy = policy if policy is not None else "none"
+        return DataParallel(raw, model, attach_codec(model, policy, seed=seed,
+                                                     diagnose=diagnose, nonfinite=nonfinite))
+    model = apply_fsdp(cast(GPT, raw), info)
+    handle = None if policy is None else attach_codec(model, policy, seed=seed,
+                                                       diagnose=diagnose, nonfinite=nonfinite)
+    return FullyShard(raw, model, handle)
 
 
 def all_reduce_mean(values: list[float], device: torch.device) -> list[float]:
