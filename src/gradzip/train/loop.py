@@ -344,7 +344,9 @@ class Trainer:
                                f"try a lower --lr or --dtype fp32")
         self._interval = self.metrics.interval(train_loss, lr, step_ms, phases, grad_norm,
                                                self.device)
-        self.progress["history"].append({"step": step, "train_loss": train_loss})
+        self.progress["history"].append({"step": step, "train_time_s":
+                                         self.progress["train_time_s"],
+                                         "train_loss": train_loss})
         self.log.scalars(step, self._interval)
         if not self._evaluation_due(step, step == self.cfg.train.max_steps):
             self.log.info(format_line(step, self.cfg.train.max_steps, self._interval))
@@ -371,7 +373,7 @@ class Trainer:
                 and p["train_time_s"] >= t.ppl_budget_s:
             p["ppl_at_fixed_time"] = {"val_ppl": val["val_ppl"], "step": step,
                                       "train_time_s": p["train_time_s"]}
-        p["history"].append({"step": step, **val})
+        p["history"].append({"step": step, "train_time_s": p["train_time_s"], **val})
         self.log.scalars(step, {"loss/val": val["val_loss"], "loss/val_ppl": val["val_ppl"]})
         interval = getattr(self, "_interval", None)
         if interval is not None and interval.get("loss/train") == train_loss:
@@ -458,6 +460,8 @@ class Trainer:
             "ppl_at_fixed_time": (p["ppl_at_fixed_time"] or {}).get("val_ppl"),
             "ppl_at_fixed_time_step": (p["ppl_at_fixed_time"] or {}).get("step"),
             "train_time_s": p["train_time_s"],
+            "eval_history": [{k: h[k] for k in ("step", "train_time_s", "val_loss")}
+                             for h in p["history"] if "val_loss" in h and "train_time_s" in h],
             "git_commit": git_commit(),
             "torch_version": torch.__version__,
             "device": str(info.device) if info.device.type == "cpu"
