@@ -1,7 +1,7 @@
 """An in-process Communicator: N virtual workers, one thread each.
 
-Used by tests and by the analysis "what-if" replay to run multi-round codecs
-exactly as they would run over a real process group, without one. Results are
+Used by tests and by ``gradzip bench aggregate`` to run every codec's multi-rank
+protocol exactly as it would run over a real process group, without one. Results are
 deterministic: reductions add contributions in rank order on every worker.
 """
 

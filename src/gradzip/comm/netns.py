@@ -8,7 +8,7 @@ is per namespace; ``/sys/class/net`` is not) counts it. So
 * the kernel's ``lo`` tx counter is ground truth for the bytes a group of local
   ranks put on the wire (``tests/test_link_bytes.py``, ``gradzip bench link``), and
 * a ``tbf`` qdisc on that ``lo`` turns it into a bandwidth-limited link shared by
-  all ranks (``gradzip compare``).
+  all ranks (``gradzip bench comm --rate``).
 
 ``netns_available()`` says whether this machine can do it (and why not),
 ``run_in_netns(argv, rate="100mbit")`` runs a command in a fresh namespace, and

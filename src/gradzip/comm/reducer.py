@@ -2,10 +2,10 @@
 
 Both integrations use it: the DDP hook reduces whole buckets to their mean
 (``reduce_mean``, which is ``Codec.reduce`` — summable payloads all-reduced,
-multi-round codecs' own protocol, everything else all-gathered), and the FSDP
-paths reduce-scatter (``reduce_scatter``: each rank encodes one payload per
-destination chunk; summable payloads are reduce-scattered leaf by leaf, the rest
-are exchanged with ``all_to_all``, decoded and summed).
+multi-round codecs' own protocol, everything else gathered or aggregated in two
+phases), and the FSDP paths reduce-scatter (``reduce_scatter``: each rank encodes
+one payload per destination chunk; summable payloads are reduce-scattered leaf by
+leaf, the rest are exchanged with ``all_to_all``, decoded and summed).
 
 Encode and decode time, and the payloads ``index_bytes`` and ``density`` are read
 from, reach the reducer as the codec's ``CodecObserver``. Bytes and

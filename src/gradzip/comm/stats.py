@@ -1,12 +1,14 @@
 """``CommStats``: what the gradient communication of each step cost, measured.
 
-Every number comes from what was actually done, never from a formula:
+Every number comes from the collectives that actually ran (their real sizes, calls
+and times), never from a codec's nominal ratio:
 
 * ``bytes_wire``: the bytes this rank put on its links, per collective it ran, from
   the real tensor sizes and the algorithm the backend runs for that collective
   (``gradzip.codecs.linkmodel``: ring all-reduce 2(W-1)/W x n, all-gather
-  (W-1) x n, reduce-scatter and all-to-all (W-1)/W x n): payloads, padding, size
-  exchanges, every extra round.
+  (W-1) x n, all-to-all (W-1)/W x n, reduce-scatter (W-1)/W x n on NCCL but
+  2(W-1)/W x n on gloo, which runs a whole all-reduce; on gloo every call adds its
+  measured transport cost): payloads, padding, size exchanges, every extra round.
 * ``bytes_raw``: the same link model for PyTorch's uncompressed collective of the
   same gradients in their own dtype (ring all-reduce for DDP, reduce-scatter for
   FSDP): the baseline of ``compression_ratio`` (a bf16 model's ``none`` is 1.0x).

@@ -1,7 +1,7 @@
 """Compressibility measures: entropy, exact Exp-Golomb lengths, coding efficiency.
 
 Pure, vectorized numpy functions shared by the ``eg``/``ans`` stages (to choose
-parameters from exact sizes) and by the analysis and benchmark tools (to report how
+parameters from exact sizes) and by the benchmarks (``gradzip bench entropy``: how
 close a coder gets to the order-0 entropy).
 
 * Order-0 (empirical) entropy ``H = -sum p_i log2 p_i`` of an integer stream, and of
