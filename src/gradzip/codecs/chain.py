@@ -456,11 +456,11 @@ class Codec:
             flag = torch.tensor([0.0 if finite else 1.0], device=chunks.device)
             if float(comm.all_reduce([flag], op="max")[0]) > 0:
                 return torch.full((n,), float("nan"), dtype=chunks.dtype, device=chunks.device)
-        if self.observer is not None:
-            self.observer.aggregated("multi_round" if self.multi_round else "reduce_scatter")
-        if self.multi_round:
+        if self.multi_round:  # ``reduce`` reports the path to the observer
             mean, _ = self.reduce(chunks.reshape(-1), key, comm)
             return mean.reshape(world, n)[comm.rank] * world
+        if self.observer is not None:
+            self.observer.aggregated("reduce_scatter")
         out = aggregate.reduce_scatter_sum(self, chunks.detach(), key, comm, shapes)
         return _cast(out, chunks.dtype)
 
