@@ -8,6 +8,7 @@ by its unique ``--out`` in ``/proc/*/cmdline``, which also catches torchrun's wo
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import signal
@@ -129,10 +130,16 @@ def test_ctrl_c_and_a_failed_rank_end_every_torchrun_process(cache: Path, tmp_pa
     code, text = run.finish()
     assert code != 0 and gone(out), text
 
-    # Rank 1 fails on resume (its checkpoint file is gone) while rank 0 goes on into a
-    # collective: the launcher must notice and end rank 0 too, not leave it waiting.
-    (out / "checkpoints" / "step_0000005" / "rank1.pt").unlink()
+    # Rank 1 fails on resume (its checkpoint file is garbage) while rank 0 goes on into a
+    # collective: the launcher must notice and end rank 0 too, not leave it waiting. (With
+    # checksums rank 0 would refuse the checkpoint for every rank before loading, so the
+    # checkpoint is made one from before checksums, which is loaded unverified.)
+    damaged = out / "checkpoints" / "step_0000005"
+    meta = json.loads((damaged / "meta.json").read_text())
+    del meta["files"]
+    (damaged / "meta.json").write_text(json.dumps(meta))
+    (damaged / "rank1.pt").write_bytes(b"not a checkpoint")
     run = Run([*torchrun, "--resume", "--out", str(out), "--max-steps", "10"], out)
     code, text = run.finish(timeout=120)
-    assert code != 0 and "checkpoint is missing" in text and "rank1.pt" in text, text
+    assert code != 0 and "cannot read checkpoint file" in text and "rank1.pt" in text, text
     assert gone(out)
