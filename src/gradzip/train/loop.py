@@ -159,6 +159,7 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         self.run_dir = Path(r.out)
+        self.skipped_checkpoints: list[str] = []
         self.resume_from = self._find_resume()
         _set_seeds(t.seed)
         self.data = data if data is not None else load_data(cfg, info)
@@ -204,8 +205,9 @@ class Trainer:
     # ------------------------------------------------------------ setup helpers
     def _find_resume(self) -> Path | None:
         """The checkpoint to resume from; a fresh run must not mix with an old one."""
-        if self.cfg.run.resume:
-            return ckpt.find_checkpoint(self.run_dir)
+        if self.cfg.run.resume:  # the newest that verifies (a collective: rank 0 decides)
+            path, self.skipped_checkpoints = ckpt.select_checkpoint(self.run_dir)
+            return path
         if ckpt.step_dirs(self.run_dir):
             raise ValueError(f"{self.run_dir} already holds checkpoints: pass --resume to "
                              "continue that run, or choose another --out")
@@ -255,6 +257,8 @@ class Trainer:
                       f"{info.world_size} rank(s) x {d.batch_size}x{d.seq_len} tokens x "
                       f"{o.grad_accum} accum, parallel {t.parallel}, codec {t.codec!r}, "
                       f"{t.dtype} on {self.device}")
+        for message in self.skipped_checkpoints:
+            self.log.info(f"warning: {message}")
         if self.no_eval:
             self.log.info(f"training without evaluation: {self.no_eval}; val_loss will be "
                           "null in the results")
