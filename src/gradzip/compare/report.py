@@ -102,6 +102,11 @@ def fmt_num(x: float | None, spec: str) -> str:
     return DASH if x is None else format(x, spec)
 
 
+def fmt_pct(x: float | None) -> str:
+    """A signed percentage, ``+0.66%``; a change that rounds to zero is ``+0.00%``."""
+    return DASH if x is None else f"{round(x, 2) + 0.0:+.2f}%"
+
+
 def fmt_stat(s: Stat | None, digits: int = 4) -> str:
     """``mean ± std`` (std only with more than one value)."""
     if s is None:
@@ -142,8 +147,7 @@ def row(summary: SettingSummary, m: MethodSummary) -> list[str]:
             fmt_num(m.tokens_per_s, ",.0f"),
             fmt_num(None if m.comm_share is None else m.comm_share * 100, ".1f") +
             ("%" if m.comm_share is not None else ""),
-            fmt_stat(m.val_loss), fmt_num(m.delta_pct, "+.2f") +
-            ("%" if m.delta_pct is not None else ""),
+            fmt_stat(m.val_loss), fmt_pct(m.delta_pct),
             fmt_stat(m.at_budget), fmt_ttt(m.ttt),
             *(fmt_speedup(m.speedups.get(ref)) for ref in summary.references)]
 
