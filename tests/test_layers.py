@@ -22,6 +22,7 @@ FORBIDDEN = {
     "comm": ("gradzip.train", "gradzip.bench", "gradzip.commands", "gradzip.cli"),
     "train": ("gradzip.bench", "gradzip.commands", "gradzip.cli"),
     "bench": ("gradzip.commands", "gradzip.cli"),
+    "compare": ("gradzip.commands", "gradzip.cli"),
 }
 
 

@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "gradzip.commands.train",  # gradzip train (also under torchrun)
     "gradzip.commands.eval",  # gradzip eval --ckpt DIR
     "gradzip.commands.generate",  # gradzip generate --ckpt DIR
+    "gradzip.commands.report",  # gradzip report RESULTS.jsonl --out DIR
 ]
 
 

@@ -1,0 +1,55 @@
+"""``gradzip report RESULTS.jsonl [...] --out DIR``: compare training runs side by side.
+
+Reads the results records of ``gradzip compare`` (or of any ``gradzip train`` runs) and
+writes DIR/report.md with PNG figures: per link setting (rate, ranks, link kind) a table
+of methods over their seeds -- link bytes per step and compression ratio, step time,
+tokens/s, communication share, final validation loss and its change against the
+baseline (torch:none, else none), the loss at a fixed time budget, the time to reach
+the baseline's final loss x 1.01 and the speed-up against the baseline and
+torch:powersgd -- then validation loss against time and steps, the Pareto front of
+compression against loss, and the step-time breakdown. The same tables are printed.
+
+Records without a "compare" object are grouped by their codec and seed, as runs on an
+unshaped loopback. A run directory may be given instead of its results.jsonl.
+
+Example: gradzip report runs/compare/results.jsonl --out runs/compare/report
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("report", help="report.md and plots comparing runs from results.jsonl",
+                       description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="+", metavar="RESULTS.jsonl",
+                   help="results files (one JSON record per line) or run directories")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="directory for report.md and the PNG figures (created if needed)")
+    p.add_argument("--budget-s", type=float, default=None, metavar="S",
+                   help="training-time budget in seconds for the 'val loss at S s' column "
+                        "(default: per setting, the earliest last evaluation of its runs)")
+    p.add_argument("--quiet", action="store_true", help="do not print the tables")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradzip.compare.report import print_tables, render
+    from gradzip.compare.runs import read_results
+    from gradzip.compare.summary import summarize
+
+    if args.budget_s is not None and not args.budget_s > 0:
+        raise ValueError(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
+    paths = [Path(p) for p in args.results]
+    records, where = read_results(paths)
+    summaries = summarize(records, args.budget_s, where)
+    report = render(summaries, Path(args.out), [str(p) for p in paths])
+    if not args.quiet:
+        print_tables(summaries)
+    print(f"report written to {report}")
+    return 0

@@ -1,0 +1,328 @@
+"""``report.md`` and the terminal table of a comparison.
+
+``write_report(records, out)`` is what ``gradzip report`` and ``gradzip compare`` call:
+it summarizes the records per link setting (``gradzip.compare.summary``), draws the
+figures (``gradzip.compare.plots``) and writes ``report.md`` next to them. The table's
+cells are made once (``table``) and rendered both as markdown and as a ``rich`` table,
+so the terminal shows exactly what the report says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gradzip.compare.summary import (
+    TARGET_FACTOR,
+    MethodSummary,
+    SettingSummary,
+    Speedup,
+    Stat,
+    TimeToTarget,
+    summarize,
+)
+
+DASH = "-"
+
+#: what each column means; printed above the tables of report.md
+COLUMN_HELP = f"""\
+- **link bytes/step**: `bytes_wire_total / steps`, the bytes rank 0 put on its links per
+  optimizer step by gradzip's link byte model (`docs/results.md` in gradzip),
+  uncompressed first steps included; mean over seeds.
+- **vs fp32**: `bytes_raw_total / bytes_wire_total`, PyTorch's uncompressed all-reduce of
+  the same gradients over this method's bytes. The trainer keeps gradients in fp32 under
+  every `--dtype` (bf16 and fp16 are autocast), so that all-reduce is an fp32 one.
+  **vs 16-bit**: against an all-reduce of 16-bit gradients (what `torch:fp16` sends), half
+  the fp32 bytes: the fp32 ratio x 2/4.
+- **step ms p50**, **tokens/s**: over the timed steps (warm-up excluded); mean over seeds.
+- **comm share**: time with a collective in flight / step time (`comm_ratio`). It overlaps
+  backward, so it is not the time communication added to a step.
+- **final val loss**: at the last evaluation, mean ± sample standard deviation over seeds;
+  **Δ vs baseline**: the change of that mean against the baseline's.
+- **val loss at B s**: the validation loss after B seconds of training time, linearly
+  interpolated between the two evaluations around it (never extrapolated: "-" if a run's
+  evaluations do not span B). By default B is the earliest time at which a run of the
+  setting made its last evaluation, so every run has a value (`--budget-s` sets it).
+- **time to target**: training time (step time, evaluation excluded) of the first
+  evaluation at or below the target, the baseline's mean final validation loss x
+  {TARGET_FACTOR}; its resolution is the evaluation schedule. Mean ± std over the seeds
+  that reached it; "k/n not reached" counts those that did not.
+- **speed-up**: the reference's mean time to target / this method's (above 1: sooner);
+  against the baseline and against each `torch:powersgd(...)` of the setting.
+- "-": not measured or not applicable (PyTorch's hooks have no gradzip byte counters).
+"""
+
+#: what each figure shows; printed once, above the settings
+FIGURE_HELP = """\
+- **Validation loss against training time and against steps**: one line per method, the
+  mean over seeds (interpolated onto their common evaluation times), the seeds' min-max
+  range shaded; the dashed line is the target, the dotted one the time budget.
+- **Pareto front**: compression ratio against the fp32 all-reduce (log scale) against the
+  change of final validation loss vs the baseline; right and low is better. The dashed
+  front joins the outlined methods that no other method beats on both.
+- **Step-time breakdown**, ms per step (means over timed steps): **compute** is data +
+  forward + backward + optimizer as timed on the training thread (it includes whatever
+  communication backward had to wait for); **comm** is the time with a collective in
+  flight, which runs during backward; **codec** is encode + decode time per step (all
+  steps, warm-up included). Comm and codec overlap compute, so a bar can be taller than
+  the step: the black tick is the measured mean step time, and what lies above it ran
+  overlapped. Exposed communication cannot be told apart from compute in these phases;
+  the difference between a method's tick and the baseline's is the honest measure.
+"""
+
+#: what the link kinds of ``gradzip compare`` are
+LINK_KINDS = {
+    "shared": "one token bucket on the loopback shared by all ranks (each of W ranks gets "
+              "about RATE/W when all send)",
+    "per-rank": "one shaped link per rank (a veth pair each, like one NIC per node)",
+    "unshaped": "the loopback, not rate-limited",
+}
+
+
+def fmt_bytes(b: float | None) -> str:
+    """Bytes with a binary unit (``1.50 MiB``)."""
+    if b is None:
+        return DASH
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= size:
+            return f"{b / size:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def fmt_ratio(r: float | None) -> str:
+    """A compression ratio, three significant digits (``120x``, ``12.5x``, ``1.00x``)."""
+    if r is None:
+        return DASH
+    return f"{r:.0f}x" if r >= 100 else f"{r:.1f}x" if r >= 10 else f"{r:.2f}x"
+
+
+def fmt_num(x: float | None, spec: str) -> str:
+    """A number in a format spec, "-" when unknown."""
+    return DASH if x is None else format(x, spec)
+
+
+def fmt_pct(x: float | None) -> str:
+    """A signed percentage, ``+0.66%``; a change that rounds to zero is ``+0.00%``."""
+    return DASH if x is None else f"{round(x, 2) + 0.0:+.2f}%"
+
+
+def fmt_stat(s: Stat | None, digits: int = 4) -> str:
+    """``mean ± std`` (std only with more than one value)."""
+    if s is None:
+        return DASH
+    return f"{s.mean:.{digits}f}" + (f" ± {s.std:.{digits}f}" if s.std is not None else "")
+
+
+def fmt_ttt(t: TimeToTarget | None) -> str:
+    """Time to target in seconds, with how many evaluated runs never reached it."""
+    if t is None or t.runs == 0:
+        return DASH
+    if t.reached is None:
+        return "not reached" + (f" ({t.runs}/{t.runs})" if t.runs > 1 else "")
+    text = fmt_stat(t.reached, 1)
+    return text + (f" ({t.not_reached}/{t.runs} not reached)" if t.not_reached else "")
+
+
+def fmt_speedup(s: Speedup | None) -> str:
+    """``5.20x``; ``*`` when some run of either side never reached the target."""
+    return DASH if s is None else f"{s.value:.2f}x" + ("*" if s.partial else "")
+
+
+def header(summary: SettingSummary) -> list[str]:
+    """The column titles of one setting's table."""
+    budget = f"val loss at {summary.budget_s:.1f} s" if summary.budget_s is not None \
+        else "val loss at budget"
+    refs = [f"speed-up vs {ref}" if i == 0 else f"vs {ref}"
+            for i, ref in enumerate(summary.references)]
+    return ["method", "seeds", "link bytes/step", "vs fp32", "vs 16-bit", "step ms p50",
+            "tokens/s", "comm share", "final val loss", "Δ vs baseline", budget,
+            "time to target (s)", *refs]
+
+
+def row(summary: SettingSummary, m: MethodSummary) -> list[str]:
+    """One method's cells."""
+    return [m.method, str(len(m.runs)), fmt_bytes(m.wire_per_step), fmt_ratio(m.ratio_fp32),
+            fmt_ratio(m.ratio_16bit), fmt_num(m.step_ms_p50, ".1f"),
+            fmt_num(m.tokens_per_s, ",.0f"),
+            fmt_num(None if m.comm_share is None else m.comm_share * 100, ".1f") +
+            ("%" if m.comm_share is not None else ""),
+            fmt_stat(m.val_loss), fmt_pct(m.delta_pct),
+            fmt_stat(m.at_budget), fmt_ttt(m.ttt),
+            *(fmt_speedup(m.speedups.get(ref)) for ref in summary.references)]
+
+
+def table(summary: SettingSummary) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of one setting's table, as plain text cells."""
+    return header(summary), [row(summary, m) for m in summary.methods]
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def markdown_table(head: list[str], rows: list[list[str]]) -> str:
+    """A GitHub markdown table; ``|`` inside cells (spec chains) is escaped."""
+    lines = ["| " + " | ".join(map(_md_cell, head)) + " |",
+             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
+    lines += ["| " + " | ".join(map(_md_cell, r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _rate(bits: float) -> str:
+    for unit, size in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits >= size:
+            return f"{bits / size:.1f} {unit}"
+    return f"{bits:.0f} bit/s"
+
+
+def link_lines(summary: SettingSummary) -> list[str]:
+    """How the link of a setting was made: rate, kind, achieved rate, shaped or not."""
+    runs, s = summary.runs, summary.setting
+    rates = sorted({r.achieved_rate for r in runs if r.achieved_rate is not None})
+    if not rates:
+        achieved = "achieved rate not measured"
+    elif len(rates) == 1:
+        achieved = f"achieved {_rate(rates[0])}"
+    else:
+        achieved = f"achieved {_rate(rates[0])} to {_rate(rates[-1])} (varies between runs)"
+    shaped = sum(r.shaped for r in runs)
+    if shaped == len(runs):
+        state = "shaped"
+    elif shaped == 0:
+        state = "**unshaped: results not representative of a slow link**"
+    else:
+        state = (f"shaped in {shaped} of {len(runs)} runs; **the unshaped ones are not "
+                 "representative of a slow link**")
+    kind = f"{s.link} link" + (f" ({LINK_KINDS[s.link]})" if s.link in LINK_KINDS else "")
+    lines = [f"- **Link**: rate {s.rate or 'unlimited'}, {kind}, {achieved}; {state}."]
+    models = sorted({r.link_model for r in runs if r.link_model})
+    lines += [f"- **Link model**: {m}" for m in models]
+    return lines
+
+
+def setting_lines(summary: SettingSummary) -> list[str]:
+    """Baseline, target and time budget of a setting, as markdown bullets."""
+    lines = link_lines(summary)
+    if summary.baseline and summary.target is not None:
+        base = summary.method(summary.baseline)
+        loss = base.val_loss.mean if base.val_loss else float("nan")
+        lines.append(f"- **Baseline**: `{summary.baseline}`, final validation loss {loss:.4f} "
+                     f"(mean of {len(base.runs)}); **target** {summary.target:.4f} "
+                     f"(x {TARGET_FACTOR}).")
+    if summary.budget_s is not None:
+        why = "--budget-s" if summary.budget_given else \
+            "the earliest last evaluation of the setting's runs"
+        lines.append(f"- **Time budget** for the loss at a fixed time: {summary.budget_s:.1f} s "
+                     f"of training time ({why}; linear interpolation between evaluations).")
+    return lines
+
+
+_PLOT_TITLES = {
+    "loss_time": "Validation loss against training time",
+    "loss_steps": "Validation loss against steps",
+    "pareto": "Pareto front: compression ratio against loss change",
+    "breakdown": "Step-time breakdown",
+}
+
+
+def setting_section(summary: SettingSummary, plots: dict[str, Path]) -> str:
+    """One setting's markdown: link, baseline, table, notes and figures."""
+    parts = [f"## {summary.setting.title()}", "\n".join(setting_lines(summary)),
+             markdown_table(*table(summary))]
+    if summary.notes:
+        parts.append("\n".join(f"- {n}" for n in summary.notes))
+    parts += [f"![{_PLOT_TITLES[name]}]({path.name})" for name, path in plots.items()]
+    return "\n\n".join(parts)
+
+
+def render(summaries: list[SettingSummary], out: Path,
+           sources: Sequence[str] | None = None) -> Path:
+    """Draw every setting's figures into ``out`` and write ``out/report.md``; its path."""
+    from gradzip.compare.plots import write_plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    runs = sum(len(s.runs) for s in summaries)
+    intro = f"{runs} runs in {len(summaries)} link setting(s)"
+    if sources:
+        intro += ", from " + ", ".join(f"`{s}`" for s in sources)
+    parts = ["# gradzip comparison", intro + ".",
+             "Each setting (link rate, ranks, link kind) is compared on its own; rows are "
+             "methods, figures are over their seeds.", "### Columns", COLUMN_HELP.strip(),
+             "### Figures", FIGURE_HELP.strip()]
+    parts += [setting_section(s, write_plots(s, out)) for s in summaries]
+    path = out / "report.md"
+    path.write_text("\n\n".join(parts) + "\n", encoding="utf-8")
+    return path
+
+
+def write_report(records: list[dict[str, Any]], out: Path, budget_s: float | None = None, *,
+                 where: list[str] | None = None, sources: Sequence[str] | None = None) -> Path:
+    """Write ``report.md`` and its PNG figures into ``out`` from results records.
+
+    ``budget_s`` fixes the time budget of the loss-at-time column (default: per setting,
+    the earliest end of evaluations). ``where`` names each record in errors (``file:line``,
+    default ``record N``); ``sources`` lists the input files in the report. Returns the
+    path of ``report.md``; raises ValueError for a record the report cannot read.
+    """
+    if not records:
+        raise ValueError("no results records to report on")
+    return render(summarize(records, budget_s, where), Path(out), sources)
+
+
+#: columns of the first half when a table is split for a narrow terminal (the rest after)
+_SPLIT_AT = 8
+
+
+def _width(head: list[str], rows: list[list[str]]) -> int:
+    """Characters a rich table of these cells needs without wrapping (3 per border)."""
+    cols = zip(head, *rows, strict=True)
+    return sum(max(len(c) for c in col) + 3 for col in cols) + 1
+
+
+def _rich_table(title: str, head: list[str], rows: list[list[str]]) -> Any:
+    """A rich Table of plain-text cells (escaped: specs may contain ``[``)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title=escape(title))
+    t.add_column(escape(head[0]), no_wrap=True, min_width=min(max(len(r[0]) for r in rows), 40))
+    for h in head[1:]:
+        t.add_column(escape(h), justify="right", overflow="fold")
+    for r in rows:
+        t.add_row(*map(escape, r))
+    return t
+
+
+def rich_tables(summaries: list[SettingSummary], width: int | None = None) -> list[Any]:
+    """The report's tables as ``rich`` Tables, one per setting; a table wider than
+    ``width`` is split in two (bytes and speed, then quality and time to target), each
+    half keeping the method column."""
+    tables = []
+    for s in summaries:
+        title = s.setting.title()
+        if not all(r.shaped for r in s.runs):
+            title += " (unshaped: not a slow link)"
+        if s.target is not None:
+            title += f", target {s.target:.4f}"
+        head, rows = table(s)
+        if width is None or _width(head, rows) <= width:
+            tables.append(_rich_table(title, head, rows))
+            continue
+        for part in (slice(1, _SPLIT_AT), slice(_SPLIT_AT, None)):
+            tables.append(_rich_table(title, [head[0], *head[part]],
+                                      [[r[0], *r[part]] for r in rows]))
+    return tables
+
+
+def print_tables(summaries: list[SettingSummary], console: Any = None) -> None:
+    """Print the report's tables on the terminal, split in two where it is too narrow
+    (a log file gets them whole)."""
+    from rich.console import Console
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a log file: do not squeeze the table into 80 columns
+            console = Console(width=240)
+    for t in rich_tables(summaries, console.width):
+        console.print(t)

@@ -1,0 +1,237 @@
+"""Results records as runs of a comparison: which link setting, which method, which seed.
+
+A record written by ``gradzip compare`` carries a ``compare`` object (the method's spec,
+seed, ranks, link rate and kind, whether the link was shaped, the achieved rate and a
+description of the link model). A plain ``gradzip train`` record has none: it is its
+``codec`` on ``world_size`` ranks over an unshaped loopback (rate null).
+
+Records are checked once, here, so that the report can trust their types; a bad one
+fails with where it came from (``file:line`` for files, ``record N`` for a list).
+Figures that were not measured stay ``None`` and are shown as "-", never guessed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: record fields the report reads as numbers (each may be null)
+NUMBER_FIELDS = (
+    "val_loss", "step_time_ms_p50", "step_time_ms_mean", "tokens_per_s", "comm_ratio",
+    "bytes_wire_total", "bytes_raw_total", "compression_ratio_steady", "steps",
+    "resumed_from_step", "encode_ms", "decode_ms", "world_size", "params", "train_time_s",
+)
+
+_RATE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(bit|bps)\s*$", re.IGNORECASE)
+_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def rate_bits_per_s(rate: str | None) -> float | None:
+    """A tc rate (``100mbit``, ``1gbit``; ``kbps`` is kilobytes/s in tc) in bits/s."""
+    m = _RATE.match(rate or "")
+    if not m:
+        return None
+    bits = float(m.group(1)) * _PREFIX[m.group(2).lower()]
+    return bits * 8 if m.group(3).lower() == "bps" else bits
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A link setting: runs compete only with runs of the same rate, ranks and link kind."""
+
+    rate: str | None
+    ranks: int | None
+    link: str
+
+    def sort_key(self) -> tuple[float, int, str, str]:
+        """Slowest link first, unlimited last; then ranks, then link kind."""
+        bits = rate_bits_per_s(self.rate)
+        return (bits if bits is not None else math.inf, self.ranks or 0, self.link,
+                self.rate or "")
+
+    def title(self) -> str:
+        """E.g. ``100mbit, 2 ranks, shared link``."""
+        ranks = f"{self.ranks} ranks" if self.ranks is not None else "? ranks"
+        return f"{self.rate or 'unlimited'}, {ranks}, {self.link} link"
+
+    def slug(self) -> str:
+        """A file-name-safe form of the title, for the plots of this setting."""
+        text = f"{self.rate or 'unlimited'}-{self.ranks or 'x'}r-{self.link}"
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
+
+
+@dataclass
+class Run:
+    """One record in a comparison, with the fields the report needs already checked."""
+
+    setting: Setting
+    method: str
+    seed: int | None
+    shaped: bool
+    achieved_rate: float | None
+    link_model: str | None
+    record: dict[str, Any] = field(repr=False)
+    where: str = ""
+
+    def num(self, name: str) -> float | None:
+        """A numeric field, ``None`` when absent, null or not finite."""
+        v = self.record.get(name)
+        return float(v) if isinstance(v, int | float) and math.isfinite(v) else None
+
+    def steps_run(self) -> float | None:
+        """Steps this process ran (totals cover them; a resume starts counting again)."""
+        steps = self.num("steps")
+        return None if steps is None else steps - (self.num("resumed_from_step") or 0)
+
+    def per_step(self, name: str) -> float | None:
+        """A run total divided by the steps it covers; ``None`` if either is unknown."""
+        total, steps = self.num(name), self.steps_run()
+        return total / steps if total is not None and steps else None
+
+    def history(self) -> list[tuple[float, float, float]]:
+        """(step, train_time_s, val_loss) of every evaluation with a finite loss, in order."""
+        out = []
+        for h in self.record.get("eval_history") or []:
+            loss = h.get("val_loss")
+            if isinstance(loss, int | float) and math.isfinite(loss):
+                out.append((float(h["step"]), float(h["train_time_s"]), float(loss)))
+        return out
+
+    def phase(self, name: str) -> float | None:
+        """Mean ms per timed step of one phase (``phase_ms_mean``), ``None`` if unknown."""
+        v = (self.record.get("phase_ms_mean") or {}).get(name)
+        return float(v) if isinstance(v, int | float) and math.isfinite(v) else None
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _check(ok: bool, where: str, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{where}: {what}")
+
+
+def _check_numbers(record: dict[str, Any], where: str) -> None:
+    """Numeric fields are numbers or null; eval_history and phase_ms_mean are well formed."""
+    for name in NUMBER_FIELDS:
+        v = record.get(name)
+        _check(v is None or _is_number(v), where,
+               f"field {name!r} must be a number or null, got {v!r}")
+    history = record.get("eval_history")
+    _check(history is None or isinstance(history, list), where,
+           f"field 'eval_history' must be a list, got {type(history).__name__}")
+    for i, h in enumerate(history or []):
+        _check(isinstance(h, dict) and _is_number(h.get("step"))
+               and _is_number(h.get("train_time_s"))
+               and (h.get("val_loss") is None or _is_number(h.get("val_loss"))), where,
+               f"eval_history[{i}] must be {{step, train_time_s, val_loss}} numbers, got {h!r}")
+    phases = record.get("phase_ms_mean")
+    _check(phases is None or (isinstance(phases, dict)
+                              and all(v is None or _is_number(v) for v in phases.values())),
+           where, f"field 'phase_ms_mean' must map phases to numbers, got {phases!r}")
+
+
+def _from_compare(c: Any, record: dict[str, Any], where: str) -> dict[str, Any]:
+    """The Run fields given by a ``compare`` object (written by ``gradzip compare``)."""
+    _check(isinstance(c, dict), where, f"field 'compare' must be an object, got {c!r}")
+    _check(isinstance(c.get("method"), str) and c["method"].strip() != "", where,
+           "compare.method must be a non-empty spec string")
+    ranks = c["ranks"] if c.get("ranks") is not None else record.get("world_size")
+    for name, ok, want in (
+        ("seed", c.get("seed") is None or isinstance(c.get("seed"), int), "an integer"),
+        ("ranks", ranks is None or isinstance(ranks, int), "an integer"),
+        ("rate", c.get("rate") is None or isinstance(c.get("rate"), str), "a string or null"),
+        ("link", c.get("link") is None or isinstance(c.get("link"), str), "a string"),
+        ("shaped", isinstance(c.get("shaped", False), bool), "true or false"),
+        ("achieved_rate_bits_per_s", c.get("achieved_rate_bits_per_s") is None
+         or _is_number(c.get("achieved_rate_bits_per_s")), "a number or null"),
+        ("link_model", c.get("link_model") is None or isinstance(c.get("link_model"), str),
+         "a string or null"),
+    ):
+        _check(ok, where, f"compare.{name} must be {want}, got {c.get(name)!r}")
+    shaped = bool(c.get("shaped", False))
+    return {"setting": Setting(c.get("rate"), ranks, c.get("link") or "unknown"),
+            "method": c["method"].strip(), "seed": c.get("seed", record.get("seed")),
+            "shaped": shaped, "achieved_rate": c.get("achieved_rate_bits_per_s"),
+            "link_model": c.get("link_model")}
+
+
+def _from_plain(record: dict[str, Any], where: str) -> dict[str, Any]:
+    """The Run fields of a plain ``gradzip train`` record: its codec over loopback."""
+    codec, ranks = record.get("codec"), record.get("world_size")
+    if not isinstance(codec, str) or not codec.strip():
+        raise ValueError(f"{where}: a record needs a 'codec' string (or a 'compare' object "
+                         "naming the method)")
+    _check(ranks is None or isinstance(ranks, int), where,
+           f"field 'world_size' must be an integer, got {ranks!r}")
+    return {"setting": Setting(None, ranks, "unshaped"), "method": codec.strip(),
+            "seed": record.get("seed"), "shaped": False, "achieved_rate": None,
+            "link_model": "loopback, not rate-limited (a plain gradzip train record)"}
+
+
+def parse_run(record: Any, where: str) -> Run:
+    """Check one results record and place it in the comparison; ValueError names ``where``."""
+    _check(isinstance(record, dict), where,
+           f"a results record is a JSON object, got {type(record).__name__}")
+    _check_numbers(record, where)
+    c = record.get("compare")
+    fields = _from_compare(c, record, where) if c is not None else _from_plain(record, where)
+    _check(fields["seed"] is None or isinstance(fields["seed"], int), where,
+           f"the seed must be an integer, got {fields['seed']!r}")
+    return Run(record=record, where=where, **fields)
+
+
+def _lines(path: Path) -> list[str]:
+    """The file's lines, decoded; errors name the file (and the line for bad UTF-8)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such results file")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror})") from e
+    lines = []
+    for n, line in enumerate(raw.splitlines(), 1):
+        try:
+            lines.append(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}:{n}: not UTF-8 text ({e.reason})") from e
+    return lines
+
+
+def read_results(paths: list[Path]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every record of the given results.jsonl files (or run directories), checked, and
+    where each came from (``file:line``).
+
+    Blank lines are skipped; a file without records, a line that is not JSON or a
+    record the report cannot read raises ValueError naming the file and line.
+    """
+    records: list[dict[str, Any]] = []
+    where: list[str] = []
+    for path in map(Path, paths):
+        path = path / "results.jsonl" if path.is_dir() else path  # a run directory
+        found = 0
+        for n, line in enumerate(_lines(path), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg}, column {e.colno})") \
+                    from e
+            parse_run(record, f"{path}:{n}")
+            records.append(record)
+            where.append(f"{path}:{n}")
+            found += 1
+        if not found:
+            raise ValueError(f"{path}: empty, it holds no results records")
+    return records, where
+
+
+def load_results(paths: list[Path]) -> list[dict[str, Any]]:
+    """The records of ``read_results``, for ``write_report``."""
+    return read_results(paths)[0]

@@ -1,0 +1,247 @@
+"""``gradzip report``: tables, figures and errors from synthetic results records.
+
+Two link settings (100mbit shaped, 1gbit unshaped) x three methods (``torch:none``,
+``torch:powersgd(rank=4)``, a gradzip chain) x two seeds, with evaluation histories
+whose times to target, loss at the time budget and speed-ups are worked out by hand
+in the comments below.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gradzip.cli import main
+from gradzip.compare.plots import pareto_front
+from gradzip.compare.report import write_report
+from gradzip.compare.runs import parse_run, read_results
+from gradzip.compare.summary import loss_at_time, summarize
+
+TOPK = "ef | topk(ratio=0.01)"
+PSGD = "torch:powersgd(rank=4)"
+STEPS = [0, 10, 20, 30, 40]
+#: validation losses at STEPS, per (method, seed)
+LOSSES = {
+    ("torch:none", 0): [5.0, 4.0, 3.5, 3.2, 3.0],
+    ("torch:none", 1): [5.0, 4.1, 3.6, 3.25, 3.02],  # final mean 3.01 -> target 3.0401
+    (PSGD, 0): [5.0, 4.0, 3.4, 3.1, 3.03],  # reaches the target at step 40
+    (PSGD, 1): [5.0, 4.0, 3.4, 3.03, 3.02],  # ... at step 30
+    (TOPK, 0): [5.0, 3.9, 3.3, 3.04, 3.01],  # ... at step 30
+    (TOPK, 1): [5.0, 3.9, 3.3, 3.1, 3.05],  # never (3.05 > 3.0401)
+}
+#: seconds per step, per setting and method
+STEP_S = {
+    "100mbit": {"torch:none": 1.0, PSGD: 0.5, TOPK: 0.25},
+    "1gbit": {"torch:none": 0.2, PSGD: 0.18, TOPK: 0.25},
+}
+
+
+def record(rate: str, method: str, seed: int) -> dict[str, Any]:
+    """A results record as ``gradzip compare`` writes it."""
+    step_s = STEP_S[rate][method]
+    losses = LOSSES[(method, seed)]
+    rec: dict[str, Any] = {
+        "codec": "none", "seed": seed, "world_size": 2, "dtype": "fp32", "params": 1000,
+        "steps": 40, "resumed_from_step": None, "val_loss": losses[-1],
+        "train_time_s": 40 * step_s, "step_time_ms_p50": step_s * 1000,
+        "step_time_ms_mean": step_s * 1000, "tokens_per_s": 4096 / step_s,
+        "eval_history": [{"step": s, "train_time_s": s * step_s, "val_loss": v}
+                         for s, v in zip(STEPS, losses, strict=True)],
+        "phase_ms_mean": {"data": 1.0, "forward": 10.0, "backward": 20.0, "optimizer": 4.0,
+                          "comm": 30.0},
+        "comm_ratio": 0.1, "encode_ms": None, "decode_ms": None,
+        "bytes_raw_total": None, "bytes_wire_total": 40 * 1_000_000,
+        "compare": {"method": method, "seed": seed, "ranks": 2, "rate": rate,
+                    "link": "shared", "shaped": rate == "100mbit",
+                    "achieved_rate_bits_per_s": 95.2e6 if rate == "100mbit" else None,
+                    "link_model": "one token bucket on the loopback, shared by all ranks"},
+    }
+    if method == TOPK:  # gradzip's own counters: 100x fewer bytes than fp32
+        rec.update(codec=TOPK, bytes_raw_total=40 * 1_000_000, bytes_wire_total=40 * 10_000,
+                   encode_ms=40 * 2.0, decode_ms=40 * 1.0)
+    if method == PSGD:
+        rec["bytes_wire_total"] = 40 * 50_000
+        if rate == "1gbit":  # no communication figures at all
+            for k in ("bytes_wire_total", "bytes_raw_total", "comm_ratio", "encode_ms",
+                      "decode_ms"):
+                del rec[k]
+    return rec
+
+
+def all_records() -> list[dict[str, Any]]:
+    return [record(rate, m, seed) for rate in STEP_S for m in STEP_S[rate] for seed in (0, 1)]
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def md_table(text: str, section: str) -> dict[str, dict[str, str]]:
+    """The table under ``## section`` of report.md: method -> column -> cell."""
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    lines = [ln for ln in body.splitlines() if ln.startswith("|")]
+
+    def cells(line: str) -> list[str]:
+        parts = re.split(r"(?<!\\)\|", line.strip())[1:-1]
+        return [p.strip().replace("\\|", "|") for p in parts]
+
+    head = cells(lines[0])
+    return {c[0]: dict(zip(head, c, strict=True)) for c in map(cells, lines[2:])}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("report")
+    path = write_report(all_records(), out)
+    return out, path.read_text()
+
+
+def test_table_of_the_slow_link(report: tuple[Path, str]) -> None:
+    rows = md_table(report[1], "100mbit, 2 ranks, shared link")
+    assert list(rows) == ["torch:none", PSGD, TOPK]  # the baseline first
+    none, psgd, topk = rows["torch:none"], rows[PSGD], rows[TOPK]
+    # bytes per step: 10_000 B = 9.77 KiB; fp32 all-reduce 1_000_000 B per step
+    assert topk["link bytes/step"] == "9.77 KiB"
+    assert (topk["vs fp32"], topk["vs 16-bit"]) == ("100x", "50.0x")
+    # torch rows have no bytes_raw: the same model's fp32 bytes of the other runs
+    assert (none["vs fp32"], psgd["vs fp32"], psgd["vs 16-bit"]) == ("1.00x", "20.0x", "10.0x")
+    assert (topk["step ms p50"], topk["tokens/s"], topk["comm share"]) == \
+        ("250.0", "16,384", "10.0%")
+    # final losses: mean 3.03, sample std sqrt(2) * 0.02 = 0.0283; (3.03 / 3.01 - 1) = +0.66%
+    assert (topk["final val loss"], topk["Δ vs baseline"]) == ("3.0300 ± 0.0283", "+0.66%")
+    assert (none["final val loss"], none["Δ vs baseline"]) == ("3.0100 ± 0.0141", "+0.00%")
+    # budget: the earliest last evaluation, topk's 40 x 0.25 = 10 s; torch:none at 10 s
+    # evaluated 4.0 and 4.1; powersgd 3.4 twice (its step 20)
+    assert none["val loss at 10.0 s"] == "4.0500 ± 0.0707"
+    assert psgd["val loss at 10.0 s"] == "3.4000 ± 0.0000"
+    # target 3.0401: torch:none at step 40 (40 s) twice; powersgd at 40 x 0.5 = 20 s and
+    # 30 x 0.5 = 15 s (mean 17.5, std 3.54); topk 30 x 0.25 = 7.5 s, one seed never
+    assert none["time to target (s)"] == "40.0 ± 0.0"
+    assert psgd["time to target (s)"] == "17.5 ± 3.5"
+    assert topk["time to target (s)"] == "7.5 (1/2 not reached)"
+    # speed-ups: 40 / 17.5 = 2.29; 40 / 7.5 = 5.33 and 17.5 / 7.5 = 2.33, flagged (a seed
+    # of topk never reached the target)
+    assert (none["speed-up vs torch:none"], none[f"vs {PSGD}"]) == ("1.00x", "0.44x")
+    assert (psgd["speed-up vs torch:none"], psgd[f"vs {PSGD}"]) == ("2.29x", "1.00x")
+    assert (topk["speed-up vs torch:none"], topk[f"vs {PSGD}"]) == ("5.33x*", "2.33x*")
+
+
+def test_link_and_target_are_stated(report: tuple[Path, str]) -> None:
+    text = report[1]
+    slow = text.split("## 100mbit", 1)[1].split("\n## ", 1)[0]
+    fast = text.split("## 1gbit", 1)[1]
+    assert "achieved 95.2 Mbit/s; shaped." in slow
+    assert "one token bucket on the loopback, shared by all ranks" in slow
+    assert "**target** 3.0401" in slow and "`torch:none`" in slow
+    assert "unshaped: results not representative of a slow link" in fast
+    assert "unshaped" not in slow
+    assert text.index("## 100mbit") < text.index("## 1gbit")  # slowest link first
+    assert "linear interpolation" in text and "never reached the target" in text
+
+
+def test_missing_comm_fields_render_as_dashes(report: tuple[Path, str]) -> None:
+    psgd = md_table(report[1], "1gbit, 2 ranks, shared link")[PSGD]
+    for col in ("link bytes/step", "vs fp32", "vs 16-bit", "comm share"):
+        assert psgd[col] == "-", col
+    # on the fast link the chain is the slowest: 40 x 0.2 = 8.0 s against 7.5 s for the
+    # seed that got there
+    assert psgd["time to target (s)"] == "6.3 ± 1.3"  # 40 x 0.18 = 7.2 and 30 x 0.18 = 5.4
+
+
+def test_a_plain_train_record_without_comm_fields() -> None:
+    rec = {"codec": "fp16", "seed": 0, "world_size": 1, "steps": 5, "val_loss": None,
+           "eval_history": [], "bytes_wire_total": None, "comm_ratio": None}
+    [s] = summarize([rec])
+    assert s.setting.title() == "unlimited, 1 ranks, unshaped link"
+    assert s.baseline is None and s.target is None
+    from gradzip.compare.report import table
+
+    _, [row] = table(s)
+    assert row[0] == "fp16" and set(row[2:]) == {"-"}
+
+
+def test_figures_are_written(report: tuple[Path, str]) -> None:
+    out, text = report
+    pngs = sorted(out.glob("*.png"))
+    assert len(pngs) == 8  # loss/time, loss/steps, Pareto, breakdown per setting
+    for p in pngs:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 1000
+        assert f"]({p.name})" in text
+
+
+def test_budget_interpolates_between_evaluations(tmp_path: Path) -> None:
+    # torch:none seed 0 at 12.5 s: 4.0 + (3.5 - 4.0) * 0.25 = 3.875; seed 1: 3.975
+    [slow, _] = summarize(all_records(), budget_s=12.5)
+    at = slow.method("torch:none").at_budget
+    assert at is not None and at.mean == pytest.approx(3.925)
+    assert slow.method(TOPK).at_budget is None  # its evaluations end at 10 s
+    run = parse_run(record("100mbit", "torch:none", 0), "x")
+    assert loss_at_time(run, 0.0) == 5.0 and loss_at_time(run, 41.0) is None
+
+
+def test_the_pareto_front() -> None:
+    points = [(1.0, 0.0), (20.0, 0.5), (100.0, 0.66), (50.0, 1.0), (1.0, 0.2)]
+    assert pareto_front(points) == [0, 1, 2]
+
+
+def test_a_rerun_replaces_the_earlier_record() -> None:
+    recs = all_records()
+    again = record("100mbit", TOPK, 1)
+    again["compare"]["seed"], again["val_loss"] = 1, 3.02
+    [slow, _] = summarize([*recs, again])
+    topk = slow.method(TOPK)
+    assert len(topk.runs) == 2 and topk.val_loss and topk.val_loss.mean == pytest.approx(3.015)
+    assert any("replaced by the later record 13" in n for n in slow.notes)
+
+
+def test_bad_lines_name_the_file_and_line(tmp_path: Path) -> None:
+    good = json.dumps(record("100mbit", TOPK, 0))
+    cases = {
+        "broken.jsonl": (good + "\n{not json\n", ":2: not valid JSON"),
+        "list.jsonl": ("\n" + good + "\n[1, 2]\n", ":3: a results record is a JSON object"),
+        "types.jsonl": (json.dumps({**json.loads(good), "val_loss": "low"}) + "\n",
+                        ":1: field 'val_loss' must be a number or null"),
+        "nomethod.jsonl": (json.dumps({"seed": 1}) + "\n", ":1: a record needs a 'codec'"),
+        "empty.jsonl": ("\n\n", ": empty"),
+    }
+    for name, (text, message) in cases.items():
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(f"{path}{message}")):
+            read_results([path])
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        read_results([tmp_path / "missing.jsonl"])
+
+
+def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    recs = all_records()
+    a = write_jsonl(tmp_path / "a.jsonl", recs[:6])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_jsonl(run_dir / "results.jsonl", recs[6:])
+    out = tmp_path / "out"
+    assert main(["report", str(a), str(run_dir), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "100mbit, 2 ranks, shared link" in printed and "5.33x*" in printed
+    assert TOPK in printed and f"report written to {out / 'report.md'}" in printed
+    text = (out / "report.md").read_text()
+    assert f"`{a}`" in text and "12 runs in 2 link setting(s)" in text
+    assert md_table(text, "100mbit, 2 ranks, shared link")[TOPK]["vs fp32"] == "100x"
+
+
+def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(record("1gbit", TOPK, 0)) + "\n{\n")
+    assert main(["report", str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert f"gradzip report: error: {bad}:2: not valid JSON" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path)]) == 2
+    assert "nope.jsonl: no such results file" in capsys.readouterr().err
+    good = write_jsonl(tmp_path / "good.jsonl", all_records())
+    assert main(["report", str(good), "--out", str(tmp_path), "--budget-s", "0"]) == 2
+    assert "--budget-s must be a positive" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
