@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "gradzip.commands.codecs",  # gradzip codecs list
     "gradzip.commands.bench",  # gradzip bench codecs|entropy|...
     "gradzip.commands.train",  # gradzip train (also under torchrun)
+    "gradzip.commands.compare",  # gradzip compare --preset quick --out DIR
     "gradzip.commands.eval",  # gradzip eval --ckpt DIR
     "gradzip.commands.generate",  # gradzip generate --ckpt DIR
     "gradzip.commands.report",  # gradzip report RESULTS.jsonl --out DIR

@@ -1,0 +1,137 @@
+"""``gradzip compare``: which method reaches the target quality soonest on this link.
+
+Trains the same model on the same data, from the same initialization and in the same
+data order, under each method of a matrix (gradzip specs and PyTorch's own hooks as
+``torch:none``, ``torch:fp16``, ``torch:bf16``, ``torch:powersgd(rank=R)``), over a
+real rate-limited link, and writes ``OUT/results.jsonl`` and ``OUT/report.md``.
+
+    gradzip compare --preset quick --out runs/compare
+    gradzip compare --methods "torch:none;ef | topk(ratio=0.01)" --rate 100mbit,1gbit \\
+        --ranks 2 --seeds 3 --out runs/race
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    from gradzip.compare.matrix import PRESETS
+
+    p = sub.add_parser(
+        "compare", help="race methods to a target loss over a rate-limited link; report",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="presets:\n" + "\n".join(f"  {k:<6} {v.doc}" for k, v in PRESETS.items())
+        + "\n\nThe link: one tc token bucket on the loopback of a fresh network "
+          "namespace (no root\nneeded), shared by all ranks. Where namespaces are "
+          "unavailable the runs go unshaped\nand every record says so.")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="quick",
+                   help="the matrix to start from (default: quick)")
+    p.add_argument("--methods", default=None, metavar="SPEC;SPEC",
+                   help="methods separated by ';' (gradzip specs or torch:...), instead "
+                        "of the preset's")
+    p.add_argument("--rate", default=None, metavar="RATE[,RATE]",
+                   help="tc rates, e.g. 100mbit,1gbit; 'none' for unlimited loopback")
+    p.add_argument("--ranks", default=None, metavar="W[,W]", help="ranks per run, e.g. 2,4")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per method")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="time budget for quality_at_time (default: the shortest run)")
+    p.add_argument("--out", required=True, help="directory for runs, results and report")
+    p.add_argument("--dry-run", action="store_true", help="print the runs and exit")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    p.set_defaults(func=run)
+
+
+def _matrix(args: argparse.Namespace) -> list[Any]:
+    from gradzip.comm.netns import rate_bits_per_second
+    from gradzip.compare.matrix import PRESETS, check_runs, plan
+
+    preset = PRESETS[args.preset]
+    methods = ([m.strip() for m in args.methods.split(";") if m.strip()] if args.methods
+               else list(preset.methods))
+    rates: list[str | None] = (list(preset.rates) if args.rate is None else
+                               [None if r.strip() == "none" else r.strip()
+                                for r in args.rate.split(",")])
+    for r in rates:
+        if r is not None:
+            try:
+                rate_bits_per_second(r)
+            except ValueError as e:
+                raise ValueError(f"--rate {r!r}: {e}") from None
+    try:
+        ranks = ([int(w) for w in args.ranks.split(",")] if args.ranks
+                 else list(preset.ranks))
+    except ValueError:
+        raise ValueError(f"--ranks must be integers separated by ',', got {args.ranks!r}") \
+            from None
+    if any(w < 1 for w in ranks) or (args.seeds is not None and args.seeds < 1):
+        raise ValueError("--ranks and --seeds must be >= 1")
+    train = preset.train + (("--max-steps", str(args.steps)) if args.steps else ())
+    runs = plan(methods, rates, ranks, args.seeds or preset.seeds, train)
+    check_runs(runs, Path(args.out))  # a bad spec fails here, before any training
+    return runs
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        runs = _matrix(args)
+    except ValueError as e:
+        print(f"gradzip compare: error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        for r in runs:
+            print(f"{r.rate or 'unlimited'}  {r.ranks} ranks  seed {r.seed}  {r.method}")
+        return 0
+    return _race(runs, Path(args.out), args.budget_s)
+
+
+def _race(runs: list[Any], out: Path, budget_s: float | None) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from gradzip.compare import harness
+    from gradzip.compare.report import print_tables, write_report
+    from gradzip.compare.summary import summarize
+
+    console = Console(stderr=True)
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.jsonl"
+    results.unlink(missing_ok=True)
+    links = {rate: harness.open_link(rate) for rate in dict.fromkeys(r.rate for r in runs)}
+    for link in links.values():
+        console.print(_link_line(link))
+    records: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
+                  "{task.total} runs"), TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task("compare", total=len(runs))
+        for r in runs:
+            progress.update(task, description=f"{r.method} (seed {r.seed}, {r.ranks} ranks, "
+                                              f"{r.rate or 'unlimited'})")
+            try:
+                record = harness.execute(r, links[r.rate], out, out / "cache")
+            except harness.RunFailed as e:
+                console.print(f"[red]{e}[/red]")
+                return 1
+            records.append(record)
+            harness.append_record(results, record)  # kept even if a later run fails
+            progress.advance(task)
+    harness.add_race_figures(records, budget_s)
+    harness.rewrite(results, records)
+    report = write_report(records, out, budget_s, sources=[str(results)])
+    print_tables(summarize(records, budget_s))
+    console.print(f"{len(records)} runs in {time.perf_counter() - start:.0f} s; report: "
+                  f"{report}, records: {results}")
+    return 0
+
+
+def _link_line(link: Any) -> str:
+    if link.shaped:
+        return (f"link {link.rate}: shaped, measured {link.achieved_bits_per_s / 1e6:.1f} "
+                "Mbit/s for one sender; one token bucket shared by all ranks")
+    return f"link {link.rate or 'unlimited'}: UNSHAPED ({link.why_unshaped})"

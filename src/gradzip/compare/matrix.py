@@ -1,0 +1,105 @@
+"""What a compare runs: presets, the matrix of link settings x methods x seeds, and the
+``gradzip train`` command of each run.
+
+Every run of a matrix trains the same model on the same data from the same
+initialization and in the same data order (``--seed`` drives both; seed k of every
+method is the same), evaluates on the same fixed validation batches every
+``eval_every`` steps, and leaves the same warm-up steps out of its timings, so runs
+differ only in how gradients cross the link.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: methods that are PyTorch's own DDP comm hooks run through the same trainer
+TORCH_PREFIX = "torch:"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A ready matrix: methods, links, ranks, seeds and the training run."""
+
+    methods: tuple[str, ...]
+    rates: tuple[str | None, ...]
+    ranks: tuple[int, ...]
+    seeds: int
+    train: tuple[str, ...]
+    doc: str
+
+
+# The tiny model (~130k parameters, 0.5 MB of fp32 gradients) on the standard library:
+# at 100 Mbit/s an uncompressed step spends most of its time on the link, so the race
+# shows what compression buys; 300 steps reach a loss where differences are visible.
+_TINY = ("--model", "tiny", "--dataset", "stdlib", "--max-tokens", "600000",
+         "--seq-len", "64", "--batch-size", "8", "--max-steps", "300", "--eval-every", "25",
+         "--eval-steps", "4", "--log-every", "25", "--timing-warmup", "5", "--threads", "1")
+
+PRESETS: dict[str, Preset] = {
+    "quick": Preset(
+        methods=("torch:none", "torch:fp16", "torch:powersgd(rank=2)", "none",
+                 "ef | powersgd(rank=2)", "ef | topk(ratio=0.01)"),
+        rates=("100mbit",), ranks=(2,), seeds=1, train=_TINY,
+        doc="tiny GPT, 2 ranks, 100 Mbit/s shared link, 6 methods, 1 seed (~5-10 min "
+            "on 2 cores); what `make demo` runs"),
+    "full": Preset(
+        methods=("torch:none", "torch:fp16", "torch:powersgd(rank=2)",
+                 "torch:powersgd(rank=4)", "none", "bf16", "ef | powersgd(rank=2)",
+                 "ef | powersgd(rank=4)", "ef | topk(ratio=0.01)", "ef | topk(ratio=0.001)",
+                 "ef | topk(ratio=0.01) | qsgd(levels=16)", "efsignsgd", "qsgd | eg",
+                 "int8", "ef | dgc(ratio=0.01)"),
+        rates=("100mbit", "1gbit"), ranks=(2, 4), seeds=3, train=_TINY,
+        doc="every codec family, 3 seeds, 100 Mbit/s and 1 Gbit/s, 2 and 4 ranks "
+            "(hours on 2 cores)"),
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run of the matrix."""
+
+    method: str
+    seed: int
+    ranks: int
+    rate: str | None  # None: unlimited loopback
+    train: tuple[str, ...] = field(default=())
+
+    @property
+    def slug(self) -> str:
+        """A directory name: the setting, the method made filename-safe, the seed."""
+        method = re.sub(r"[^A-Za-z0-9.=]+", "_", self.method).strip("_")
+        return f"{self.rate or 'unlimited'}-w{self.ranks}/{method}/seed{self.seed}"
+
+    def argv(self, out: Path, cache: Path) -> list[str]:
+        """``torchrun ... gradzip train`` for this run (DDP over gloo)."""
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", str(self.ranks), "-m", "gradzip", "train", *self.train,
+                "--parallel", "ddp", "--codec", self.method, "--seed", str(self.seed),
+                "--cache-dir", str(cache), "--out", str(out), "--no-progress",
+                "--no-tensorboard"]
+
+
+def plan(methods: list[str], rates: list[str | None], ranks: list[int], seeds: int,
+         train: tuple[str, ...]) -> list[Run]:
+    """Every run: for each link setting, every seed of every method (slowest link first)."""
+    return [Run(m, s, w, r, train) for r in rates for w in ranks for s in range(seeds)
+            for m in methods]
+
+
+def check_runs(runs: list[Run], out: Path) -> None:
+    """Resolve and validate every run's training configuration exactly as its
+    ``gradzip train`` will (a bad spec, a torch: method on the wrong path, a bad
+    option): ValueError naming the method, before any training starts."""
+    from gradzip.cli import build_parser
+    from gradzip.commands.train import resolve_args
+
+    parser = build_parser()
+    for run in {r.method: r for r in runs}.values():
+        argv = run.argv(out / "check", out / "cache")
+        try:
+            resolve_args(parser.parse_args(argv[argv.index("train"):])).validate()
+        except (ValueError, SystemExit) as e:
+            raise ValueError(f"method {run.method!r}: {e}") from None

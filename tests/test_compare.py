@@ -1,0 +1,59 @@
+"""``gradzip compare``: the race harness, end to end on the tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gradzip.cli import main
+from gradzip.comm.netns import netns_available
+from gradzip.compare.matrix import PRESETS, Run, plan
+
+
+def test_plan_orders_settings_then_seeds_then_methods() -> None:
+    runs = plan(["a", "b"], ["100mbit", None], [2], 2, ("--model", "tiny"))
+    assert [(r.rate, r.seed, r.method) for r in runs] == [
+        ("100mbit", 0, "a"), ("100mbit", 0, "b"), ("100mbit", 1, "a"), ("100mbit", 1, "b"),
+        (None, 0, "a"), (None, 0, "b"), (None, 1, "a"), (None, 1, "b")]
+    assert Run("ef | topk(ratio=0.01)", 1, 2, "100mbit").slug == \
+        "100mbit-w2/ef_topk_ratio=0.01/seed1"
+    assert "torch:none" in PRESETS["quick"].methods  # the race includes PyTorch's own
+
+
+def test_a_bad_spec_fails_before_any_training(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "race"
+    assert main(["compare", "--methods", "none;topk(ratio=7)", "--out", str(out)]) == 2
+    assert "topk(ratio=7)" in capsys.readouterr().err
+    assert not out.exists()  # nothing trained, nothing written
+
+
+@pytest.mark.dist
+def test_race_of_two_methods_writes_records_report_and_plots(tmp_path: Path) -> None:
+    """2 ranks, a few steps, shaped to 100 Mbit/s where namespaces work (else unshaped,
+    and the records say so)."""
+    out = tmp_path / "race"
+    rc = main(["compare", "--methods", "none;ef | topk(ratio=0.05)", "--rate", "100mbit",
+               "--steps", "12", "--out", str(out)])
+    assert rc == 0
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["compare"]["method"] for r in records] == ["none", "ef | topk(ratio=0.05)"]
+    shaped, _ = netns_available(shaping=True)
+    for r in records:
+        c = r["compare"]
+        assert c["shaped"] is shaped and c["rate"] == "100mbit" and c["ranks"] == 2
+        if shaped:
+            assert 0.5e8 < c["achieved_rate_bits_per_s"] < 1.5e8
+            assert "shared by all ranks" in c["link_model"]
+        for key in ("target_val_loss", "time_to_target_s", "quality_budget_s",
+                    "quality_at_time"):
+            assert key in c
+        assert r["eval_history"] and r["bytes_wire_total"] > 0
+    none = records[0]["compare"]
+    assert none["time_to_target_s"] is not None  # the baseline reaches its own target
+    report = (out / "report.md").read_text()
+    assert "ef \\| topk(ratio=0.05)" in report or "ef | topk(ratio=0.05)" in report
+    pngs = list(out.glob("*.png"))
+    assert len(pngs) >= 4 and all(p.stat().st_size > 1000 for p in pngs)
