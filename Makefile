@@ -21,15 +21,11 @@ $(STAMP): pyproject.toml Makefile
 	  $(PY) -m pip install --quiet $(PIP_EXTRA) -e ".[dev]"
 	touch $(STAMP)
 
-# The main job, on built-in data: every codec's ratio/error/speed on one core, then the
-# same tiny GPT trained on the Python standard library by 2 DDP ranks under four codecs
-# (bytes per step vs final loss, side by side). About 2 minutes on 2 cores.
-DEMO_CODECS ?= none;ef | topk(ratio=0.01);ef | powersgd(rank=2);qsgd | eg
-
+# The main job, on built-in data: the race of `gradzip compare --preset quick` (PyTorch's
+# own hooks and gradzip chains training a tiny GPT on 2 ranks over a 100 Mbit/s link
+# shaped in a network namespace); report and plots in runs/demo. A few minutes on 2 cores.
 demo: $(STAMP)
-	$(VENV)/bin/gradzip bench codecs --size 4M --quiet --out runs/demo/codecs
-	$(VENV)/bin/gradzip bench train --model tiny --ranks 2 --seq-len 64 --steps 100 \
-	  --warmup 10 --codecs "$(DEMO_CODECS)" --out runs/demo/train
+	$(VENV)/bin/gradzip compare --preset quick --out runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q
