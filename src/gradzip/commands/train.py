@@ -1,7 +1,9 @@
 """``gradzip train``: train a GPT, in one process or under torchrun.
 
 Every field of ``gradzip.train.config`` is a flag (its docstring is the help text);
-``--config FILE`` supplies them from TOML/JSON; ``--resume`` continues the run in --out.
+``--config FILE`` supplies them from TOML/JSON; ``--resume`` continues the run in --out
+(keeping its lr schedule: see --allow-schedule-change). Every option, file and device is
+checked before any work, --print-config included; config.json stores absolute paths.
 
     gradzip train --model tiny --max-steps 50 --out runs/tiny
     torchrun --nproc_per_node 2 -m gradzip train --model tiny --parallel ddp \\
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -72,27 +75,162 @@ def register(sub: Any) -> None:
 
 
 def resolve_args(args: argparse.Namespace) -> Any:
-    """The run's JobConfig from defaults/preset or the saved config, file and flags."""
-    from gradzip.train.config import read_config_file, resolve
+    """The run's JobConfig from defaults/preset or the saved config, file and flags.
+
+    On --resume the saved config is the base, and a change of the lr schedule's end is
+    refused here (``check_schedule``), before anything else happens.
+    """
+    from gradzip.train.config import JobConfig, resolve
 
     cli = cli_overrides(args)
-    base = None
-    if cli.get("run", {}).get("resume"):
-        out = cli.get("run", {}).get("out")
-        if out is None and args.config:
-            out = read_config_file(args.config).get("run", {}).get("out")
-        if out is None:
-            raise ValueError("--resume needs --out: the run directory to continue")
-        saved = Path(out) / "config.json"
-        if not saved.is_file():
-            raise FileNotFoundError(f"cannot resume: {saved} does not exist (was {out} a "
-                                    f"gradzip train run directory?)")
-        base = json.loads(saved.read_text())
-    return resolve(cli, args.config, base=base)
+    base = saved_config(cli, args.config) if cli.get("run", {}).get("resume") else None
+    cfg = resolve(cli, args.config, base=base)
+    if base is not None:
+        check_schedule(JobConfig.from_dict(base), cfg)
+    return cfg
+
+
+def saved_config(cli: dict[str, dict[str, Any]], config_file: str | None) -> dict[str, Any]:
+    """The config.json of the run --resume continues, as ``{section: {field: value}}``.
+
+    Its ``allow_schedule_change`` is dropped: that permission is for one resume, the one
+    whose flags give it, not for every later resume of the run.
+    """
+    from gradzip.train.config import read_config_file
+
+    out = cli.get("run", {}).get("out")
+    if out is None and config_file:
+        out = read_config_file(config_file).get("run", {}).get("out")
+    if out is None:
+        raise ValueError("--resume needs --out: the run directory to continue")
+    saved = Path(out) / "config.json"
+    if not saved.is_file():
+        raise FileNotFoundError(f"cannot resume: {saved} does not exist (was {out} a "
+                                f"gradzip train run directory?)")
+    base = json.loads(saved.read_text())
+    base.get("run", {}).pop("allow_schedule_change", None)
+    return base
+
+
+def check_schedule(old: Any, new: Any) -> None:
+    """Refuse a resume that moves the step where the cosine lr reaches its floor.
+
+    The lr of a step is a function of that horizon (``loop.lr_at``): moving it mid-run
+    makes the lr jump, e.g. from the floor back up near the peak when --max-steps grows,
+    which no uninterrupted run does. Keeping the old horizon (--decay-steps) or accepting
+    the jump (--allow-schedule-change) are both reasonable; the user has to pick.
+    """
+    before, after = old.schedule_horizon(), new.schedule_horizon()
+    if before == after or new.run.allow_schedule_change:
+        return
+    raise ValueError(
+        f"--resume would move the end of the lr schedule (decay_steps, else max_steps) from "
+        f"step {before} to step {after}{_lr_jump(old, new)}: the cosine would jump instead "
+        f"of continuing. To keep the run's schedule (the lr stays at its floor after step "
+        f"{before}), add --decay-steps {before}; to accept the jump, add "
+        f"--allow-schedule-change.")
+
+
+def _lr_jump(old: Any, new: Any) -> str:
+    """", so the lr of step N would be A instead of B" for the run's next step, if known."""
+    from gradzip.train.checkpoint import read_meta, step_dirs
+    from gradzip.train.loop import lr_at
+
+    found = step_dirs(Path(new.run.out))
+    if not found:
+        return ""
+    step = read_meta(found[-1]).get("step", 0) + 1
+    was = lr_at(step, old.optim, old.train.max_steps)
+    would = lr_at(step, new.optim, new.train.max_steps)
+    return f", so the lr of step {step} would be {would:.2e} instead of {was:.2e}"
+
+
+def check_environment(cfg: Any) -> None:
+    """Refuse, before any work, what this machine or the run directory cannot do.
+
+    ``JobConfig.validate`` checks the values; this checks what they refer to: the
+    device, optional packages, input files and the run directory's checkpoints. The
+    loop would find each of these only after preparing the data, or later.
+    """
+    _check_devices(cfg.train)
+    if cfg.run.wandb:
+        from gradzip.train.metrics import require_wandb
+
+        require_wandb()
+    _check_inputs(cfg.data)
+    _check_run_dir(cfg)
+
+
+def _check_devices(t: Any) -> None:
+    """The device and precision exist here; more than one process needs --parallel."""
+    import torch
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and t.parallel == "none":
+        raise ValueError(f"{world_size} processes were started but --parallel is none; "
+                         f"use --parallel ddp or fsdp under torchrun")
+    cuda = torch.cuda.is_available()
+    if t.device == "cuda" and not cuda:
+        raise RuntimeError("--device cuda but CUDA is not available")
+    if t.dtype == "fp16" and not cuda:
+        raise ValueError("--dtype fp16 needs CUDA (its grad scaler), which this machine "
+                         "does not have; use bf16 on CPU")
+
+
+def _check_inputs(d: Any) -> None:
+    """Every data source and the tokenizer file exist (and can be read as given)."""
+    from gradzip.train.data.sources import open_source, parse_spec
+
+    for spec in d.sources:
+        open_source(parse_spec(spec)[0])  # not found; a datasets dir without `datasets`
+    if d.tokenizer:
+        tok = Path(d.tokenizer)
+        if not (tok / "tokenizer.json" if tok.is_dir() else tok).is_file():
+            raise FileNotFoundError(f"tokenizer not found: {d.tokenizer} (a tokenizer.json "
+                                    f"file or a directory holding one)")
+
+
+def _check_run_dir(cfg: Any) -> None:
+    """A fresh run must not mix with an old one; a resume needs a checkpoint it can use."""
+    from gradzip.train.checkpoint import read_meta, step_dirs
+
+    run_dir, r = Path(cfg.run.out), cfg.run
+    found = step_dirs(run_dir)
+    if not r.resume:
+        if found:
+            raise ValueError(f"{run_dir} already holds checkpoints: pass --resume to continue "
+                             f"that run, or choose another --out")
+        return
+    if not found:
+        raise FileNotFoundError(f"cannot resume: {run_dir} has no checkpoint (the run "
+                                f"stopped before its first save); start it again without "
+                                f"--resume")
+    _check_resumable(cfg, found[-1], read_meta(found[-1]))
+
+
+def _check_resumable(cfg: Any, ckpt: Path, meta: dict[str, Any]) -> None:
+    """The latest checkpoint fits this run: an earlier step, codec, ranks and format."""
+    t, step = cfg.train, meta.get("step", 0)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if step >= t.max_steps:
+        raise ValueError(f"checkpoint is at step {step}, not before --max-steps "
+                         f"{t.max_steps}: raise --max-steps to train further")
+    if meta.get("codec", t.codec) != t.codec:
+        raise ValueError(f"checkpoint {ckpt} was written with codec {meta.get('codec')!r} "
+                         f"but this run uses {t.codec!r}")
+    if meta.get("world_size", world_size) != world_size:
+        raise ValueError(f"checkpoint {ckpt} was written by {meta.get('world_size')} ranks; "
+                         f"this run has {world_size} (data position and codec state are "
+                         f"per rank, so an exact resume needs the same number)")
+    if t.parallel == "fsdp" and meta.get("format") != "dcp":
+        raise ValueError(f"{ckpt} is a single-file checkpoint; an FSDP run resumes only "
+                         f"from an FSDP (DCP) checkpoint")
 
 
 def run(args: argparse.Namespace) -> int:
+    """Resolve and check everything, then print the config or train."""
     cfg = resolve_args(args)
+    check_environment(cfg)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0

@@ -10,7 +10,7 @@ A run's configuration is resolved in layers, later ones winning:
 With ``--resume`` the saved ``config.json`` of the run replaces layers 1-2, so a resumed
 run keeps its settings unless a flag says otherwise (typically ``--max-steps``).
 The resolved configuration is written to ``<out>/config.json``, which is itself a
-valid config file.
+valid config file; its paths are absolute, so it means the same files from any directory.
 
 The field docstrings are the ``--help`` text: ``field_docs`` reads them from this
 file's source, so documentation and CLI cannot drift apart.
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 PRESET_DIR = Path(__file__).parent / "presets"
+BUILTIN_SOURCE = "stdlib"  # the one source name that is not a path (data.sources.open_source)
 
 
 @dataclass
@@ -75,13 +76,14 @@ class ModelConfig:
 class DataOptions:
     """What to train on and how it is batched (see ``gradzip.train.data``)."""
 
-    sources: list[str] = field(default_factory=lambda: ["stdlib"], metadata={"flag": "--dataset"})
+    sources: list[str] = field(default_factory=lambda: ["stdlib"],
+                               metadata={"flag": "--dataset", "path": "source"})
     """Text sources: "stdlib" (Python's standard library, no download), a text file or
     directory, *.jsonl, *.json (an array of {id, title, text} records, streamed) or a Hugging
     Face datasets directory. SOURCE:WEIGHT mixes sources by token share (a.jsonl:3 b.txt:1)."""
-    cache_dir: str = "runs/.cache/data"
+    cache_dir: str = field(default="runs/.cache/data", metadata={"path": True})
     """Where tokenized shards and the trained tokenizer are cached between runs."""
-    tokenizer: str = ""
+    tokenizer: str = field(default="", metadata={"path": True})
     """A tokenizer.json file or a directory holding one; empty = train a byte-level BPE on
     the training split of the sources (cached)."""
     vocab_size: int = 4096
@@ -178,13 +180,17 @@ class TrainConfig:
 class RunConfig:
     """The run directory: checkpoints, logs, results, profiling."""
 
-    out: str = "runs/train"
+    out: str = field(default="runs/train", metadata={"path": True})
     """Run directory (config, logs, results.jsonl, TensorBoard, checkpoints, traces)."""
     run_name: str = ""
     """Name in the results record; empty = the run directory's name."""
     resume: bool = False
     """Continue the run in --out from its latest checkpoint; its saved config.json replaces
     defaults and preset, and flags given now override it (typically --max-steps)."""
+    allow_schedule_change: bool = False
+    """Let --resume move the end of the lr schedule (decay_steps, else max_steps): the lr
+    then jumps to where the new cosine is at that step. Without it such a resume is refused;
+    a later resume must ask again (it is not taken from the saved config)."""
     ckpt_every: int = 0
     """Save a checkpoint every N steps (always at the end); 0 = only at the end."""
     keep_ckpts: int = 2
@@ -199,7 +205,7 @@ class RunConfig:
     """Log to Weights & Biases (rank 0; offline without WANDB_API_KEY; needs wandb installed)."""
     wandb_project: str = "gradzip"
     """W&B project name."""
-    results_file: str = ""
+    results_file: str = field(default="", metadata={"path": True})
     """A shared results.jsonl to append this run's record to as well; empty = only <out>."""
     profile: bool = False
     """Record torch.profiler traces of --profile-steps into <out>/profile."""
@@ -229,47 +235,186 @@ class JobConfig:
         return cfg
 
     def validate(self) -> None:
-        """Raise ValueError naming the option for any value that cannot work."""
-        m, d, o, t, r = self.model, self.data, self.optim, self.train, self.run
-        _choice("--norm", m.norm, ("rmsnorm", "layernorm"))
-        _choice("--pos", m.pos, ("rope", "learned"))
-        _choice("--mlp", m.mlp, ("swiglu", "gelu"))
-        _choice("--device", t.device, ("auto", "cpu", "cuda"))
-        _choice("--dtype", t.dtype, ("fp32", "bf16", "fp16"))
-        _choice("--parallel", t.parallel, ("none", "ddp", "fsdp"))
-        _choice("--nonfinite", t.nonfinite, ("auto", "error", "propagate"))
-        for flag, v in [("--n-layer", m.n_layer), ("--n-head", m.n_head), ("--dim", m.dim),
-                        ("--max-seq-len", m.max_seq_len), ("--seq-len", d.seq_len),
-                        ("--batch-size", d.batch_size), ("--max-steps", t.max_steps),
-                        ("--grad-accum", o.grad_accum), ("--log-every", r.log_every),
-                        ("--eval-steps", t.eval_steps), ("--keep-ckpts", r.keep_ckpts)]:
-            if v < 1:
-                raise ValueError(f"{flag} must be >= 1, got {v}")
-        if m.dim % m.n_head:
-            raise ValueError(f"--dim {m.dim} must be divisible by --n-head {m.n_head}")
-        kv = m.n_kv_head or m.n_head
-        if m.n_head % kv:
-            raise ValueError(f"--n-head {m.n_head} must be divisible by --n-kv-head {kv}")
-        if m.pos == "rope" and (m.dim // m.n_head) % 2:
-            raise ValueError("RoPE needs an even head size (dim / n_head)")
-        if d.seq_len > m.max_seq_len:
-            raise ValueError(f"--seq-len {d.seq_len} exceeds the model's --max-seq-len "
-                             f"{m.max_seq_len}")
-        if not 0 <= d.val_fraction < 1:
-            raise ValueError(f"--val-fraction must be in [0, 1), got {d.val_fraction}")
-        if o.lr <= 0 or not 0 <= o.min_lr_ratio <= 1:
-            raise ValueError("--lr must be > 0 and --min-lr-ratio in [0, 1]")
-        if t.dtype == "fp16" and t.device == "cpu":
-            raise ValueError("--dtype fp16 needs CUDA (its grad scaler); use bf16 on CPU")
-        if t.max_time < 0 or t.eval_every < 0 or r.ckpt_every < 0 or t.ppl_budget_s < 0:
-            raise ValueError("--max-time, --eval-every, --ckpt-every and --ppl-budget-s "
-                             "must be >= 0")
-        parse_profile_steps(r.profile_steps)
-        if t.codec_start_step < 0:
-            raise ValueError(f"--codec-start-step must be >= 0, got {t.codec_start_step}")
-        if t.codec == "none" and (t.codec_groups or t.codec_start_step):
+        """Raise ValueError naming the option for any value that cannot work.
+
+        Values only (no files, devices or packages: ``gradzip.commands.train`` checks
+        those), so a bad option fails at once, under --print-config too, before any data
+        is prepared or anything is written.
+        """
+        _check_model(self.model)
+        _check_data(self.data, self.model)
+        _check_optim(self.optim)
+        _check_train(self.train, self.run)
+        _check_codec(self)
+
+    def schedule_horizon(self) -> int:
+        """The step at which the cosine lr reaches its floor: decay_steps, else max_steps."""
+        return self.optim.decay_steps or self.train.max_steps
+
+    def resolve_paths(self) -> None:
+        """Make every path option (fields with ``metadata["path"]``) absolute.
+
+        Relative paths mean the current directory when the run is configured; the saved
+        config.json must mean the same files when ``--resume`` or ``gradzip eval --ckpt``
+        read it from elsewhere. Empty values (unset) and "stdlib" stay as they are.
+        """
+        for section, cls in SECTIONS.items():
+            values = getattr(self, section)
+            for f in dataclasses.fields(cls):
+                kind, value = f.metadata.get("path"), getattr(values, f.name)
+                if kind == "source":
+                    setattr(values, f.name, [_absolute_source(s) for s in value])
+                elif kind:
+                    setattr(values, f.name, _absolute(value))
+
+
+def _absolute(path: str) -> str:
+    """``path`` made absolute (``~`` expanded, symlinks resolved); "" stays "" (unset)."""
+    return str(Path(path).expanduser().resolve()) if path else path
+
+
+def _absolute_source(spec: str) -> str:
+    """A data source spec with its path made absolute, its ``:WEIGHT`` kept as typed;
+    the built-in "stdlib" is a name, not a path (``open_source`` reads it first)."""
+    from gradzip.train.data.sources import parse_spec
+
+    name, _ = parse_spec(spec)
+    if name == BUILTIN_SOURCE:
+        return spec
+    return _absolute(name) + spec[len(name):]
+
+
+def _at_least(minimum: float, options: list[tuple[str, float]]) -> None:
+    """Raise for the first ``(flag, value)`` below ``minimum``."""
+    for flag, value in options:
+        if value < minimum:
+            raise ValueError(f"{flag} must be >= {minimum}, got {value}")
+
+
+def _check_model(m: ModelConfig) -> None:
+    """Architecture values GPT(...) would reject, or build into something broken."""
+    _choice("--norm", m.norm, ("rmsnorm", "layernorm"))
+    _choice("--pos", m.pos, ("rope", "learned"))
+    _choice("--mlp", m.mlp, ("swiglu", "gelu"))
+    _at_least(1, [("--n-layer", m.n_layer), ("--n-head", m.n_head), ("--dim", m.dim),
+                  ("--max-seq-len", m.max_seq_len)])
+    _at_least(0, [("--n-kv-head", m.n_kv_head), ("--ffn-dim", m.ffn_dim),
+                  ("--model-vocab-size", m.vocab_size), ("--init-std", m.init_std)])
+    if m.dim % m.n_head:
+        raise ValueError(f"--dim {m.dim} must be divisible by --n-head {m.n_head}")
+    kv = m.n_kv_head or m.n_head
+    if m.n_head % kv:
+        raise ValueError(f"--n-head {m.n_head} must be divisible by --n-kv-head {kv}")
+    if m.pos == "rope" and (m.dim // m.n_head) % 2:
+        raise ValueError("RoPE needs an even head size (dim / n_head)")
+    if not 0 <= m.dropout < 1 or m.norm_eps <= 0 or m.rope_theta <= 0:
+        raise ValueError("--dropout must be in [0, 1), --norm-eps and --rope-theta > 0")
+
+
+def _check_data(d: DataOptions, m: ModelConfig) -> None:
+    """Data values the preparation step would reject after creating its cache."""
+    from gradzip.train.data.sources import parse_spec
+
+    if not d.sources:
+        raise ValueError("--dataset needs at least one source (e.g. stdlib)")
+    for spec in d.sources:
+        parse_spec(spec)  # a bad :WEIGHT
+    _at_least(1, [("--seq-len", d.seq_len), ("--batch-size", d.batch_size)])
+    _at_least(0, [("--max-tokens", d.max_tokens), ("--prefetch", d.prefetch)])
+    if not d.tokenizer and d.vocab_size < 257:
+        raise ValueError(f"--vocab-size must be >= 257 (256 bytes + end of text), "
+                         f"got {d.vocab_size}")
+    if d.seq_len > m.max_seq_len:
+        raise ValueError(f"--seq-len {d.seq_len} exceeds the model's --max-seq-len "
+                         f"{m.max_seq_len}")
+    if not 0 <= d.val_fraction < 1:  # 0: no validation data, the run does not evaluate
+        raise ValueError(f"--val-fraction must be in [0, 1), got {d.val_fraction}")
+
+
+def _check_optim(o: OptimConfig) -> None:
+    """Optimizer values AdamW or the schedule would reject once the model is built."""
+    if o.lr <= 0 or not 0 <= o.min_lr_ratio <= 1:
+        raise ValueError("--lr must be > 0 and --min-lr-ratio in [0, 1]")
+    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
+        raise ValueError(f"--beta1 and --beta2 must be in [0, 1), got {o.beta1}, {o.beta2}")
+    _at_least(1, [("--grad-accum", o.grad_accum)])
+    _at_least(0, [("--warmup-steps", o.warmup_steps), ("--decay-steps", o.decay_steps),
+                  ("--weight-decay", o.weight_decay), ("--eps", o.eps),
+                  ("--grad-clip", o.grad_clip)])
+
+
+def _check_train(t: TrainConfig, r: RunConfig) -> None:
+    """Loop and run-directory values (the files and devices are checked before the run)."""
+    _choice("--device", t.device, ("auto", "cpu", "cuda"))
+    _choice("--dtype", t.dtype, ("fp32", "bf16", "fp16"))
+    _choice("--parallel", t.parallel, ("none", "ddp", "fsdp"))
+    _choice("--nonfinite", t.nonfinite, ("auto", "error", "propagate"))
+    _at_least(1, [("--max-steps", t.max_steps), ("--eval-steps", t.eval_steps),
+                  ("--log-every", r.log_every), ("--keep-ckpts", r.keep_ckpts)])
+    _at_least(0, [("--max-time", t.max_time), ("--eval-every", t.eval_every),
+                  ("--ckpt-every", r.ckpt_every), ("--threads", t.threads),
+                  ("--target-loss", t.target_loss), ("--timing-warmup", r.timing_warmup),
+                  ("--codec-start-step", t.codec_start_step),
+                  ("--ppl-budget-s", t.ppl_budget_s)])
+    if not 0 <= t.seed < 2**32:  # NumPy's seed range
+        raise ValueError(f"--seed must be in [0, 2**32), got {t.seed}")
+    if t.bucket_cap_mb <= 0:
+        raise ValueError(f"--bucket-cap-mb must be > 0, got {t.bucket_cap_mb}")
+    if t.dtype == "fp16" and t.device == "cpu":
+        raise ValueError("--dtype fp16 needs CUDA (its grad scaler); use bf16 on CPU")
+    first, _ = parse_profile_steps(r.profile_steps)
+    if r.profile and first > t.max_steps:
+        raise ValueError(f"--profile-steps {r.profile_steps} starts after --max-steps "
+                         f"{t.max_steps}: nothing would be profiled")
+
+
+def _check_codec(cfg: JobConfig) -> None:
+    """The codec options: parseable, used with a parallel mode, compressible on its path."""
+    t = cfg.train
+    if t.codec == "none":
+        if t.codec_groups or t.codec_start_step:
             raise ValueError("--codec-groups and --codec-start-step need a --codec")
-        codec_policy(t.codec, t.codec_groups, t.codec_start_step)  # SpecError before work
+        return
+    policy = codec_policy(t.codec, t.codec_groups, t.codec_start_step)  # SpecError
+    if t.parallel == "none":
+        raise ValueError("--codec compresses communication between ranks: it needs "
+                         "--parallel ddp or fsdp (ddp also runs as a single process)")
+    from gradzip.codecs.chain import Codec
+
+    codecs = [Codec.from_spec(spec) for spec in policy.specs]  # every group's SpecError
+    if t.parallel == "fsdp":
+        _check_fsdp_codecs(cfg.model, policy, codecs)
+
+
+def _check_fsdp_codecs(m: ModelConfig, policy: Any, codecs: list[Any]) -> None:
+    """What ``gradzip.attach`` refuses on FSDP2, checked on the model's parameter names:
+    one codec per ``fully_shard`` unit, and no codec that compresses only matrices
+    (each unit's gradients reach it as one flat shard)."""
+    from gradzip.comm.attach import _refuse_flat, _unit_group
+
+    units: dict[str, list[str]] = {}
+    for name in _parameter_names(m):
+        units.setdefault(fsdp_unit_of(name), []).append(name)
+    used = {_unit_group(policy, unit, names) for unit, names in units.items()}
+    _refuse_flat([codecs[g] for g in sorted(used)], "FSDP2")
+
+
+def fsdp_unit_of(param: str) -> str:
+    """The ``fully_shard`` unit holding a GPT parameter, as ``parallel.apply_fsdp`` wraps
+    them: each transformer block ("blocks.3"), the rest in the root ("")."""
+    parts = param.split(".")
+    return ".".join(parts[:2]) if parts[0] == "blocks" else ""
+
+
+def _parameter_names(m: ModelConfig) -> list[str]:
+    """GPT's parameter names for ``m``, from a model on the meta device (no memory)."""
+    import torch
+
+    from gradzip.train.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(dataclasses.replace(m, vocab_size=m.vocab_size or 1))
+    return [name for name, _ in model.named_parameters()]
 
 
 def nonfinite_policy(t: TrainConfig) -> str:
@@ -412,7 +557,8 @@ def resolve(
     """Build the run's configuration: defaults or ``base``, preset, file, then CLI.
 
     ``base`` is a saved, already resolved configuration (resume): it stands in for the
-    defaults and the preset, so the model preset is not re-applied over it.
+    defaults and the preset, so the model preset is not re-applied over it. Paths come
+    out absolute (``JobConfig.resolve_paths``) and every value is checked (``validate``).
     """
     cli = cli or {}
     from_file = read_config_file(config_file) if config_file else {}
@@ -426,5 +572,6 @@ def resolve(
         cfg.model.name = name
     apply_overrides(cfg, from_file, origin=str(config_file))
     apply_overrides(cfg, cli, origin="command line")
+    cfg.resolve_paths()
     cfg.validate()
     return cfg
