@@ -49,7 +49,7 @@ def register(sub: Any) -> None:
 
 def _matrix(args: argparse.Namespace) -> list[Any]:
     from gradzip.comm.netns import rate_bits_per_second
-    from gradzip.compare.matrix import PRESETS, check_runs, plan
+    from gradzip.compare.matrix import PRESETS, plan
 
     preset = PRESETS[args.preset]
     methods = ([m.strip() for m in args.methods.split(";") if m.strip()] if args.methods
@@ -75,6 +75,22 @@ def _matrix(args: argparse.Namespace) -> list[Any]:
     runs = plan(methods, rates, ranks, args.seeds or preset.seeds, train)
     check_runs(runs, Path(args.out))  # a bad spec fails here, before any training
     return runs
+
+
+def check_runs(runs: list[Any], out: Path) -> None:
+    """Resolve and validate every run's training configuration exactly as its
+    ``gradzip train`` will (a bad spec, a torch: method on the wrong path, a bad
+    option): ValueError naming the method, before any training starts."""
+    from gradzip.cli import build_parser
+    from gradzip.commands.train import resolve_args
+
+    parser = build_parser()
+    for run in {r.method: r for r in runs}.values():
+        argv = run.argv(out / "check", out / "cache")
+        try:
+            resolve_args(parser.parse_args(argv[argv.index("train"):])).validate()
+        except (ValueError, SystemExit) as e:
+            raise ValueError(f"method {run.method!r}: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -87,19 +87,3 @@ def plan(methods: list[str], rates: list[str | None], ranks: list[int], seeds: i
     """Every run: for each link setting, every seed of every method (slowest link first)."""
     return [Run(m, s, w, r, train) for r in rates for w in ranks for s in range(seeds)
             for m in methods]
-
-
-def check_runs(runs: list[Run], out: Path) -> None:
-    """Resolve and validate every run's training configuration exactly as its
-    ``gradzip train`` will (a bad spec, a torch: method on the wrong path, a bad
-    option): ValueError naming the method, before any training starts."""
-    from gradzip.cli import build_parser
-    from gradzip.commands.train import resolve_args
-
-    parser = build_parser()
-    for run in {r.method: r for r in runs}.values():
-        argv = run.argv(out / "check", out / "cache")
-        try:
-            resolve_args(parser.parse_args(argv[argv.index("train"):])).validate()
-        except (ValueError, SystemExit) as e:
-            raise ValueError(f"method {run.method!r}: {e}") from None

@@ -375,6 +375,9 @@ def _check_codec(cfg: JobConfig) -> None:
         if t.codec_groups or t.codec_start_step:
             raise ValueError("--codec-groups and --codec-start-step need a --codec")
         return
+    if t.codec.strip().startswith("torch:"):
+        _check_torch_hook(t)
+        return
     policy = codec_policy(t.codec, t.codec_groups, t.codec_start_step)  # SpecError
     if t.parallel == "none":
         raise ValueError("--codec compresses communication between ranks: it needs "
@@ -384,6 +387,19 @@ def _check_codec(cfg: JobConfig) -> None:
     codecs = [Codec.from_spec(spec) for spec in policy.specs]  # every group's SpecError
     if t.parallel == "fsdp":
         _check_fsdp_codecs(cfg.model, policy, codecs)
+
+
+def _check_torch_hook(t: TrainConfig) -> None:
+    """PyTorch's own DDP comm hooks (``torch:...``): DDP only, no gradzip policy options."""
+    from gradzip.comm.torch_hooks import parse_torch_method
+
+    parse_torch_method(t.codec)  # ValueError naming the method
+    if t.parallel != "ddp":
+        raise ValueError(f"--codec {t.codec} is a PyTorch DDP comm hook: it needs "
+                         f"--parallel ddp (got {t.parallel})")
+    if t.codec_groups or t.codec_start_step:
+        raise ValueError(f"--codec-groups and --codec-start-step are gradzip policies; "
+                         f"{t.codec} takes its own options (torch:powersgd(start_iter=N))")
 
 
 def _check_fsdp_codecs(m: ModelConfig, policy: Any, codecs: list[Any]) -> None:

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradzip.comm.torch_hooks import describe as describe_torch_method
+from gradzip.comm.torch_hooks import is_torch_method
 from gradzip.train import checkpoint as ckpt
 from gradzip.train.config import (
     JobConfig,
@@ -173,11 +175,13 @@ class Trainer:
         self._write_run_files()
         raw = GPT(cfg.model).to(self.device)
         self.n_params = raw.num_params()
-        policy = (None if t.codec == "none"
+        torch_method = t.codec if is_torch_method(t.codec) else None
+        policy = (None if t.codec == "none" or torch_method
                   else codec_policy(t.codec, t.codec_groups, t.codec_start_step))
         self.par: Parallelism = parallelize(
             raw, info, parallel=t.parallel, policy=policy, bucket_cap_mb=t.bucket_cap_mb,
-            seed=t.seed, diagnose=t.diagnose, nonfinite=nonfinite_policy(t))
+            seed=t.seed, diagnose=t.diagnose, nonfinite=nonfinite_policy(t),
+            torch_method=torch_method)
         self.model = self.par.model
         self.optimizer = build_optimizer(self.model, o)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.dtype == "fp16")
@@ -514,6 +518,8 @@ def _codec_config(t: Any) -> Any:
     """The codec's JSON form for the record; a policy's when groups or a start step."""
     if t.codec == "none":
         return None
+    if is_torch_method(t.codec):
+        return describe_torch_method(t.codec)
     policy = codec_policy(t.codec, t.codec_groups, t.codec_start_step)
     if not policy.groups and not policy.start_step:
         import gradzip

@@ -218,11 +218,14 @@ class FullyShard(Parallelism):
 
 
 def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, policy: Any,
-                bucket_cap_mb: float, seed: int, diagnose: bool,
-                nonfinite: str) -> Parallelism:
-    """Apply ``parallel`` (none, ddp, fsdp) and the codec ``policy`` (None: no codec)."""
+                bucket_cap_mb: float, seed: int, diagnose: bool, nonfinite: str,
+                torch_method: str | None = None) -> Parallelism:
+    """Apply ``parallel`` (none, ddp, fsdp) and the codec ``policy`` (None: no codec), or
+    under DDP PyTorch's own hook ``torch_method`` (``torch:fp16``, ...)."""
     if parallel == "none":
         return Parallelism(raw, raw)
+    if parallel == "ddp" and torch_method is not None:
+        return _torch_hook_ddp(raw, info, torch_method, bucket_cap_mb)
     if parallel == "ddp":
         model = apply_ddp(raw, info, bucket_cap_mb=bucket_cap_mb)
         policy = policy if policy is not None else "none"
@@ -250,3 +253,15 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     t = torch.tensor([int(flag)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def _torch_hook_ddp(raw: nn.Module, info: DistInfo, method: str,
+                    bucket_cap_mb: float) -> DataParallel:
+    """DDP with PyTorch's own comm hook (measured); powerSGD gets one bucket on gloo."""
+    from gradzip.comm.torch_hooks import attach_torch, gradient_bytes, parse_torch_method
+
+    if parse_torch_method(method)[0] == "powersgd" and dist.get_backend() == "gloo":
+        bucket_cap_mb = max(bucket_cap_mb, gradient_bytes(raw) / 2**20 + 1.0)
+    model = apply_ddp(raw, info, bucket_cap_mb=bucket_cap_mb)
+    return DataParallel(raw, model, attach_torch(model, method))
+
