@@ -35,11 +35,11 @@ def test_race_of_two_methods_writes_records_report_and_plots(tmp_path: Path) -> 
     """2 ranks, a few steps, shaped to 100 Mbit/s where namespaces work (else unshaped,
     and the records say so)."""
     out = tmp_path / "race"
-    rc = main(["compare", "--methods", "none;ef | topk(ratio=0.05)", "--rate", "100mbit",
+    rc = main(["compare", "--methods", "torch:none;ef | topk(ratio=0.05)", "--rate", "100mbit",
                "--steps", "12", "--out", str(out)])
     assert rc == 0
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["compare"]["method"] for r in records] == ["none", "ef | topk(ratio=0.05)"]
+    assert [r["compare"]["method"] for r in records] == ["torch:none", "ef | topk(ratio=0.05)"]
     shaped, _ = netns_available(shaping=True)
     for r in records:
         c = r["compare"]
@@ -51,8 +51,10 @@ def test_race_of_two_methods_writes_records_report_and_plots(tmp_path: Path) -> 
                     "quality_at_time"):
             assert key in c
         assert r["eval_history"] and r["bytes_wire_total"] > 0
-    none = records[0]["compare"]
-    assert none["time_to_target_s"] is not None  # the baseline reaches its own target
+    baseline = records[0]
+    assert baseline["codec_config"] == {"torch_hook": "allreduce_hook"}  # PyTorch's own
+    assert baseline["compare"]["time_to_target_s"] is not None  # reaches its own target
+    assert baseline["compression_ratio"] == 1.0 and records[1]["compression_ratio"] > 2
     report = (out / "report.md").read_text()
     assert "ef \\| topk(ratio=0.05)" in report or "ef | topk(ratio=0.05)" in report
     pngs = list(out.glob("*.png"))
