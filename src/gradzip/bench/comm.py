@@ -34,27 +34,22 @@ COMPUTE_ONLY = "compute-only"
 DEFAULT_SPECS = ["none", "fp16", "bf16", "ef | powersgd(rank=4)", "ef | topk(ratio=0.01)",
                  "efsignsgd"]
 TORCH_FIXED = ["torch:none", "torch:fp16", "torch:bf16"]
-_TORCH_POWERSGD = re.compile(r"^torch:powersgd(?:\(\s*rank\s*=\s*(\d+)\s*\))?$")
 #: PowerSGDState's minimum when error feedback or warm start is on
 POWERSGD_START_ITER = 2
 
 
 def is_torch_method(method: str) -> bool:
-    return method.startswith("torch:")
+    from gradzip.comm.torch_hooks import is_torch_method as is_torch
+
+    return is_torch(method)
 
 
 def torch_equivalent(method: str) -> str:
     """The gradzip spec computing what PyTorch's hook ``method`` computes."""
-    simple = {"torch:none": "none", "torch:fp16": "fp16", "torch:bf16": "bf16"}
-    if method in simple:
-        return simple[method]
-    m = _TORCH_POWERSGD.match(method.replace(" ", ""))
-    if m:
-        return f"ef | powersgd(rank={m.group(1) or 1})"
-    raise ValueError(
-        f"unknown PyTorch method {method!r}; known: torch:none, torch:fp16, torch:bf16, "
-        "torch:powersgd(rank=R)"
-    )
+    from gradzip.comm.torch_hooks import parse_torch_method
+
+    kind, params = parse_torch_method(method)  # ValueError naming what exists
+    return f"ef | powersgd(rank={params['rank']})" if kind == "powersgd" else kind
 
 
 def _canonical(spec: str) -> str:
@@ -95,9 +90,9 @@ def _powersgd_candidates(canon: str) -> list[str]:
 
 
 def _powersgd_rank(method: str) -> int:
-    m = _TORCH_POWERSGD.match(method.replace(" ", ""))
-    assert m, method
-    return int(m.group(1) or 1)
+    from gradzip.comm.torch_hooks import parse_torch_method
+
+    return parse_torch_method(method)[1]["rank"]
 
 
 def _model(width: int, depth: int) -> Any:
