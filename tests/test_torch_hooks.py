@@ -67,6 +67,9 @@ def _hooks(rank: int) -> dict:
             attach_torch(DDP(_model(), bucket_cap_mb=cap), method)
         except ValueError as e:
             out[method] = str(e)
+    # powerSGD_hook's callbacks hold the group: without a collective after the last step
+    # gloo's thread may drop the last reference and abort the exit ("Resource deadlock")
+    torch.distributed.barrier()
     return out
 
 

@@ -216,6 +216,9 @@ def _rank_main(rank: int, methods: list[str], width: int, depth: int, steps: int
             run.step(x, y, timed=True)
     for run in runs:
         run.finish(params)
+    # PyTorch's powerSGD_hook callbacks hold the process group; a last collective lets
+    # them finish first, or gloo's thread may destroy the group at exit and abort
+    dist.barrier()
     return {"rows": rows, "backend": backend}
 
 
