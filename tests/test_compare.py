@@ -59,3 +59,27 @@ def test_race_of_two_methods_writes_records_report_and_plots(tmp_path: Path) -> 
     assert "ef \\| topk(ratio=0.05)" in report or "ef | topk(ratio=0.05)" in report
     pngs = list(out.glob("*.png"))
     assert len(pngs) >= 4 and all(p.stat().st_size > 1000 for p in pngs)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rate", "fast"], "--rate 'fast'"),
+    (["--ranks", "two"], "--ranks must be integers"),
+    (["--seeds", "0"], "--ranks and --seeds must be >= 1"),
+    (["--methods", "torch:qsgd"], "unknown PyTorch hook"),
+])
+def test_bad_options_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                      argv: list[str], message: str) -> None:
+    assert main(["compare", *argv, "--out", str(tmp_path / "race")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "race").exists()
+
+
+def test_dry_run_lists_the_matrix_and_trains_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "race"
+    assert main(["compare", "--preset", "quick", "--rate", "100mbit,none", "--seeds", "2",
+                 "--dry-run", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 * 2 * len(PRESETS["quick"].methods)
+    assert lines[0].startswith("100mbit  2 ranks  seed 0  torch:none")
+    assert not out.exists()

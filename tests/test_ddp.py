@@ -36,6 +36,15 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(model(x), y)
 
 
+def _step_all(models: tuple[nn.Module, ...], step: int, rank: int, handle: object) -> None:
+    """One backward of the same batch through each model; closes gradzip's step."""
+    x, y = _batch(step, rank)
+    for m in models:
+        m.zero_grad()
+        _loss(m, x, y).backward()
+    handle.stats.end_step()  # type: ignore[attr-defined]
+
+
 # ---------------------------------------------------------------- none == plain DDP
 def _none_vs_plain(rank: int) -> dict:
     base = _model()
@@ -434,11 +443,7 @@ def _policy(rank: int) -> dict:
     handle = gradzip.attach(comp, json.dumps(policy))
     same_bias, same_weight = [], []
     for step in range(6):
-        x, y = _batch(step, rank)
-        for model in (plain, comp):
-            model.zero_grad()
-            _loss(model, x, y).backward()
-        handle.stats.end_step()
+        _step_all((plain, comp), step, rank, handle)
         pairs = list(zip(plain.module.named_parameters(), comp.module.named_parameters(),
                          strict=True))
         same_bias.append(all(torch.equal(a.grad, b.grad) for (n, a), (_, b) in pairs
@@ -517,11 +522,7 @@ def _chained(rank: int) -> dict:
     handle = gradzip.attach(ours, "fp16")
     same = []
     for step in range(4):
-        x, y = _batch(step, rank)
-        for m in (theirs, ours):
-            m.zero_grad()
-            _loss(m, x, y).backward()
-        handle.stats.end_step()
+        _step_all((theirs, ours), step, rank, handle)
         same.append(max(float((a.grad - b.grad).abs().max() / b.grad.abs().max())
                         for a, b in zip(theirs.parameters(), ours.parameters(), strict=True)))
     out["diff_to_fp16_hook"] = same
