@@ -19,6 +19,7 @@ def test_plan_orders_settings_then_seeds_then_methods() -> None:
         (None, 0, "a"), (None, 0, "b"), (None, 1, "a"), (None, 1, "b")]
     assert Run("ef | topk(ratio=0.01)", 1, 2, "100mbit").slug == \
         "100mbit-w2/ef_topk_ratio=0.01/seed1"
+    assert Run("int8", 0, 4, "1gbit", link="per-rank").slug == "1gbit-w4-per-rank/int8/seed0"
     assert "torch:none" in PRESETS["quick"].methods  # the race includes PyTorch's own
 
 
@@ -65,6 +66,7 @@ def test_race_of_two_methods_writes_records_report_and_plots(tmp_path: Path) -> 
     (["--rate", "fast"], "--rate 'fast'"),
     (["--ranks", "two"], "--ranks must be integers"),
     (["--seeds", "0"], "--ranks and --seeds must be >= 1"),
+    (["--link", "nic"], "--link must be one or more of shared, per-rank"),
     (["--methods", "torch:qsgd"], "unknown PyTorch hook"),
 ])
 def test_bad_options_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -81,5 +83,33 @@ def test_dry_run_lists_the_matrix_and_trains_nothing(
                  "--dry-run", "--out", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 * 2 * len(PRESETS["quick"].methods)
-    assert lines[0].startswith("100mbit  2 ranks  seed 0  torch:none")
+    assert lines[0].startswith("100mbit  shared link  2 ranks  seed 0  torch:none")
     assert not out.exists()
+
+
+def test_per_rank_runs_start_each_rank_without_torchrun() -> None:
+    shared, per_rank = (Run("int8", 0, 2, "100mbit", ("--model", "tiny"), link)
+                        for link in ("shared", "per-rank"))
+    assert "torch.distributed.run" in shared.argv(Path("o"), Path("c"))
+    argv = per_rank.argv(Path("o"), Path("c"))
+    assert "torch.distributed.run" not in argv  # rank_links sets RANK etc. itself
+    assert argv[1:4] == ["-m", "gradzip", "train"]
+
+
+@pytest.mark.dist
+def test_race_on_per_rank_links(tmp_path: Path) -> None:
+    """Each rank behind its own shaped link where that works (else unshaped, said so)."""
+    from gradzip.comm import rank_links
+
+    out = tmp_path / "race"
+    assert main(["compare", "--methods", "int8", "--link", "per-rank", "--steps", "6",
+                 "--out", str(out)]) == 0
+    [record] = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    c = record["compare"]
+    shaped, _ = rank_links.available()
+    assert c["shaped"] is shaped and c["link"] == ("per-rank" if shaped else "unshaped")
+    if shaped:
+        assert 0.5e8 < c["achieved_rate_bits_per_s"] < 1.5e8
+        assert "one network namespace per rank" in c["link_model"]
+    assert record["world_size"] == 2 and record["steps"] == 6
+    assert "per-rank link" in (out / "report.md").read_text()

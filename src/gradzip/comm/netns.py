@@ -34,13 +34,13 @@ from pathlib import Path
 
 __all__ = [
     "NetnsError", "loopback_bytes", "netns_available", "netns_command", "run_in_netns",
-    "tbf_burst",
+    "run_streaming", "tbf_burst",
 ]
 
 #: exit status of the namespace's setup script when ``ip``/``tc`` failed (the command
 #: itself never ran); chosen to be unlikely for a real command
 SETUP_FAILED = 97
-_MARK = "gradzip.netns setup failed:"
+SETUP_MARK = "gradzip.netns setup failed:"
 
 _UNSHARE = ["unshare", "--user", "--map-root-user", "--net", "--"]
 
@@ -192,11 +192,29 @@ def run_in_netns(
     full_env = dict(os.environ if env is None else env)
     full_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     full_env.update(extra)
+    return run_streaming(cmd, env=full_env, timeout=timeout, cwd=cwd, on_line=on_line)
+
+
+def run_streaming(
+    cmd: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    timeout: float,
+    cwd: str | os.PathLike[str] | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run a namespace command (``netns_command`` or ``rank_links.command``) to its end.
+
+    Streams stdout lines to ``on_line``; kills the command's whole process tree after
+    ``timeout`` (``subprocess.TimeoutExpired``) or if ``on_line`` raises; turns a failed
+    namespace setup (exit ``SETUP_FAILED`` with the setup mark on stderr) into
+    ``NetnsError``. Any other exit status is returned, as ``subprocess.run`` does.
+    """
     lines: list[str] = []
     with tempfile.TemporaryFile("w+") as err:
         # own session: on timeout the whole process tree (ranks included) is killed
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
-                                env=full_env, cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=err, text=True,
+                                env=dict(env), cwd=cwd, start_new_session=True)
         timed_out = threading.Event()
 
         def kill() -> None:
@@ -222,10 +240,10 @@ def run_in_netns(
         stderr = err.read()
     stdout = "".join(lines)
     if timed_out.is_set():
-        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
-    if proc.returncode == SETUP_FAILED and _MARK in stderr:
-        what = stderr[stderr.index(_MARK) + len(_MARK):].strip()
+        raise subprocess.TimeoutExpired(list(cmd), timeout, output=stdout, stderr=stderr)
+    if proc.returncode == SETUP_FAILED and SETUP_MARK in stderr:
+        what = stderr[stderr.index(SETUP_MARK) + len(SETUP_MARK):].strip()
         hint = ("; the kernel needs the sch_tbf module and a valid rate" if "tc" in what
                 else "")
         raise NetnsError(f"namespace setup failed: {what}{hint}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, stdout, stderr)

@@ -26,9 +26,10 @@ def register(sub: Any) -> None:
         "compare", help="race methods to a target loss over a rate-limited link; report",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="presets:\n" + "\n".join(f"  {k:<6} {v.doc}" for k, v in PRESETS.items())
-        + "\n\nThe link: one tc token bucket on the loopback of a fresh network "
-          "namespace (no root\nneeded), shared by all ranks. Where namespaces are "
-          "unavailable the runs go unshaped\nand every record says so.")
+        + "\n\nThe link (no root needed): 'shared' is one tc token bucket on the loopback "
+          "of a fresh\nnetwork namespace, shared by all ranks; 'per-rank' gives every rank "
+          "its own namespace\nand a veth link shaped both ways, joined by a bridge. Where "
+          "namespaces are unavailable\nthe runs go unshaped and every record says so.")
     p.add_argument("--preset", choices=sorted(PRESETS), default="quick",
                    help="the matrix to start from (default: quick)")
     p.add_argument("--methods", default=None, metavar="SPEC;SPEC",
@@ -36,6 +37,10 @@ def register(sub: Any) -> None:
                         "of the preset's")
     p.add_argument("--rate", default=None, metavar="RATE[,RATE]",
                    help="tc rates, e.g. 100mbit,1gbit; 'none' for unlimited loopback")
+    p.add_argument("--link", default=None, metavar="KIND[,KIND]",
+                   help="how ranks reach each other: 'shared' (one token bucket on a "
+                        "loopback shared by all ranks; default) and/or 'per-rank' (a "
+                        "shaped link per rank, like one NIC per node)")
     p.add_argument("--ranks", default=None, metavar="W[,W]", help="ranks per run, e.g. 2,4")
     p.add_argument("--seeds", type=int, default=None, help="seeds per method")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
@@ -49,7 +54,7 @@ def register(sub: Any) -> None:
 
 def _matrix(args: argparse.Namespace) -> list[Any]:
     from gradzip.comm.netns import rate_bits_per_second
-    from gradzip.compare.matrix import PRESETS, plan
+    from gradzip.compare.matrix import LINK_KINDS, PRESETS, plan
 
     preset = PRESETS[args.preset]
     methods = ([m.strip() for m in args.methods.split(";") if m.strip()] if args.methods
@@ -63,6 +68,11 @@ def _matrix(args: argparse.Namespace) -> list[Any]:
                 rate_bits_per_second(r)
             except ValueError as e:
                 raise ValueError(f"--rate {r!r}: {e}") from None
+    links = tuple(k.strip() for k in (args.link or "shared").split(",") if k.strip())
+    bad = [k for k in links if k not in LINK_KINDS]
+    if bad or not links:
+        raise ValueError(f"--link must be one or more of {', '.join(LINK_KINDS)} separated "
+                         f"by ',', got {args.link!r}")
     try:
         ranks = ([int(w) for w in args.ranks.split(",")] if args.ranks
                  else list(preset.ranks))
@@ -72,7 +82,7 @@ def _matrix(args: argparse.Namespace) -> list[Any]:
     if any(w < 1 for w in ranks) or (args.seeds is not None and args.seeds < 1):
         raise ValueError("--ranks and --seeds must be >= 1")
     train = preset.train + (("--max-steps", str(args.steps)) if args.steps else ())
-    runs = plan(methods, rates, ranks, args.seeds or preset.seeds, train)
+    runs = plan(methods, rates, ranks, args.seeds or preset.seeds, train, links)
     check_runs(runs, Path(args.out))  # a bad spec fails here, before any training
     return runs
 
@@ -101,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.dry_run:
         for r in runs:
-            print(f"{r.rate or 'unlimited'}  {r.ranks} ranks  seed {r.seed}  {r.method}")
+            print(f"{r.rate or 'unlimited'}  {r.link} link  {r.ranks} ranks  seed {r.seed}  "
+                  f"{r.method}")
         return 0
     return _race(runs, Path(args.out), args.budget_s)
 
@@ -118,7 +129,8 @@ def _race(runs: list[Any], out: Path, budget_s: float | None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
     results.unlink(missing_ok=True)
-    links = {rate: harness.open_link(rate) for rate in dict.fromkeys(r.rate for r in runs)}
+    links = {key: harness.open_link(*key) for key in dict.fromkeys((r.rate, r.link)
+                                                                    for r in runs)}
     for link in links.values():
         console.print(_link_line(link))
     records: list[dict[str, Any]] = []
@@ -130,7 +142,7 @@ def _race(runs: list[Any], out: Path, budget_s: float | None) -> int:
             progress.update(task, description=f"{r.method} (seed {r.seed}, {r.ranks} ranks, "
                                               f"{r.rate or 'unlimited'})")
             try:
-                record = harness.execute(r, links[r.rate], out, out / "cache")
+                record = harness.execute(r, links[r.rate, r.link], out, out / "cache")
             except harness.RunFailed as e:
                 console.print(f"[red]{e}[/red]")
                 return 1
@@ -147,7 +159,12 @@ def _race(runs: list[Any], out: Path, budget_s: float | None) -> int:
 
 
 def _link_line(link: Any) -> str:
+    if link.shaped and link.kind == "per-rank":
+        return (f"link {link.rate}, per rank: shaped, measured "
+                f"{link.achieved_bits_per_s / 1e6:.1f} Mbit/s rank 0 -> rank 1; one link "
+                "per rank, each way")
     if link.shaped:
-        return (f"link {link.rate}: shaped, measured {link.achieved_bits_per_s / 1e6:.1f} "
-                "Mbit/s for one sender; one token bucket shared by all ranks")
-    return f"link {link.rate or 'unlimited'}: UNSHAPED ({link.why_unshaped})"
+        return (f"link {link.rate}, shared: shaped, measured "
+                f"{link.achieved_bits_per_s / 1e6:.1f} Mbit/s for one sender; one token "
+                "bucket shared by all ranks")
+    return f"link {link.rate or 'unlimited'} ({link.kind}): UNSHAPED ({link.why_unshaped})"

@@ -1,9 +1,11 @@
 """``gradzip compare``: run the matrix over a real rate-limited link, then the report.
 
-Each run's ranks start inside a fresh network namespace whose loopback carries a
-token-bucket qdisc (``gradzip.comm.netns``): one link shared by all ranks, so with W
-ranks sending at once each gets about RATE/W — not a NIC per node, and every record
-and the report say so. The rate the link delivers is measured once per rate
+Each run's ranks start inside fresh network namespaces. The shared link (default):
+one namespace whose loopback carries a token-bucket qdisc (``gradzip.comm.netns``),
+one link shared by all ranks, so with W ranks sending at once each gets about
+RATE/W. Per-rank links (``--link per-rank``): one namespace per rank behind its own
+veth link shaped both ways (``gradzip.comm.rank_links``), like one NIC per node.
+Every record and the report say which. The rate the link delivers is measured once per rate
 (``linkrate.py``) and recorded. Where namespaces or ``tc`` are unavailable the runs go
 over the unshaped loopback and every record is marked ``shaped: false``.
 
@@ -18,10 +20,11 @@ and ``OUT/report.md`` with its plots is written.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,9 @@ from gradzip.compare.matrix import Run
 SHARED_LINK = ("one token bucket on the loopback of a network namespace, shared by all "
                "ranks: with W ranks sending at once each gets about RATE/W (not a NIC per "
                "node)")
+PER_RANK_LINK = ("one network namespace per rank behind its own veth link, shaped to RATE "
+                 "in each direction, all joined by a bridge: like one NIC per node on a "
+                 "non-blocking switch (rate measured rank 0 -> rank 1, TCP payload)")
 
 
 class RunFailed(RuntimeError):
@@ -44,48 +50,76 @@ class Link:
     shaped: bool
     achieved_bits_per_s: float | None
     why_unshaped: str | None = None
+    kind: str = "shared"  # matrix.LINK_KINDS
 
     def describe(self) -> dict[str, Any]:
+        model = PER_RANK_LINK if self.kind == "per-rank" else SHARED_LINK
         return {"rate": self.rate, "shaped": self.shaped,
-                "link": "shared" if self.shaped else "unshaped",
+                "link": self.kind if self.shaped else "unshaped",
                 "achieved_rate_bits_per_s": self.achieved_bits_per_s,
-                "link_model": (SHARED_LINK if self.shaped else
+                "link_model": (model if self.shaped else
                                f"unshaped loopback ({self.why_unshaped or 'no rate asked'}); "
                                "not representative of a slow link")}
 
 
-def open_link(rate: str | None) -> Link:
-    """The link for ``rate``: shaped in a namespace and measured, or why it cannot be."""
-    from gradzip.comm.netns import NetnsError, netns_available, rate_bits_per_second, run_in_netns
+def _namespace_command(argv: list[str], rate: str, kind: str,
+                       ranks: int) -> tuple[list[str], dict[str, str]]:
+    """The command that runs ``argv`` behind links of ``kind`` shaped to ``rate``, and
+    its environment (argv is one process on a shared link, each rank's per rank)."""
+    from gradzip.comm import rank_links
+    from gradzip.comm.netns import netns_command
+
+    if kind == "per-rank":
+        return rank_links.command(argv, ranks=ranks, rate=rate), dict(os.environ)
+    cmd, extra = netns_command(argv, rate=rate)
+    return cmd, {**os.environ, "GLOO_SOCKET_IFNAME": "lo", **extra}
+
+
+def _links_available(kind: str) -> tuple[bool, str]:
+    from gradzip.comm import rank_links
+    from gradzip.comm.netns import netns_available
+
+    return rank_links.available() if kind == "per-rank" else netns_available(shaping=True)
+
+
+def open_link(rate: str | None, kind: str = "shared") -> Link:
+    """The link for ``rate``: shaped in namespaces and measured, or why it cannot be."""
+    from gradzip.comm.netns import NetnsError, rate_bits_per_second, run_streaming
 
     if rate is None:
-        return Link(None, False, None, "unlimited loopback asked for")
-    ok, why = netns_available(shaping=True)
+        return Link(None, False, None, "unlimited loopback asked for", kind)
+    ok, why = _links_available(kind)
     if not ok:
-        return Link(rate, False, None, why)
+        return Link(rate, False, None, why, kind)
     argv = [sys.executable, "-m", "gradzip.compare.linkrate", "--nominal",
             str(rate_bits_per_second(rate))]
+    if kind == "per-rank":
+        argv.append("--between-ranks")
+    cmd, env = _namespace_command(argv, rate, kind, ranks=2)
     try:
-        proc = run_in_netns(argv, rate=rate, timeout=120.0)
+        proc = run_streaming(cmd, env=env, timeout=120.0)
     except NetnsError as e:
-        return Link(rate, False, None, str(e))
+        return Link(rate, False, None, str(e), kind)
     if proc.returncode != 0:
-        return Link(rate, False, None, f"link probe failed: {proc.stderr[-300:]}")
+        return Link(rate, False, None, f"link probe failed: {proc.stderr[-300:]}", kind)
     return Link(rate, True, float(json.loads(proc.stdout.strip().splitlines()[-1])
-                                  ["bits_per_s"]))
+                                  ["bits_per_s"]), kind=kind)
 
 
 def execute(run: Run, link: Link, out: Path, cache: Path,
             on_line: Callable[[str], None] | None = None,
             timeout: float = 4 * 3600.0) -> dict[str, Any]:
     """Train one run (shaped when the link is) and return its annotated record."""
-    from gradzip.comm.netns import run_in_netns
+    from gradzip.comm.netns import run_streaming
 
     run_dir = out / "runs" / run.slug
-    argv = run.argv(run_dir, cache)
     if link.shaped:
-        proc = run_in_netns(argv, rate=link.rate, timeout=timeout, on_line=on_line)
-    else:
+        assert link.rate is not None
+        cmd, env = _namespace_command(run.argv(run_dir, cache), link.rate, link.kind,
+                                      run.ranks)
+        proc = run_streaming(cmd, env=env, timeout=timeout, on_line=on_line)
+    else:  # torchrun on the unshaped loopback, whatever link kind was asked for
+        argv = replace(run, link="shared").argv(run_dir, cache)
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RunFailed(f"{run.method} (seed {run.seed}, {run.ranks} ranks, "

@@ -18,6 +18,10 @@ from pathlib import Path
 #: methods that are PyTorch's own DDP comm hooks run through the same trainer
 TORCH_PREFIX = "torch:"
 
+#: how the ranks of a run reach each other: one token bucket on a loopback shared by
+#: all ranks (``gradzip.comm.netns``), or a shaped link per rank (``comm.rank_links``)
+LINK_KINDS = ("shared", "per-rank")
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -66,24 +70,29 @@ class Run:
     ranks: int
     rate: str | None  # None: unlimited loopback
     train: tuple[str, ...] = field(default=())
+    link: str = "shared"  # one of LINK_KINDS
 
     @property
     def slug(self) -> str:
         """A directory name: the setting, the method made filename-safe, the seed."""
         method = re.sub(r"[^A-Za-z0-9.=]+", "_", self.method).strip("_")
-        return f"{self.rate or 'unlimited'}-w{self.ranks}/{method}/seed{self.seed}"
+        kind = "" if self.link == "shared" else f"-{self.link}"
+        return f"{self.rate or 'unlimited'}-w{self.ranks}{kind}/{method}/seed{self.seed}"
 
     def argv(self, out: Path, cache: Path) -> list[str]:
-        """``torchrun ... gradzip train`` for this run (DDP over gloo)."""
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node", str(self.ranks), "-m", "gradzip", "train", *self.train,
+        """``torchrun ... gradzip train`` for this run (DDP over gloo); on per-rank links
+        the rank launcher of ``comm.rank_links`` starts each rank instead of torchrun."""
+        torchrun = ([] if self.link == "per-rank" else
+                    ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                     str(self.ranks)])
+        return [sys.executable, *torchrun, "-m", "gradzip", "train", *self.train,
                 "--parallel", "ddp", "--codec", self.method, "--seed", str(self.seed),
                 "--cache-dir", str(cache), "--out", str(out), "--no-progress",
                 "--no-tensorboard"]
 
 
 def plan(methods: list[str], rates: list[str | None], ranks: list[int], seeds: int,
-         train: tuple[str, ...]) -> list[Run]:
+         train: tuple[str, ...], links: tuple[str, ...] = ("shared",)) -> list[Run]:
     """Every run: for each link setting, every seed of every method (slowest link first)."""
-    return [Run(m, s, w, r, train) for r in rates for w in ranks for s in range(seeds)
-            for m in methods]
+    return [Run(m, s, w, r, train, k) for r in rates for k in links for w in ranks
+            for s in range(seeds) for m in methods]

@@ -1,0 +1,78 @@
+"""``gradzip.comm.rank_links``: every rank in its own namespace behind its own link."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from gradzip.comm import rank_links
+from gradzip.comm.netns import run_streaming
+
+OK, WHY = rank_links.available()
+needs_links = pytest.mark.skipif(not OK, reason=f"no per-rank links here: {WHY}")
+
+
+def test_command_checks_its_arguments() -> None:
+    with pytest.raises(ValueError, match="needs a command"):
+        rank_links.command([], ranks=2, rate=None)
+    with pytest.raises(ValueError, match="ranks must be >= 1"):
+        rank_links.command(["true"], ranks=0, rate=None)
+    with pytest.raises(ValueError, match="100mbit"):
+        rank_links.command(["true"], ranks=2, rate="fast")
+
+
+def test_rank_env_is_what_torchrun_would_set() -> None:
+    env = rank_links.rank_env(2, 3)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("2", "3", "0")
+    assert env["MASTER_ADDR"] == rank_links.address(0) == "10.77.0.1"
+    assert env["GRADZIP_RANK_ADDRS"] == "10.77.0.1,10.77.0.2,10.77.0.3"
+    assert env["GLOO_SOCKET_IFNAME"] == "eth0"
+
+
+def _run(argv: list[str], ranks: int, rate: str | None) -> tuple[int, str]:
+    proc = run_streaming(rank_links.command(argv, ranks=ranks, rate=rate),
+                         env=dict(os.environ), timeout=120)
+    return proc.returncode, proc.stdout
+
+
+@needs_links
+def test_each_rank_has_its_own_shaped_nic() -> None:
+    show = ("echo $RANK $(ip -br -4 addr show eth0 | awk '{print $3}') "
+            "$(tc qdisc show dev eth0 | grep -o 'rate [0-9A-Za-z]*')")
+    rc, out = _run(["sh", "-c", show], ranks=3, rate="50mbit")
+    assert rc == 0
+    assert sorted(out.split("\n")[:3]) == [
+        f"{i} 10.77.0.{i + 1}/24 rate 50Mbit" for i in range(3)]
+
+
+@needs_links
+def test_a_failing_rank_ends_the_others_and_its_status_is_returned() -> None:
+    start = time.monotonic()
+    rc, _ = _run(["sh", "-c", '[ "$RANK" = 1 ] && exit 3; exec sleep 60'], ranks=3, rate=None)
+    assert rc == 3 and time.monotonic() - start < 30
+
+
+@needs_links
+def test_rank_to_rank_rate_is_the_shaped_rate() -> None:
+    rc, out = _run([sys.executable, "-m", "gradzip.compare.linkrate", "--nominal", "1e8",
+                    "--between-ranks"], ranks=2, rate="100mbit")
+    assert rc == 0
+    rate = json.loads(out.strip().splitlines()[-1])["bits_per_s"]
+    assert 0.85e8 < rate < 1.05e8  # TCP payload of a 100 Mbit/s link, headers excluded
+
+
+@needs_links
+def test_gloo_ranks_all_reduce_across_their_links() -> None:
+    code = ("import torch, torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\n"
+            "t = torch.tensor([float(dist.get_rank() + 1)])\n"
+            "dist.all_reduce(t)\n"
+            "print(dist.get_rank(), int(t.item()))\n"
+            "dist.destroy_process_group()\n")
+    rc, out = _run([sys.executable, "-c", code], ranks=3, rate="1gbit")
+    assert rc == 0
+    assert sorted(out.split()) == sorted(["0", "6", "1", "6", "2", "6"])
