@@ -113,3 +113,13 @@ def test_race_on_per_rank_links(tmp_path: Path) -> None:
         assert "one network namespace per rank" in c["link_model"]
     assert record["world_size"] == 2 and record["steps"] == 6
     assert "per-rank link" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_is_a_valid_matrix(tmp_path: Path, preset: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Each preset's every method resolves as its `gradzip train` would (a dry run)."""
+    assert main(["compare", "--preset", preset, "--dry-run", "--out", str(tmp_path)]) == 0
+    p = PRESETS[preset]
+    runs = len(p.methods) * len(p.rates) * len(p.ranks) * p.seeds
+    assert len(capsys.readouterr().out.splitlines()) == runs
