@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "gradzip.commands.eval",  # gradzip eval --ckpt DIR
     "gradzip.commands.generate",  # gradzip generate --ckpt DIR
     "gradzip.commands.report",  # gradzip report RESULTS.jsonl --out DIR
+    "gradzip.commands.archive",  # gradzip archive ls|verify|export|pack
 ]
 
 

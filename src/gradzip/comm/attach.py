@@ -50,6 +50,10 @@ class Handle:
         self.stats = stats
         self.policy = policy
         self._ddp_state = ddp_state
+        #: FSDP2's compressed reduce-scatters, one per unit
+        self.reduce_scatters: list[CompressedReduceScatter] = []
+        #: the ``gradzip.capture.Capture`` recording the buckets, if any
+        self.capture: Any = None
 
     @property
     def codec(self) -> Codec:
@@ -66,9 +70,12 @@ class Handle:
         load_codec_states(self.codecs, sd)
 
     def close(self) -> None:
-        """Stop the communication thread (DDP); the hook must not run afterwards."""
+        """Stop the communication thread (DDP) and close the capture; the hook must not
+        run afterwards."""
         if self._ddp_state is not None:
             self._ddp_state.close()
+        if self.capture is not None:
+            self.capture.close()
 
     def __repr__(self) -> str:
         return f"gradzip.comm.Handle({self.kind}, {str(self.policy)!r})"
@@ -85,6 +92,7 @@ def attach(
     groups: dict[str, str] | None = None,
     start_step: int | None = None,
     aggregate: str | None = None,
+    capture: Any = None,
 ) -> Handle:
     """Compress ``model``'s gradient communication with ``spec``; returns a ``Handle``.
 
@@ -97,7 +105,9 @@ def attach(
     ``start_step`` say the same as keywords. ``aggregate`` (auto, gather, two_phase)
     overrides how non-summable payloads are aggregated. ``diagnose`` also computes
     the exact mean gradient each reduction (an extra fp32 all-reduce, reported apart
-    from ``bytes_wire``) for ``grad_rel_error``/``grad_cos_sim``.
+    from ``bytes_wire``) for ``grad_rel_error``/``grad_cos_sim``. ``capture`` (a
+    ``gradzip.capture.Capture``) records each bucket as it is communicated (DDP and
+    FSDP2); the handle's ``close`` closes it.
     """
     policy = with_overrides(Policy.parse(spec), groups, start_step)
     options = {} if aggregate is None else {"aggregate": aggregate}
@@ -108,16 +118,34 @@ def attach(
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
+    if capture is not None and isinstance(model, FullyShardedDataParallel):
+        raise ValueError("capture works with DDP and FSDP2 (fully_shard), not FSDP1")
     if isinstance(model, DistributedDataParallel):
-        return apply_ddp(model, policy, codecs, process_group, diagnose)
-    if isinstance(model, FullyShardedDataParallel):
-        return apply_fsdp1(model, policy, codecs, process_group, diagnose)
-    if isinstance(model, FSDPModule):
-        return apply_fsdp2(model, policy, codecs, diagnose)
-    raise TypeError(
+        handle = apply_ddp(model, policy, codecs, process_group, diagnose)
+    elif isinstance(model, FullyShardedDataParallel):
+        handle = apply_fsdp1(model, policy, codecs, process_group, diagnose)
+    elif isinstance(model, FSDPModule):
+        handle = apply_fsdp2(model, policy, codecs, diagnose)
+    else:
+        raise TypeError(
         f"gradzip.attach expects a DistributedDataParallel, fully_shard (FSDP2) or "
-        f"FullyShardedDataParallel (FSDP1) model, got {type(model).__name__}"
-    )
+            f"FullyShardedDataParallel (FSDP1) model, got {type(model).__name__}"
+        )
+    if capture is not None:
+        apply_capture(handle, model, capture, policy)
+    return handle
+
+
+def apply_capture(handle: Handle, model: nn.Module, capture: Any, policy: Policy) -> None:
+    """Hand every reduction of ``handle`` to ``capture`` (this rank's pack series)."""
+    capture.start(dist.get_rank(), codec=str(policy))
+    handle.capture = capture
+    if handle._ddp_state is not None:
+        handle._ddp_state.capture = capture
+        module = cast(nn.Module, model.module)
+        handle._ddp_state.names = {id(p): n for n, p in module.named_parameters()}
+    for rs in handle.reduce_scatters:
+        rs.capture = capture
 
 
 def with_overrides(policy: Policy, groups: dict[str, str] | None,
@@ -189,11 +217,15 @@ def apply_fsdp2(model: nn.Module, policy: Policy, codecs: list[Codec], diagnose:
     comms = CommCache()
     names = {id(p): name for name, p in model.named_parameters()}
     units = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    scatters = []
     for index, (name, unit) in enumerate(units):
         module = cast(nn.Module, unit)
-        g = _unit_group(policy, name, [names[id(p)] for p in unit_parameters(module)])
+        params = [names[id(p)] for p in unit_parameters(module)]
+        g = _unit_group(policy, name, params)
         rs = CompressedReduceScatter(reducers[g], comms, key=f"fsdp2/{index}",
-                                     start_step=policy.start_step, shapes=shard_shapes(module))
+                                     start_step=policy.start_step, shapes=shard_shapes(module),
+                                     index=index, names=params)
+        scatters.append(rs)
         try:
             unit.set_custom_reduce_scatter(rs)
         except ValueError as e:
@@ -202,7 +234,9 @@ def apply_fsdp2(model: nn.Module, policy: Policy, codecs: list[Codec], diagnose:
                 "Use one param group per fully_shard call (no per-parameter "
                 "shard_placement_fn mesh), or wrap those parameters separately."
             ) from e
-    return Handle("fsdp2", codecs, stats, policy)
+    handle = Handle("fsdp2", codecs, stats, policy)
+    handle.reduce_scatters = scatters
+    return handle
 
 
 def _unit_group(policy: Policy, unit: str, params: list[str]) -> int:

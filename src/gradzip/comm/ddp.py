@@ -100,6 +100,10 @@ class DDPCommState:
         #: all-reduce, no communication thread (``chained.py``)
         self.chained = not self.groups and not diagnose and chainable(codec)
         self.iteration = 0
+        #: a ``gradzip.capture.Capture`` recording each bucket as it is communicated,
+        #: and parameter identity -> name for its records (set by ``attach``)
+        self.capture: Any = None
+        self.names: dict[int, str] = {}
         # bucket index -> identities of its parameters when it was last compressed
         self._layouts: dict[int, tuple[int, ...]] = {}
         self._splits: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
@@ -145,6 +149,8 @@ class DDPCommState:
 
     def close(self) -> None:
         self.worker.close()
+        if self.capture is not None:
+            self.capture.close()
 
 
 def load_codec_states(codecs: list[Codec], sd: dict[str, Any]) -> None:
@@ -184,7 +190,31 @@ def _reduce_group(state: DDPCommState, g: int, buffer: torch.Tensor, key: str,
 
 
 def gradzip_hook(state: DDPCommState, bucket: dist.GradBucket) -> torch.futures.Future:
-    """DDP comm hook: mean of ``bucket`` over ranks through the policy's codecs."""
+    """DDP comm hook: mean of ``bucket`` over ranks through the policy's codecs (and the
+    bucket recorded by the capture, when one is attached and this step is on its
+    schedule: what this rank sends, before the reduction overwrites it)."""
+    capture = state.capture
+    if capture is None or not capture.active:
+        return _reduce_bucket(state, bucket)
+    index, params = bucket.index(), bucket.parameters()
+    names = [state.names.get(id(p), f"param{k}") for k, p in enumerate(params)]
+    shapes = [tuple(p.shape) for p in params]
+    capture.record(index, names, shapes, bucket.buffer())
+    fut = _reduce_bucket(state, bucket)
+    if not capture.aggregated:
+        return fut
+
+    def record_mean(done: torch.futures.Future) -> Any:
+        value = done.value()
+        mean = value[0] if isinstance(value, list | tuple) else value
+        capture.record(index, names, shapes, mean, kind="aggregated")
+        return value
+
+    return fut.then(record_mean)
+
+
+def _reduce_bucket(state: DDPCommState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """The mean of ``bucket`` over ranks, through the policy's codecs."""
     buffer = bucket.buffer()
     index = bucket.index()
     key = f"bucket{index}"

@@ -91,7 +91,8 @@ class CompressedReduceScatter(ReduceScatter):
     """FSDP2 custom reduce-scatter for one FSDP module (``set_custom_reduce_scatter``)."""
 
     def __init__(self, reducer: Reducer, comms: CommCache, key: str, *,
-                 start_step: int = 0, shapes: list[torch.Size] | None = None) -> None:
+                 start_step: int = 0, shapes: list[torch.Size] | None = None,
+                 index: int = 0, names: list[str] | None = None) -> None:
         self.reducer = reducer
         self.comms = comms
         self.key = key
@@ -100,6 +101,11 @@ class CompressedReduceScatter(ReduceScatter):
         #: the padded shard shapes of the module's parameters inside each chunk
         self.shapes = shapes
         self.calls = 0
+        #: the unit's position among the model's units, and its parameters' names
+        self.index = index
+        self.names = names or []
+        #: a ``gradzip.capture.Capture`` recording each reduction (set by ``attach``)
+        self.capture: Any = None
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -119,9 +125,14 @@ class CompressedReduceScatter(ReduceScatter):
         shapes = self.shapes
         if shapes is not None and sum(s.numel() for s in shapes) != output_tensor.numel():
             shapes = None  # some parameters got no gradient this step: layout unknown
+        capture = self.capture
+        if capture is not None and capture.active:
+            self._record(capture, input_tensor, shapes, comm.world_size, "local")
         self.reducer.reduce_scatter(input_tensor, output_tensor, comm, self.key,
                                     divisor=divisor, factor=factor, plain=not compress,
                                     shapes=shapes)
+        if capture is not None and capture.active and capture.aggregated:
+            self._record(capture, output_tensor, shapes, 1, "aggregated", comm.rank)
         if not async_op:
             return None
         done: torch.futures.Future = torch.futures.Future()
@@ -129,6 +140,26 @@ class CompressedReduceScatter(ReduceScatter):
         # a completed Work; torch's stubs lack this private helper (FSDP2 itself calls
         # the reduce-scatter synchronously, so this path serves other callers only)
         return torch._C._distributed_c10d._create_work_from_future(done)  # type: ignore[attr-defined]
+
+
+    def _record(self, capture: Any, flat: torch.Tensor, shapes: list[torch.Size] | None,
+                chunks: int, kind: str, first_chunk: int = 0) -> None:
+        """Hand ``flat`` (``chunks`` destination chunks, each every parameter's padded
+        dim-0 shard back to back) to the capture: one entry ``{name}@shard{j}`` per
+        parameter and chunk, or one flat entry when the layout is unknown."""
+        if shapes is None or len(shapes) != len(self.names):
+            capture.record(self.index, [f"unit{self.index}.flat"], [tuple(flat.shape)], flat,
+                           kind=kind)
+            return
+        names, entry_shapes, offsets = [], [], []
+        offset = 0
+        for j in range(first_chunk, first_chunk + chunks):
+            for name, shape in zip(self.names, shapes, strict=True):
+                names.append(f"{name}@shard{j}")
+                entry_shapes.append(tuple(shape))
+                offsets.append(offset)
+                offset += shape.numel()
+        capture.record(self.index, names, entry_shapes, flat, offsets=offsets, kind=kind)
 
 
 class FSDP1CommState:

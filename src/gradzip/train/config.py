@@ -213,6 +213,17 @@ class RunConfig:
     """Profiled steps A:B (inclusive)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    capture: str = field(default="", metadata={"path": True})
+    """Capture the communicated gradient buckets into an HDF5 archive in this directory
+    (`gradzip archive ls DIR`); empty = no capture. Needs --parallel ddp or fsdp."""
+    capture_every: int = 0
+    """Capture every N-th step (0 = every step, unless --capture-steps lists them)."""
+    capture_steps: str = ""
+    """Capture only these steps, comma-separated (e.g. 1,100,1000)."""
+    capture_budget: str = ""
+    """Stop capturing once this many bytes were captured (e.g. 10GB); empty = no limit."""
+    capture_aggregated: bool = False
+    """Also capture the aggregated (post-communication) gradient of each bucket."""
 
 
 @dataclass
@@ -246,6 +257,7 @@ class JobConfig:
         _check_optim(self.optim)
         _check_train(self.train, self.run)
         _check_codec(self)
+        _check_capture(self)
 
     def schedule_horizon(self) -> int:
         """The step at which the cosine lr reaches its floor: decay_steps, else max_steps."""
@@ -366,6 +378,41 @@ def _check_train(t: TrainConfig, r: RunConfig) -> None:
     if r.profile and first > t.max_steps:
         raise ValueError(f"--profile-steps {r.profile_steps} starts after --max-steps "
                          f"{t.max_steps}: nothing would be profiled")
+
+
+def _check_capture(cfg: JobConfig) -> None:
+    """Capture options: parseable, and a path that communicates through gradzip."""
+    r, t = cfg.run, cfg.train
+    if not r.capture:
+        if r.capture_every or r.capture_steps or r.capture_budget or r.capture_aggregated:
+            raise ValueError("--capture-every/-steps/-budget/-aggregated need --capture DIR")
+        return
+    if t.parallel == "none":
+        raise ValueError("--capture records what ranks communicate: use --parallel ddp or "
+                         "fsdp (under torchrun, or one process)")
+    if t.codec.strip().startswith("torch:"):
+        raise ValueError(f"--capture wraps gradzip's hooks, not PyTorch's own ({t.codec}); "
+                         "use a gradzip codec (`none` for the plain all-reduce)")
+    _at_least(0, [("--capture-every", r.capture_every)])
+    capture_schedule(r)
+
+
+def capture_schedule(r: RunConfig) -> dict[str, Any]:
+    """The ``gradzip.capture.Capture`` keywords of the --capture-* options."""
+    from gradzip.capture.layout import parse_size
+
+    try:
+        steps = ([int(s) for s in r.capture_steps.split(",") if s.strip()]
+                 if r.capture_steps else None)
+    except ValueError:
+        raise ValueError(f"--capture-steps must be step numbers separated by ',', got "
+                         f"{r.capture_steps!r}") from None
+    try:
+        budget = parse_size(r.capture_budget) if r.capture_budget else None
+    except ValueError as e:
+        raise ValueError(f"--capture-budget: {e}") from None
+    return {"every": r.capture_every or None, "steps": steps, "budget": budget,
+            "aggregated": r.capture_aggregated}
 
 
 def _check_codec(cfg: JobConfig) -> None:

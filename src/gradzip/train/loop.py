@@ -33,6 +33,7 @@ from gradzip.train import checkpoint as ckpt
 from gradzip.train.config import (
     JobConfig,
     OptimConfig,
+    capture_schedule,
     codec_policy,
     nonfinite_policy,
     parse_profile_steps,
@@ -178,10 +179,11 @@ class Trainer:
         torch_method = t.codec if is_torch_method(t.codec) else None
         policy = (None if t.codec == "none" or torch_method
                   else codec_policy(t.codec, t.codec_groups, t.codec_start_step))
+        self.capture = self._make_capture(cleanup)
         self.par: Parallelism = parallelize(
             raw, info, parallel=t.parallel, policy=policy, bucket_cap_mb=t.bucket_cap_mb,
             seed=t.seed, diagnose=t.diagnose, nonfinite=nonfinite_policy(t),
-            torch_method=torch_method)
+            torch_method=torch_method, capture=self.capture)
         self.model = self.par.model
         self.optimizer = build_optimizer(self.model, o)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.dtype == "fp16")
@@ -216,6 +218,17 @@ class Trainer:
             raise ValueError(f"{self.run_dir} already holds checkpoints: pass --resume to "
                              "continue that run, or choose another --out")
         return None
+
+    def _make_capture(self, cleanup: contextlib.ExitStack) -> Any:
+        """The gradient capture of --capture (closed however the run ends: what was
+        queued is written, the steps that ended are committed)."""
+        if not self.cfg.run.capture:
+            return None
+        from gradzip.capture.capture import Capture
+
+        capture = Capture(self.cfg.run.capture, **capture_schedule(self.cfg.run))
+        cleanup.callback(capture.close)
+        return capture
 
     def _size_vocab(self) -> None:
         vocab = self.data.tokenizer.vocab_size
@@ -316,7 +329,11 @@ class Trainer:
             while step < t.max_steps:
                 step += 1
                 t0 = time.perf_counter()
+                if self.capture is not None:
+                    self.capture.begin_step(step, epoch=getattr(self.loader, "epoch", 0))
                 loss_sum, lr, grad_norm = self.train_step(step)
+                if self.capture is not None:
+                    self.capture.end_step()
                 phases = self.timer.end_step()
                 step_ms = (time.perf_counter() - t0) * 1e3
                 self.metrics.end_step(step_ms, phases, grad_norm)
@@ -461,6 +478,7 @@ class Trainer:
             **self.metrics.communication(),
             **self.metrics.counters(),
             "ef_memory_bytes": _state_bytes(self.par.codec_state()),
+            "capture": _capture_summary(self.capture),
             **peak_memory(info.device),
             "target_loss": t.target_loss or None,
             "time_to_target_s": p["time_to_target_s"],
@@ -476,6 +494,15 @@ class Trainer:
             else torch.cuda.get_device_name(info.device),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+
+
+def _capture_summary(capture: Any) -> dict[str, Any] | None:
+    """What --capture wrote from this rank (rank 0's record), None without capture."""
+    if capture is None:
+        return None
+    st = capture.stats
+    return {"dir": str(capture.directory), "buckets": st.buckets, "bytes": st.bytes,
+            "queued_buckets_dropped": st.dropped, "step_wait_s": round(st.wait_s, 4)}
 
 
 def _state_bytes(state: Any) -> int | None:

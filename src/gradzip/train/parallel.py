@@ -137,15 +137,17 @@ def apply_fsdp(model: GPT, info: DistInfo) -> nn.Module:
 
 
 def attach_codec(model: nn.Module, spec: Any, *, seed: int, diagnose: bool,
-                 nonfinite: str = "error") -> Any:
-    """Install the gradient codec on a DDP or FSDP2 module; returns gradzip's handle."""
+                 nonfinite: str = "error", capture: Any = None) -> Any:
+    """Install the gradient codec (and the capture, if any) on a DDP or FSDP2 module;
+    returns gradzip's handle."""
     import gradzip
 
     attach = getattr(gradzip, "attach", None)
     if attach is None:
         raise RuntimeError("this gradzip has no gradzip.attach (the comm layer is missing); "
                            "--codec needs it")
-    return attach(model, spec, seed=seed, diagnose=diagnose, nonfinite=nonfinite)
+    return attach(model, spec, seed=seed, diagnose=diagnose, nonfinite=nonfinite,
+                  capture=capture)
 
 
 class Parallelism:
@@ -219,9 +221,11 @@ class FullyShard(Parallelism):
 
 def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, policy: Any,
                 bucket_cap_mb: float, seed: int, diagnose: bool, nonfinite: str,
-                torch_method: str | None = None) -> Parallelism:
+                torch_method: str | None = None, capture: Any = None) -> Parallelism:
     """Apply ``parallel`` (none, ddp, fsdp) and the codec ``policy`` (None: no codec), or
-    under DDP PyTorch's own hook ``torch_method`` (``torch:fp16``, ...)."""
+    under DDP PyTorch's own hook ``torch_method`` (``torch:fp16``, ...). ``capture`` (a
+    ``gradzip.capture.Capture``) records the communicated buckets: FSDP then reduces
+    through gradzip's ``none`` when no codec is given."""
     if parallel == "none":
         return Parallelism(raw, raw)
     if parallel == "ddp" and torch_method is not None:
@@ -230,10 +234,14 @@ def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, policy: Any,
         model = apply_ddp(raw, info, bucket_cap_mb=bucket_cap_mb)
         policy = policy if policy is not None else "none"
         return DataParallel(raw, model, attach_codec(model, policy, seed=seed,
-                                                     diagnose=diagnose, nonfinite=nonfinite))
+                                                     diagnose=diagnose, nonfinite=nonfinite,
+                                                     capture=capture))
     model = apply_fsdp(cast(GPT, raw), info)
+    if capture is not None and policy is None:
+        policy = "none"
     handle = None if policy is None else attach_codec(model, policy, seed=seed,
-                                                       diagnose=diagnose, nonfinite=nonfinite)
+                                                       diagnose=diagnose, nonfinite=nonfinite,
+                                                       capture=capture)
     return FullyShard(raw, model, handle)
 
 

@@ -1,0 +1,179 @@
+"""Reading and checking a capture archive.
+
+``Archive(dir)`` lists what was captured (filter by rank, epoch, step, bucket, name,
+kind), loads one tensor or one bucket as a flat array, memory-mapped from its pack
+(every dataset is contiguous and unfiltered, at the file offset the index records),
+and iterates. ``verify(dir)`` checks every indexed tensor against its checksum and its
+pack's HDF5 structure and says exactly what is wrong and where.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gradzip.capture import index
+from gradzip.capture.index import Entry
+from gradzip.capture.packs import storage_dtype
+
+
+class ArchiveError(RuntimeError):
+    """A capture archive is missing, unreadable or does not hold what was asked."""
+
+
+class Archive:
+    """A capture archive directory, read through its index."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        try:
+            self._db = index.connect(self.directory, readonly=True)
+        except FileNotFoundError as e:
+            raise ArchiveError(str(e)) from None
+
+    def entries(self, *, rank: int | None = None, epoch: int | None = None,
+                step: int | None = None, bucket: int | None = None, name: str | None = None,
+                kind: str | None = None) -> list[Entry]:
+        """Every captured tensor matching the filters (None = any), in archive order."""
+        return list(index.query(self._db, rank=rank, epoch=epoch, step=step, bucket=bucket,
+                                name=name, kind=kind))
+
+    def steps(self) -> list[tuple[int, int, int]]:
+        """(rank, epoch, step) of every completed step."""
+        return index.completed_steps(self._db)
+
+    def __iter__(self) -> Iterator[Entry]:
+        return index.query(self._db)
+
+    def __len__(self) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM tensors").fetchone()[0])
+
+    def load(self, entry: Entry, *, copy: bool = False) -> np.ndarray:
+        """The tensor's values in its shape (bfloat16 as uint16 bits: see ``tensor``),
+        memory-mapped read-only from its pack unless ``copy``."""
+        path = self.directory / entry.pack
+        dtype = storage_dtype(entry.dtype)
+        if entry.nbytes == 0:
+            return np.zeros(entry.shape, dtype=dtype)
+        if not path.is_file():
+            raise ArchiveError(f"{entry.dataset}: its pack {entry.pack} is missing")
+        if path.stat().st_size < entry.file_offset + entry.nbytes:
+            raise ArchiveError(f"{entry.pack}: truncated, {entry.dataset} ends past the file")
+        values = np.memmap(path, dtype=dtype, mode="r", offset=entry.file_offset,
+                           shape=entry.shape)
+        return np.array(values) if copy else values
+
+    def tensor(self, entry: Entry) -> Any:
+        """The tensor as a ``torch.Tensor`` of its captured dtype (bfloat16 included)."""
+        import torch
+
+        values = torch.from_numpy(self.load(entry, copy=True))
+        return values.view(torch.bfloat16) if entry.dtype == "bfloat16" else values
+
+    def bucket(self, rank: int, epoch: int, step: int, bucket: int,
+               kind: str = "local") -> np.ndarray:
+        """One bucket as a flat array: its tensors at their offsets in the bucket."""
+        parts = self.entries(rank=rank, epoch=epoch, step=step, bucket=bucket, kind=kind)
+        if not parts:
+            raise ArchiveError(f"no {kind} bucket {bucket} of rank {rank}, epoch {epoch}, "
+                               f"step {step} in {self.directory}")
+        size = max(e.bucket_offset + e.numel for e in parts)
+        flat = np.empty(size, dtype=storage_dtype(parts[0].dtype))
+        for e in parts:
+            flat[e.bucket_offset:e.bucket_offset + e.numel] = self.load(e).reshape(-1)
+        return flat
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> Archive:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something wrong in an archive: where (pack, dataset) and what."""
+
+    where: str
+    what: str
+    fatal: bool = True
+
+    def __str__(self) -> str:
+        return f"{'error' if self.fatal else 'note'}: {self.where}: {self.what}"
+
+
+def verify(directory: str | os.PathLike[str]) -> tuple[int, list[Problem]]:
+    """(tensors checked, problems): every indexed tensor's bytes against its CRC-32, its
+    dataset in the pack's HDF5 structure; datasets no committed step lists are notes."""
+    try:
+        archive = Archive(directory)
+    except ArchiveError as err:
+        return 0, [Problem(str(directory), str(err))]
+    with archive:
+        entries = list(archive)
+        problems = [p for e in entries for p in _check_bytes(archive, e)]
+        by_pack: dict[str, list[Entry]] = {}
+        for entry in entries:
+            by_pack.setdefault(entry.pack, []).append(entry)
+        for pack in sorted(_packs(archive.directory) | set(by_pack)):
+            problems += _check_structure(archive.directory, pack, by_pack.get(pack, []))
+    return len(entries), problems
+
+
+def _packs(directory: Path) -> set[str]:
+    return {str(p.relative_to(directory)) for p in directory.glob("*/pack_*.h5")}
+
+
+def _check_bytes(archive: Archive, e: Entry) -> list[Problem]:
+    where = f"{e.pack}:{e.dataset}"
+    try:
+        values = archive.load(e)
+    except (ArchiveError, OSError, ValueError) as err:
+        return [Problem(where, str(err))]
+    crc = zlib.crc32(np.ascontiguousarray(values).data)
+    if crc != e.crc32:
+        return [Problem(where, f"checksum mismatch (index {e.crc32:#010x}, data {crc:#010x}):"
+                               " the bytes changed after capture")]
+    return []
+
+
+def _check_structure(directory: Path, pack: str, entries: list[Entry]) -> list[Problem]:
+    """The pack opens with HDF5 and holds each indexed dataset at the indexed offset."""
+    import h5py
+
+    path = directory / pack
+    if not path.is_file():
+        return [Problem(pack, "pack file missing")]
+    try:
+        f = h5py.File(path, "r")
+    except OSError as err:
+        return [Problem(pack, f"HDF5 cannot open it ({err}); the indexed bytes are checked "
+                              "above, but HDF5 tools cannot read this pack")]
+    problems: list[Problem] = []
+    with f:
+        listed = {e.dataset for e in entries}
+        for e in entries:
+            ds = f.get(e.dataset)
+            if not isinstance(ds, h5py.Dataset):
+                problems.append(Problem(f"{pack}:{e.dataset}", "indexed dataset not in the pack"))
+            elif (ds.id.get_offset() or 0) != e.file_offset or tuple(ds.shape) != e.shape:
+                problems.append(Problem(f"{pack}:{e.dataset}", "dataset offset or shape "
+                                        "differs from the index"))
+        found: list[str] = []
+        f.visititems(lambda name, obj: found.append("/" + name)
+                     if isinstance(obj, h5py.Dataset) else None)
+        orphans = [d for d in found if d not in listed]
+        if orphans:
+            problems.append(Problem(pack, f"{len(orphans)} dataset(s) of steps that never "
+                                          f"completed (ignored), e.g. {orphans[0]}",
+                                    fatal=False))
+    return problems

@@ -1,0 +1,144 @@
+"""Writing captured buckets into HDF5 packs that roll over at a size cap.
+
+A ``PackWriter`` owns one series of packs, ``{directory}/{series}/pack_{n}.h5`` (one
+series per rank or per conversion worker: HDF5 files have one writer). Each
+parameter's gradient is one contiguous, unfiltered dataset, so its bytes sit at one
+offset in the file: the reader memory-maps them, and a checksum covers exactly them.
+
+``write_bucket`` adds a bucket's datasets; ``commit_step`` flushes the pack to disk and
+only then records the step in the index (``index.commit_step``). A crash before the
+commit leaves datasets the index does not list (``verify`` reports them as
+uncommitted); every committed step stays readable. A writer reopening an archive
+starts a new pack rather than appending to one a crash may have left half-written.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from gradzip.capture import index
+from gradzip.capture.layout import StepKey, dataset_path
+
+DEFAULT_PACK_CAP = int(1.8e12)  # 1.8 TB
+
+
+def versions() -> dict[str, str]:
+    import torch
+
+    from gradzip import __version__
+
+    return {"torch_version": str(torch.__version__), "gradzip_version": str(__version__)}
+
+
+def storage_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype a tensor of ``dtype`` is stored as (bfloat16 as its uint16 bits)."""
+    return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
+
+
+class PackWriter:
+    """Buckets into one series of rolling packs, steps into the index."""
+
+    def __init__(self, directory: str | os.PathLike[str], series: str, *,
+                 pack_cap: int = DEFAULT_PACK_CAP) -> None:
+        if pack_cap <= 0:
+            raise ValueError(f"pack_cap must be positive, got {pack_cap}")
+        self.directory = Path(directory)
+        self.series = series
+        self.pack_cap = pack_cap
+        (self.directory / series).mkdir(parents=True, exist_ok=True)
+        self.db = index.connect(self.directory)
+        self._versions = versions()
+        self._file: h5py.File | None = None
+        self._path: Path | None = None
+        self._pack_bytes = 0
+        self._pending: dict[StepKey, list[index.Entry]] = {}
+        self.bytes_written = 0
+
+    def _next_pack(self) -> None:
+        """Close the current pack and open a fresh one (never append to an old one)."""
+        self._close_pack()
+        n = 0
+        while (self.directory / self.series / f"pack_{n}.h5").exists():
+            n += 1
+        self._path = self.directory / self.series / f"pack_{n}.h5"
+        self._file = h5py.File(self._path, "w")
+        self._file.attrs.update(self._versions)
+        self._pack_bytes = 0
+
+    def _close_pack(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def write_bucket(self, key: StepKey, bucket: int, flat: np.ndarray, dtype: str,
+                     params: list[tuple[str, tuple[int, ...], int]], *,
+                     kind: str = "local", codec: str = "") -> int:
+        """Store one bucket: ``params`` lists (name, shape, offset in ``flat``) of each
+        tensor in it; ``flat`` holds the bucket's values (bfloat16 as uint16 bits).
+        Returns the bytes written. Nothing is in the index until ``commit_step``."""
+        if flat.dtype != storage_dtype(dtype):
+            raise ValueError(f"bucket values are {flat.dtype}, expected {storage_dtype(dtype)} "
+                             f"for {dtype}")
+        if self._file is None or (self._pack_bytes and
+                                  self._pack_bytes + flat.nbytes > self.pack_cap):
+            self._next_pack()
+        assert self._file is not None and self._path is not None
+        entries = self._pending.setdefault(key, [])
+        written = 0
+        for name, shape, offset in params:
+            n = int(np.prod(shape, dtype=np.int64))
+            values = np.ascontiguousarray(flat[offset:offset + n]).reshape(shape)
+            path = dataset_path(key, bucket, name, kind)
+            ds = self._file.create_dataset(path, data=values)  # contiguous, no filters
+            crc = zlib.crc32(values.data)
+            ds.attrs.update({"shape": list(shape), "dtype": dtype, "offset": offset,
+                             "codec": codec, "crc32": crc, **self._versions})
+            file_offset = ds.id.get_offset()
+            if file_offset is None:  # an empty tensor has no storage
+                file_offset = 0
+            entries.append(index.Entry(
+                key.rank, key.epoch, key.step, bucket, kind, name,
+                str(self._path.relative_to(self.directory)), path, int(file_offset),
+                values.nbytes, dtype, tuple(int(d) for d in shape), offset, crc, codec))
+            written += values.nbytes
+        self._pack_bytes += written
+        self.bytes_written += written
+        return written
+
+    def commit_step(self, key: StepKey, *, durable: bool = True) -> None:
+        """Flush the pack (and fsync it when ``durable``), then index the step."""
+        entries = self._pending.pop(key, [])
+        if not entries:
+            return
+        if self._file is not None:
+            self._file.flush()
+            if durable:
+                _fsync(self._path)
+        index.commit_step(self.db, key.rank, key.epoch, key.step, entries)
+
+    def close(self) -> None:
+        """Close the pack; steps never committed stay out of the index."""
+        self._close_pack()
+        self.db.close()
+
+    def __enter__(self) -> PackWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _fsync(path: Path | None) -> None:
+    if path is None:
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

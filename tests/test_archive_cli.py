@@ -1,0 +1,112 @@
+"""``gradzip archive``: pack .pt bucket directories (also while they grow), ls, export,
+verify."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gradzip.capture import Archive
+from gradzip.capture.convert import pack_directory
+from gradzip.cli import main
+
+
+def _bucket(rank: int, step: int, bucket: int, dtype: torch.dtype = torch.float16) -> dict:
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + bucket)
+    return {"model.layers.0.mlp.w": torch.randn(16, 8, generator=g).to(dtype),
+            "model.layers.0.mlp.b": torch.randn(8, generator=g).to(dtype)}
+
+
+def _write_pt(directory: Path, rank: int, step: int, bucket: int, **kw: object) -> Path:
+    path = directory / f"R_{rank}_E_0_S_{step}_B_{bucket}.pt"
+    torch.save(_bucket(rank, step, bucket, **kw), path)  # type: ignore[arg-type]
+    return path
+
+
+def _same(archive: Archive, rank: int, step: int, bucket: int,
+          dtype: torch.dtype = torch.float16) -> bool:
+    want = torch.cat([t.reshape(-1) for t in _bucket(rank, step, bucket, dtype).values()])
+    got = torch.from_numpy(archive.bucket(rank, 0, step, bucket))
+    got = got.view(torch.bfloat16) if dtype == torch.bfloat16 else got
+    return torch.equal(got, want)
+
+
+@pytest.mark.parametrize("delete", [False, True])
+def test_pack_a_directory_keeps_or_deletes_sources(tmp_path: Path, delete: bool) -> None:
+    src = tmp_path / "pt"
+    src.mkdir()
+    files = [_write_pt(src, r, s, b) for r in (0, 1) for s in (1, 2) for b in (0, 1)]
+    (src / "notes.txt").write_text("not a bucket")
+    args = ["archive", "pack", str(src), "--out", str(tmp_path / "a"), "--workers", "2"]
+    assert main(args + (["--delete-source"] if delete else [])) == 0
+    assert all(f.exists() != delete for f in files) and (src / "notes.txt").exists()
+    with Archive(tmp_path / "a") as a:
+        assert len(a.steps()) == 4 and all(_same(a, r, s, b) for r in (0, 1) for s in (1, 2)
+                                           for b in (0, 1))
+        [w] = a.entries(rank=1, step=2, bucket=1, name="model.layers.0.mlp.w")
+        assert w.shape == (16, 8) and w.dtype == "float16"
+    if not delete:  # a second run packs nothing twice
+        report = pack_directory(src, tmp_path / "a", workers=1)
+        assert (report.packed, report.present) == (0, 8)
+    assert main(["archive", "verify", str(tmp_path / "a")]) == 0
+
+
+def test_watch_packs_files_as_they_appear(tmp_path: Path) -> None:
+    src = tmp_path / "pt"
+    src.mkdir()
+    _write_pt(src, 0, 0, 0, dtype=torch.bfloat16)
+
+    def produce() -> None:
+        for step in range(1, 4):
+            time.sleep(0.4)
+            _write_pt(src, 0, step, 0, dtype=torch.bfloat16)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    report = pack_directory(src, tmp_path / "a", workers=2, watch=True, poll_s=0.2,
+                            idle_exit_s=1.5, delete_source=True)
+    producer.join()
+    assert report.packed == 4 and report.failed == {} and not list(src.glob("*.pt"))
+    with Archive(tmp_path / "a") as a:
+        assert all(_same(a, 0, s, 0, torch.bfloat16) for s in range(4))
+
+
+def test_a_bad_file_is_reported_and_the_rest_packed(tmp_path: Path) -> None:
+    src = tmp_path / "pt"
+    src.mkdir()
+    _write_pt(src, 0, 0, 0)
+    (src / "R_0_E_0_S_1_B_0.pt").write_bytes(b"not a torch file")
+    report = pack_directory(src, tmp_path / "a", workers=1)
+    assert report.packed == 1 and list(report.failed) == [str(src / "R_0_E_0_S_1_B_0.pt")]
+
+
+def test_ls_export_and_verify_a_corrupt_pack(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "pt"
+    src.mkdir()
+    _write_pt(src, 0, 5, 2, dtype=torch.float32)
+    archive = tmp_path / "a"
+    assert main(["archive", "pack", str(src), "--out", str(archive), "--workers", "1"]) == 0
+    assert main(["archive", "ls", str(archive), "--tensors", "--name", "*mlp.b"]) == 0
+    assert "model.layers.0.mlp.b" in capsys.readouterr().out
+    out = tmp_path / "b.npy"
+    assert main(["archive", "export", str(archive), "--step", "5", "--bucket", "2",
+                 "--out", str(out)]) == 0
+    want = torch.cat([t.reshape(-1) for t in _bucket(0, 5, 2, torch.float32).values()])
+    np.testing.assert_array_equal(np.load(out), want.numpy())
+    with Archive(archive) as a:
+        [b] = a.entries(name="model.layers.0.mlp.b")
+    with open(archive / b.pack, "r+b") as f:
+        f.seek(b.file_offset)
+        f.write(b"\x00\x00\x80\x7f")  # an inf where a value was
+    capsys.readouterr()
+    assert main(["archive", "verify", str(archive)]) == 1
+    err = capsys.readouterr()
+    assert f"{b.pack}:/R_0_E_0_S_5/B_2/model.layers.0.mlp.b: checksum mismatch" in err.err
+    assert "1 problem(s)" in err.out
+    assert main(["archive", "ls", str(tmp_path / "nothing")]) == 2
