@@ -220,3 +220,40 @@ def test_two_rank_ddp_capture_round_trip(tmp_path: Path, spec: str) -> None:
                 np.testing.assert_allclose(mean[0], (local[0] + local[1]) / 2, rtol=1e-6)
         assert all(e.codec == spec for e in a)
     assert verify(tmp_path)[1] == []
+
+
+def _fsdp_capture(rank: int, directory: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    capture = Capture(directory, aggregated=True)
+    handle = gradzip.attach(model, "none", capture=capture)
+    for step in range(2):
+        capture.begin_step(step)
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        model(x).pow(2).mean().backward()
+        capture.end_step()
+        model.zero_grad()
+    handle.close()
+
+
+@pytest.mark.dist
+def test_two_rank_fsdp2_capture_records_every_shard(tmp_path: Path) -> None:
+    run_ranks(_fsdp_capture, 2, str(tmp_path))
+    with Archive(tmp_path) as a:
+        assert sorted(a.steps()) == [(r, 0, s) for r in (0, 1) for s in range(2)]
+        local = a.entries(rank=0, step=1, kind="local")
+        assert {"0.weight@shard0", "0.weight@shard1"} <= {e.name for e in local}
+        for unit in sorted({e.bucket for e in local}):
+            sent = [a.bucket(r, 0, 1, unit) for r in (0, 1)]
+            for r in (0, 1):  # rank r keeps the mean of chunk r of what both sent
+                mean = a.bucket(r, 0, 1, unit, kind="aggregated")
+                chunk = slice(r * mean.size, (r + 1) * mean.size)
+                np.testing.assert_allclose(mean, (sent[0][chunk] + sent[1][chunk]) / 2,
+                                           rtol=1e-5, atol=1e-7)
+                assert all(e.name.endswith(f"@shard{r}") for e in a.entries(
+                    rank=r, step=1, bucket=unit, kind="aggregated"))
+    assert verify(tmp_path)[1] == []
