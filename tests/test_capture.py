@@ -68,7 +68,9 @@ def test_round_trip_of_buckets_dtypes_and_schedules(tmp_path: Path) -> None:
     with h5py.File(tmp_path / "rank0" / "pack_0.h5") as f:  # readable by any HDF5 tool
         ds = f["/R_0_E_0_S_2/B_0/b%2Fx"]
         assert list(ds[:]) == [8, 9, 10, 11] and ds.attrs["dtype"] == "float32"
-        assert ds.attrs["torch_version"] == str(torch.__version__)
+        assert ds.attrs["crc32"] > 0 and ds.attrs["offset"] == 6
+        assert ds.parent.attrs["torch_version"] == str(torch.__version__)
+        assert ds.parent.attrs["codec"] == "none" and f.attrs["gradzip_version"]
     assert verify(tmp_path) == (9, [])
 
 

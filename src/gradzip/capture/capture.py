@@ -38,7 +38,7 @@ class Capture:
     def __init__(self, directory: str | os.PathLike[str], *, every: int | None = None,
                  steps: Iterable[int] | None = None, budget: str | int | None = None,
                  aggregated: bool = False, queue_size: int = 8, on_full: str = "wait",
-                 pack_cap: str | int = DEFAULT_PACK_CAP, durable: bool = True) -> None:
+                 pack_cap: str | int = DEFAULT_PACK_CAP, durable: bool = False) -> None:
         if every is not None and every < 1:
             raise ValueError(f"capture every must be >= 1, got {every}")
         if on_full not in ("wait", "drop"):

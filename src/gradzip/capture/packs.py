@@ -4,6 +4,8 @@ A ``PackWriter`` owns one series of packs, ``{directory}/{series}/pack_{n}.h5`` 
 series per rank or per conversion worker: HDF5 files have one writer). Each
 parameter's gradient is one contiguous, unfiltered dataset, so its bytes sit at one
 offset in the file: the reader memory-maps them, and a checksum covers exactly them.
+Datasets carry their shape, dtype, offset in the bucket and CRC-32 as attributes; the
+bucket's group and the file carry the codec and the torch and gradzip versions.
 
 ``write_bucket`` adds a bucket's datasets; ``commit_step`` flushes the pack to disk and
 only then records the step in the index (``index.commit_step``). A crash before the
@@ -75,6 +77,7 @@ class PackWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+            _fsync(self._path)
 
     def write_bucket(self, key: StepKey, bucket: int, flat: np.ndarray, dtype: str,
                      params: list[tuple[str, tuple[int, ...], int]], *,
@@ -90,6 +93,8 @@ class PackWriter:
             self._next_pack()
         assert self._file is not None and self._path is not None
         entries = self._pending.setdefault(key, [])
+        group = self._file.require_group(dataset_path(key, bucket, "", kind).rstrip("/"))
+        group.attrs.update({"codec": codec, **self._versions})  # once per bucket
         written = 0
         for name, shape, offset in params:
             n = int(np.prod(shape, dtype=np.int64))
@@ -98,7 +103,7 @@ class PackWriter:
             ds = self._file.create_dataset(path, data=values)  # contiguous, no filters
             crc = zlib.crc32(values.data)
             ds.attrs.update({"shape": list(shape), "dtype": dtype, "offset": offset,
-                             "codec": codec, "crc32": crc, **self._versions})
+                             "crc32": crc})
             file_offset = ds.id.get_offset()
             if file_offset is None:  # an empty tensor has no storage
                 file_offset = 0
@@ -111,8 +116,10 @@ class PackWriter:
         self.bytes_written += written
         return written
 
-    def commit_step(self, key: StepKey, *, durable: bool = True) -> None:
-        """Flush the pack (and fsync it when ``durable``), then index the step."""
+    def commit_step(self, key: StepKey, *, durable: bool = False) -> None:
+        """Flush the pack, then index the step. A killed process loses nothing flushed
+        (the kernel holds it); ``durable`` also fsyncs, for a machine that may lose power
+        (the pack is fsynced when it is closed in any case)."""
         entries = self._pending.pop(key, [])
         if not entries:
             return

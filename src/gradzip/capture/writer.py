@@ -37,7 +37,7 @@ class BackgroundWriter:
     """A thread that drains a bounded queue of buckets into a ``PackWriter``."""
 
     def __init__(self, packs: PackWriter, *, queue_size: int = 8, drop: bool = False,
-                 durable: bool = True) -> None:
+                 durable: bool = False) -> None:
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
         self.packs = packs

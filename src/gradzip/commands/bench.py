@@ -7,6 +7,7 @@ from typing import Any
 
 BENCH_MODULES = [
     "gradzip.bench.aggregate",  # gradzip bench aggregate
+    "gradzip.bench.capture",  # gradzip bench capture
     "gradzip.bench.codecs",  # gradzip bench codecs
     "gradzip.bench.comm",  # gradzip bench comm
     "gradzip.bench.data",  # gradzip bench data

@@ -502,7 +502,8 @@ def _capture_summary(capture: Any) -> dict[str, Any] | None:
         return None
     st = capture.stats
     return {"dir": str(capture.directory), "buckets": st.buckets, "bytes": st.bytes,
-            "queued_buckets_dropped": st.dropped, "step_wait_s": round(st.wait_s, 4)}
+            "queued_buckets_dropped": st.dropped, "step_wait_s": round(st.wait_s, 4),
+            "writer_busy_s": round(st.write_s, 4)}
 
 
 def _state_bytes(state: Any) -> int | None:
