@@ -140,16 +140,18 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
 
 def add_race_figures(records: list[dict[str, Any]], budget_s: float | None) -> None:
     """Each record's time_to_target_s and quality_at_time, from the report's summary
-    (the target: the uncompressed baseline's mean final validation loss x 1.01)."""
+    (the target: the final validation loss of the uncompressed baseline run with the same
+    seed x 1.01)."""
     from gradzip.compare.summary import loss_at_time, summarize, time_to_target
 
     for setting in summarize(records, budget_s):
         for method in setting.methods:
             for run in method.runs:
                 c = run.record["compare"]
-                c["target_val_loss"] = setting.target
-                c["time_to_target_s"] = (time_to_target(run, setting.target)
-                                         if setting.target is not None else None)
+                target = setting.target_for(run)
+                c["target_val_loss"] = target
+                c["time_to_target_s"] = (time_to_target(run, target)
+                                         if target is not None else None)
                 c["quality_budget_s"] = setting.budget_s
                 c["quality_at_time"] = (loss_at_time(run, setting.budget_s)
                                         if setting.budget_s is not None else None)

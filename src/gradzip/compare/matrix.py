@@ -56,7 +56,7 @@ PRESETS: dict[str, Preset] = {
                  "dgc(ratio=0.01)"),
         rates=("100mbit", "1gbit"), ranks=(2, 4), seeds=3, train=_TINY,
         doc="every codec family against PyTorch's hooks, 3 seeds, 100 Mbit/s and 1 Gbit/s, "
-            "2 and 4 ranks (132 runs, about 1.5 hours on 2 cores)"),
+            "2 and 4 ranks (132 runs, about an hour on 2 cores)"),
 }
 
 

@@ -98,7 +98,7 @@ def plot_loss(summary: SettingSummary, path: Path, x: str = "time") -> Path | No
         return None
     if summary.target is not None:
         ax.axhline(summary.target, color="black", linestyle="--", linewidth=0.8,
-                   label=f"target {summary.target:.4f}")
+                   label=f"target {summary.target:.4f} (mean of the seeds')")
     if x == "time" and summary.budget_s is not None:
         ax.axvline(summary.budget_s, color="grey", linestyle=":", linewidth=0.8,
                    label=f"time budget {summary.budget_s:.1f} s")

@@ -45,8 +45,9 @@ COLUMN_HELP = f"""\
   evaluations do not span B). By default B is the earliest time at which a run of the
   setting made its last evaluation, so every run has a value (`--budget-s` sets it).
 - **time to target**: training time (step time, evaluation excluded) of the first
-  evaluation at or below the target, the baseline's mean final validation loss x
-  {TARGET_FACTOR}; its resolution is the evaluation schedule. Mean ± std over the seeds
+  evaluation at or below the run's target: the final validation loss of the baseline run
+  with the same seed (same initialization and data order) x {TARGET_FACTOR}, so seed
+  luck cancels; its resolution is the evaluation schedule. Mean ± std over the seeds
   that reached it; "k/n not reached" counts those that did not.
 - **speed-up**: the reference's mean time to target / this method's (above 1: sooner);
   against the baseline and against each `torch:powersgd(...)` of the setting.
@@ -208,8 +209,8 @@ def setting_lines(summary: SettingSummary) -> list[str]:
         base = summary.method(summary.baseline)
         loss = base.val_loss.mean if base.val_loss else float("nan")
         lines.append(f"- **Baseline**: `{summary.baseline}`, final validation loss {loss:.4f} "
-                     f"(mean of {len(base.runs)}); **target** {summary.target:.4f} "
-                     f"(x {TARGET_FACTOR}).")
+                     f"(mean of {len(base.runs)}); **target** per seed: that seed's "
+                     f"baseline final loss x {TARGET_FACTOR} (mean {summary.target:.4f}).")
     if summary.budget_s is not None:
         why = "--budget-s" if summary.budget_given else \
             "the earliest last evaluation of the setting's runs"

@@ -4,9 +4,13 @@ The question the report answers is "on this link, which method reaches the quali
 uncompressed training soonest". So, within one setting (rate, ranks, link kind):
 
 - the **baseline** is ``torch:none`` (DDP without a hook) if it ran, else gradzip's
-  ``none``; the **target** is its mean final validation loss x 1.01;
+  ``none``; the **target** of a run is paired with its seed: the final validation loss of
+  the baseline run with the same seed (same initialization, same data order) x 1.01.
+  Seeds differ by more than 1% from one another on short runs, so a pooled target would
+  measure seed luck, not the method; a run whose seed has no baseline run gets the
+  baseline's mean final loss x 1.01;
 - a run's **time to target** is the training time (``train_time_s`` of ``eval_history``:
-  step time only, evaluation excluded) of its first evaluation at or below the target;
+  step time only, evaluation excluded) of its first evaluation at or below its target;
   runs that never got there are counted, not dropped;
 - its **loss at the time budget** is the validation loss at a fixed training time,
   linearly interpolated between the two evaluations around it (never extrapolated);
@@ -166,11 +170,17 @@ class SettingSummary:
     setting: Setting
     methods: list[MethodSummary]
     baseline: str | None
-    target: float | None
+    target: float | None  # the mean of the seeds' targets
     budget_s: float | None
     budget_given: bool
     references: list[str]
     notes: list[str] = field(default_factory=list)
+    #: seed -> the target of that seed's runs (its baseline run's final loss x 1.01)
+    seed_targets: dict[int | None, float] = field(default_factory=dict)
+
+    def target_for(self, run: Run) -> float | None:
+        """The target of ``run``: its seed's, else the mean target."""
+        return self.seed_targets.get(run.seed, self.target)
 
     @property
     def runs(self) -> list[Run]:
@@ -229,10 +239,12 @@ def _method_row(name: str, runs: list[Run], raw_by_model: dict[Any, float]) -> M
     return row
 
 
-def _time_to_target(runs: list[Run], target: float) -> TimeToTarget:
-    """Times to target of runs with evaluations; runs without any are left out."""
+def _time_to_target(runs: list[Run], targets: dict[int | None, float],
+                    fallback: float) -> TimeToTarget:
+    """Times to target (each run's seed's target) of runs with evaluations; runs without
+    any are left out."""
     evaluated = [r for r in runs if r.history()]
-    times = [time_to_target(r, target) for r in evaluated]
+    times = [time_to_target(r, targets.get(r.seed, fallback)) for r in evaluated]
     return TimeToTarget(stat(times), sum(t is None for t in times), len(evaluated))
 
 
@@ -263,7 +275,9 @@ def summarize_setting(setting: Setting, runs: list[Run],
     raw_by_model = _raw_by_model(runs)
     rows = [_method_row(m, by_method[m], raw_by_model) for m in order]
     base = rows[0] if baseline else None
-    target = base.val_loss.mean * TARGET_FACTOR if base and base.val_loss else None
+    seed_targets = ({r.seed: loss * TARGET_FACTOR for r in base.runs
+                     if (loss := r.num("val_loss")) is not None} if base else {})
+    target = statistics.fmean(seed_targets.values()) if seed_targets else None
     budget = budget_s if budget_s is not None else _default_budget(runs)
     refs = ([baseline] if baseline else []) + [m for m in order
                                                 if m.startswith("torch:powersgd")]
@@ -273,11 +287,11 @@ def summarize_setting(setting: Setting, runs: list[Run],
         if budget is not None:
             row.at_budget = stat(loss_at_time(r, budget) for r in row.runs)
         if target is not None:
-            row.ttt = _time_to_target(row.runs, target)
+            row.ttt = _time_to_target(row.runs, seed_targets, target)
     for row in rows:
         row.speedups = {ref: _speedup(rows[order.index(ref)], row) for ref in refs}
     return SettingSummary(setting, rows, baseline, target, budget, budget_s is not None,
-                          refs, _notes(rows, baseline, target))
+                          refs, _notes(rows, baseline, target), seed_targets)
 
 
 def _notes(rows: list[MethodSummary], baseline: str | None, target: float | None) -> list[str]:
