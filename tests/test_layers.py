@@ -26,6 +26,9 @@ FORBIDDEN = {
     # the archive knows tensors and files, not how they were communicated
     "capture": ("gradzip.comm", "gradzip.train", "gradzip.bench", "gradzip.commands",
                 "gradzip.cli", "torch.distributed"),
+    # analysis reads archives and runs codecs over the simulated communicator
+    "analyze": ("gradzip.comm", "gradzip.train", "gradzip.bench", "gradzip.commands",
+                "gradzip.cli", "torch.distributed"),
 }
 
 

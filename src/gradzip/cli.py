@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "gradzip.commands.generate",  # gradzip generate --ckpt DIR
     "gradzip.commands.report",  # gradzip report RESULTS.jsonl --out DIR
     "gradzip.commands.archive",  # gradzip archive ls|verify|export|pack
+    "gradzip.commands.analyze",  # gradzip analyze ARCHIVE|DIR|FILE
 ]
 
 

@@ -12,7 +12,9 @@ steps, each readable. SQLite's journal makes the commit atomic, and several writ
 from __future__ import annotations
 
 import json
+import random
 import sqlite3
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,15 +90,33 @@ def connect(directory: Path, *, readonly: bool = False) -> sqlite3.Connection:
     else:
         # one writer thread uses it at a time (opened by the owner, used by its thread)
         db = sqlite3.connect(path, timeout=60, check_same_thread=False)
-        # write-ahead log: a commit is atomic and survives the process being killed
-        # without an fsync per step (synced at checkpoints and on close)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        db.executescript(_SCHEMA)
-        db.execute("INSERT OR IGNORE INTO meta VALUES ('format_version', ?)",
-                   (str(FORMAT_VERSION),))
-        db.commit()
+        _while_locked(lambda: _prepare(db))
     return db
+
+
+def _prepare(db: sqlite3.Connection) -> None:
+    # write-ahead log: a commit is atomic and survives the process being killed
+    # without an fsync per step (synced at checkpoints and on close)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.executescript(_SCHEMA)
+    db.execute("INSERT OR IGNORE INTO meta VALUES ('format_version', ?)",
+               (str(FORMAT_VERSION),))
+    db.commit()
+
+
+def _while_locked(fn: Any, timeout_s: float = 60.0) -> None:
+    """Run ``fn``, retrying while another writer (rank) holds the database: switching
+    to WAL takes an exclusive lock that SQLite's busy timeout does not wait for."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fn()
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02 + random.random() * 0.05)
 
 
 def commit_step(db: sqlite3.Connection, rank: int, epoch: int, step: int,

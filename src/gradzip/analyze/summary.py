@@ -1,0 +1,147 @@
+"""The summary of an analysis: Markdown tables and PNG plots from ``buckets.csv``.
+
+``write_summary(out_dir)`` writes ``OUT/summary.md``: a describe-style table per metric
+(count, mean, std, min, quartiles, max), per-step and (with ``params.csv``) per-layer
+breakdowns, and plots: histograms of a metric over buckets, bits per value over training
+steps, and the code lengths of the first study's column.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: the metrics the describe table covers, with what they mean
+METRICS = {
+    "first_study_saving_vs_fp16": "first study: saving vs fp16 (EG order 0 + sign bit, 1e6)",
+    "fixed_entropy_bits": "fixed 1e6: order-0 entropy, bits/value",
+    "fixed_eg_best_bits": "fixed 1e6: best Exp-Golomb, bits/value",
+    "fixed_eg_eta": "fixed 1e6: best Exp-Golomb efficiency (entropy / bits)",
+    "fixed_ans_eta": "fixed 1e6: ANS efficiency",
+    "int8_entropy_bits": "int8 (block abs-max): entropy, bits/value",
+    "int8_eg_eta": "int8: best Exp-Golomb efficiency",
+    "raw_deflate_ratio": "zip of the raw values (deflate), ratio vs captured",
+    "h5_deflate_ratio": "zip of the HDF5 bytes (deflate), ratio vs captured",
+    "raw_zstd_ratio": "zstd of the raw values, ratio vs captured",
+    "lossless_ratio": "gradzip lossless float codec, ratio vs captured",
+    "field_entropy_ratio": "field-entropy bound, ratio vs captured",
+    "kurtosis": "excess kurtosis",
+    "ggd_shape": "generalized-Gaussian shape (2 Gaussian, 1 Laplace)",
+    "zero_fraction": "fraction of zeros",
+}
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def column(rows: list[dict[str, str]], name: str) -> np.ndarray:
+    vals = []
+    for r in rows:
+        try:
+            vals.append(float(r.get(name) or "nan"))
+        except ValueError:
+            vals.append(math.nan)
+    a = np.array(vals, dtype=np.float64)
+    return a[np.isfinite(a)]
+
+
+def describe(values: np.ndarray) -> list[str]:
+    if values.size == 0:
+        return ["0"] + ["-"] * 7
+    q1, q2, q3 = np.percentile(values, [25, 50, 75])
+    std = values.std(ddof=1) if values.size > 1 else 0.0
+    return [str(values.size)] + [f"{v:.4g}" for v in (values.mean(), std, values.min(),
+                                                      q1, q2, q3, values.max())]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _breakdown(rows: list[dict[str, str]], by: str, metric: str) -> list[list[str]]:
+    groups: dict[str, list[dict[str, str]]] = {}
+    for r in rows:
+        groups.setdefault(r.get(by) or "-", []).append(r)
+    def order(k: str) -> Any:
+        return (0, float(k)) if k.replace(".", "", 1).isdigit() else (1, k)
+    return [[k, str(len(g)), f"{column(g, metric).mean():.4g}" if column(g, metric).size
+             else "-"] for k, g in sorted(groups.items(), key=lambda kv: order(kv[0]))]
+
+
+def _plots(rows: list[dict[str, str]], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    for metric in ("first_study_saving_vs_fp16", "fixed_eg_eta", "lossless_ratio"):
+        values = column(rows, metric)
+        if values.size:
+            fig, ax = plt.subplots(figsize=(6, 3.5))
+            ax.hist(values, bins=min(50, max(5, values.size // 2)))
+            ax.set_xlabel(METRICS[metric])
+            ax.set_ylabel("buckets")
+            fig.tight_layout()
+            fig.savefig(out / f"hist_{metric}.png", dpi=110)
+            plt.close(fig)
+            made.append(f"hist_{metric}.png")
+    steps = [(float(r["step"]), float(r["fixed_eg_best_bits"]), float(r["fixed_entropy_bits"]))
+             for r in rows if r.get("step") and r.get("fixed_eg_best_bits")]
+    if steps:
+        steps.sort()
+        s, eg, h = zip(*steps, strict=True)
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(s, eg, ".", label="best Exp-Golomb")
+        ax.plot(s, h, ".", label="order-0 entropy")
+        ax.set_xlabel("training step")
+        ax.set_ylabel("bits per value (fixed 1e6)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "bits_over_steps.png", dpi=110)
+        plt.close(fig)
+        made.append("bits_over_steps.png")
+    return made
+
+
+def write_summary(out_dir: str | Path) -> Path:
+    """``OUT/summary.md`` (and its PNGs) from the analysis in ``out_dir``."""
+    out = Path(out_dir)
+    rows = read_rows(out / "buckets.csv")
+    if not rows:
+        raise ValueError(f"{out}/buckets.csv holds no rows: nothing to summarize")
+    impl = rows[0].get("deflate_impl", "?")
+    lines = [f"# Gradient compressibility: {len(rows)} buckets", "",
+             f"Source: {rows[0].get('source', '?')}. Deflate by {impl}. Ratios are against "
+             f"the captured dtype ({rows[0].get('dtype')}); bits are per value.", "",
+             "## Per metric", ""]
+    lines += _table(["metric", "count", "mean", "std", "min", "25%", "50%", "75%", "max"],
+                    [[desc, *describe(column(rows, name))] for name, desc in METRICS.items()])
+    lines += ["", "## Per step", ""]
+    lines += _table(["step", "buckets", "fixed 1e6 best EG bits/value"],
+                    _breakdown(rows, "step", "fixed_eg_best_bits"))
+    params = out / "params.csv"
+    if params.is_file():
+        prows = read_rows(params)
+        for r in prows:
+            r["layer"] = ".".join(r["name"].split(".")[:-1]) or r["name"]
+        lines += ["", "## Per layer", ""]
+        lines += _table(["layer", "tensors", "fixed 1e6 best EG bits/value"],
+                        _breakdown(prows, "layer", "fixed_eg_best_bits"))
+    flagged = [r["key"] for r in rows if r.get("fixed_misordered") == "True"]
+    lines += ["", f"Buckets whose symbols are not ordered by probability (rank-mapped EG "
+                  f">10% shorter than plain EG): {len(flagged)}"
+              + (f", e.g. {', '.join(flagged[:5])}" if flagged else ""), ""]
+    lines += [f"![{p}]({p})" for p in _plots(rows, out)]
+    path = out / "summary.md"
+    tmp = path.with_name("summary.md.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
+    return path

@@ -1,0 +1,77 @@
+"""``gradzip analyze``: how compressible are these gradients, how close to the limit, and
+what would each codec cost?
+
+    gradzip analyze runs/grads --out runs/analysis            # a capture archive
+    gradzip analyze old_pt_buckets/ --workers 4 --per-param   # R_r_E_e_S_s_B_b.pt files
+    gradzip analyze grad.pt --codecs "int8;qsgd | eg"         # one tensor file
+
+Writes OUT/buckets.csv (one row per bucket; see gradzip.analyze.measures for every
+column), OUT/params.csv with --per-param, OUT/errors.csv for buckets that failed (they are
+skipped), Parquet copies when pyarrow is installed, and OUT/summary.md with its plots.
+Run it again on the same OUT to resume: finished buckets are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    from gradzip.analyze.whatif import DEFAULT_CODECS
+
+    p = sub.add_parser("analyze", help="compressibility of captured gradients: entropy, "
+                                       "zip, Exp-Golomb, ANS, and what each codec costs",
+                       description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", help="capture archive, directory of .pt buckets, or a .pt/.npy")
+    p.add_argument("--out", default=None, help="results directory (default: SOURCE.analysis "
+                                               "beside the source)")
+    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)),
+                   help="worker processes (default: all cores)")
+    p.add_argument("--per-param", action="store_true", help="also a row per parameter")
+    p.add_argument("--codecs", default=";".join(DEFAULT_CODECS), metavar="SPEC;SPEC",
+                   help="lossy codecs for the what-if, ';'-separated; 'none' to skip "
+                        f"(default: {';'.join(DEFAULT_CODECS)})")
+    p.add_argument("--slice-mb", type=float, default=16.0,
+                   help="values read at a time per worker, in MB of fp32 (bounds memory)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    import gradzip
+    from gradzip.analyze.runner import Options, run_analysis
+    from gradzip.analyze.summary import write_summary
+
+    codecs = tuple(c.strip() for c in args.codecs.split(";")
+                   if c.strip() and c.strip() != "none")
+    for spec in codecs:
+        gradzip.codec(spec)  # a bad spec fails now, before any work
+    if args.workers < 1 or args.slice_mb <= 0:
+        raise ValueError("--workers must be >= 1 and --slice-mb > 0")
+    source = Path(args.source)
+    out = Path(args.out) if args.out else source.with_name(source.name + ".analysis")
+    options = Options(per_param=args.per_param, codecs=codecs,
+                      slice_elems=max(256, int(args.slice_mb * 2**20 / 4)))
+    bar = tqdm(unit="bucket", desc="analyze", disable=args.no_progress, dynamic_ncols=True)
+
+    def progress(n: int, total: int) -> None:
+        bar.total = total
+        bar.update(n)
+
+    try:
+        outcome = run_analysis(source, out, workers=args.workers, options=options,
+                               on_bucket=progress)
+    finally:
+        bar.close()
+    summary = write_summary(out) if (out / "buckets.csv").is_file() else None
+    print(f"{outcome.analyzed} bucket(s) analyzed, {outcome.resumed} already done, "
+          f"{len(outcome.failed)} failed" + (f" (see {out / 'errors.csv'})"
+                                               if outcome.failed else "")
+          + (f"; summary: {summary}" if summary else ""))
+    return 1 if outcome.failed and not outcome.analyzed and not outcome.resumed else 0

@@ -1,0 +1,141 @@
+"""``gradzip analyze``: measures against plain references, the first study's column,
+every column of a captured archive, resume, and a corrupt bucket skipped."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gradzip.analyze.measures import analyze_values, ggd_shape, quantize
+from gradzip.analyze.runner import Options, run_analysis
+from gradzip.cli import main
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _plain_entropy(symbols: np.ndarray) -> float:
+    """Order-0 entropy, symbol by symbol (the reference)."""
+    counts: dict[int, int] = {}
+    for s in symbols.tolist():
+        counts[s] = counts.get(s, 0) + 1
+    n = len(symbols)
+    return -sum(c / n * math.log2(c / n) for c in counts.values())
+
+
+def _plain_eg_sign_bits(symbols: np.ndarray, k: int) -> int:
+    """Exp-Golomb order k of |v| plus a sign bit for non-zero values, value by value."""
+    total = 0
+    for v in symbols.tolist():
+        u = abs(v) + (1 << k)
+        total += 2 * (u.bit_length() - 1) - k + 1 + (v != 0)
+    return total
+
+
+def test_known_distributions_give_known_entropies_and_eg_lengths() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.laplace(0, 2e-6, 20000).astype(np.float32)
+    row = analyze_values(x, "float32", slice_elems=4096)  # five slices, merged
+    q = quantize(x, "fixed")
+    assert row["fixed_entropy_bits"] == pytest.approx(_plain_entropy(q), abs=1e-9)
+    k = row["fixed_eg_sign_k"]
+    assert row["fixed_eg_sign_bits"] * x.size == _plain_eg_sign_bits(q, k)
+    assert all(row["fixed_eg_sign_bits"] * x.size <= _plain_eg_sign_bits(q, j)
+               for j in range(0, 12))  # k is the best order
+    # ANS pays a table per slice: 5 slices of 4096 values cost it ~8%
+    assert row["fixed_eg_eta"] <= 1.0 and 0.85 < row["fixed_ans_eta"] <= 1.0
+    u = rng.integers(-127, 128, 65536)
+    u[::256] = 127  # every block's abs-max is 127: int8 quantization returns u itself
+    uniform = analyze_values((u / 127).astype(np.float32), "float32")
+    assert uniform["int8_entropy_bits"] == pytest.approx(_plain_entropy(u), abs=1e-9)
+    assert uniform["int8_entropy_bits"] == pytest.approx(math.log2(255), abs=0.02)
+    assert ggd_shape(math.sqrt(2 / math.pi), 1.0) == pytest.approx(2.0, rel=1e-6)  # Gauss
+    assert ggd_shape(1.0, 2.0) == pytest.approx(1.0, rel=1e-6)  # Laplace
+    assert row["ggd_shape"] == pytest.approx(1.0, abs=0.1)
+    assert row["kurtosis"] == pytest.approx(3.0, abs=0.6)  # Laplace's excess kurtosis
+
+
+def _first_study(values: torch.Tensor) -> tuple[int, float]:
+    """The published method, written independently: torch, value by value sums."""
+    q = torch.round(values.float() * 1e6).to(torch.int64)
+    bits = 0
+    for v in q.tolist():
+        bits += 2 * int(math.floor(math.log2(abs(v) + 1))) + 1 + 1
+    nbytes = bits // 8
+    return nbytes, 1 - nbytes / (2 * q.numel())
+
+
+def test_first_study_column_equals_an_independent_computation(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    bucket = {"a.weight": (torch.randn(40, 30, generator=g) * 3e-5).half(),
+              "a.bias": (torch.randn(30, generator=g) * 1e-4).half()}
+    torch.save(bucket, tmp_path / "R_0_E_0_S_7_B_2.pt")
+    assert main(["analyze", str(tmp_path), "--out", str(tmp_path / "out"), "--workers", "1",
+                 "--codecs", "none", "--no-progress"]) == 0
+    [row] = _rows(tmp_path / "out" / "buckets.csv")
+    flat = torch.cat([t.reshape(-1) for t in bucket.values()])
+    nbytes, saving = _first_study(flat)
+    assert int(row["first_study_bytes"]) == nbytes
+    assert float(row["first_study_saving_vs_fp16"]) == pytest.approx(saving, abs=1e-12)
+    assert (row["step"], row["bucket"], row["dtype"]) == ("7", "2", "float16")
+
+
+@pytest.mark.dist
+def test_a_captured_two_rank_archive_gives_every_column_and_resumes(tmp_path: Path) -> None:
+    from test_capture import _captured_and_plain
+
+    from gradzip.comm.launch import run_ranks
+
+    archive = tmp_path / "grads"
+    run_ranks(_captured_and_plain, 2, str(archive), "none")
+    out = tmp_path / "analysis"
+    outcome = run_analysis(archive, out, workers=2,
+                           options=Options(per_param=True, codecs=("int8", "topk(ratio=0.1)")))
+    assert not outcome.failed and outcome.analyzed > 0
+    rows = _rows(out / "buckets.csv")
+    assert {r["rank"] for r in rows} == {"0", "1"}
+    for column in ("mean", "std", "absmax", "kurtosis", "zero_fraction", "ggd_shape",
+                   "raw_deflate_ratio", "raw_zstd_ratio", "raw_lz4_ratio", "h5_deflate_ratio",
+                   "lossless_ratio", "exponent_entropy_bits", "mantissa0_entropy_bits",
+                   "int8_entropy_bits", "int8_eg_zigzag_bits", "int8_eg_rank_bits",
+                   "int8_ans_bits", "int8_zstd_bits", "fixed_eg_eta", "fixed_misordered",
+                   "first_study_saving_vs_fp16", "int8: link_bytes", "int8: mean_rel_error",
+                   "topk(ratio=0.1): cosine", "deflate_impl"):
+        assert all(r[column] != "" for r in rows), column
+    assert rows[0]["whatif_ranks"] == "2"  # the captured ranks of the step, together
+    assert float(rows[0]["int8: ratio_fp32"]) > 3
+    assert (out / "params.csv").is_file() and (out / "summary.md").exists() is False
+    if importlib.util.find_spec("pyarrow") is not None:
+        import pyarrow.parquet as pq
+
+        assert pq.read_table(out / "buckets.parquet").num_rows == len(rows)
+    again = run_analysis(archive, out, workers=1, options=Options(per_param=True))
+    assert again.analyzed == 0 and again.resumed == len(rows)
+    assert main(["analyze", str(archive), "--out", str(out), "--no-progress"]) == 0
+    assert "Per metric" in (out / "summary.md").read_text()
+    assert list(out.glob("*.png"))
+
+
+def test_a_torn_row_is_redone_and_a_corrupt_bucket_is_skipped(tmp_path: Path) -> None:
+    src = tmp_path / "pt"
+    src.mkdir()
+    for step in (1, 2):
+        torch.save({"w": torch.randn(64) * 1e-3}, src / f"R_0_E_0_S_{step}_B_0.pt")
+    (src / "R_0_E_0_S_3_B_0.pt").write_bytes(b"garbage")
+    out = tmp_path / "out"
+    outcome = run_analysis(src, out, options=Options())
+    assert outcome.analyzed == 2 and list(outcome.failed) == ["R0_E0_S3_B0"]
+    assert "R0_E0_S3_B0" in (out / "errors.csv").read_text()
+    lines = (out / "buckets.csv").read_text().splitlines()
+    (out / "buckets.csv").write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])  # torn
+    again = run_analysis(src, out, options=Options())
+    assert again.analyzed == 1 and again.resumed == 1  # the torn row is done again
+    assert len(_rows(out / "buckets.csv")) == 2
