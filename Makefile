@@ -23,9 +23,18 @@ $(STAMP): pyproject.toml Makefile
 
 # The main job, on built-in data: the race of `gradzip compare --preset quick` (PyTorch's
 # own hooks and gradzip chains training a tiny GPT on 2 ranks over a 100 Mbit/s link
-# shaped in a network namespace); report and plots in runs/demo. A few minutes on 2 cores.
+# shaped in a network namespace); report and plots in runs/demo. Then the whole path of
+# gradient analysis: a short 2-rank run captured into an HDF5 archive, and
+# `gradzip analyze` of it (runs/demo/analysis/summary.md). A few minutes on 2 cores.
 demo: $(STAMP)
 	$(VENV)/bin/gradzip compare --preset quick --out runs/demo
+	rm -rf runs/demo/grads runs/demo/capture-run runs/demo/analysis
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 -m gradzip train \
+	  --model tiny --dataset stdlib --max-tokens 200000 --max-steps 20 --parallel ddp \
+	  --codec none --threads 1 --capture runs/demo/grads --capture-every 5 \
+	  --out runs/demo/capture-run --no-progress --no-tensorboard
+	$(VENV)/bin/gradzip archive verify runs/demo/grads
+	$(VENV)/bin/gradzip analyze runs/demo/grads --out runs/demo/analysis --workers 2
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q

@@ -111,6 +111,7 @@ def test_a_captured_two_rank_archive_gives_every_column_and_resumes(tmp_path: Pa
                    "topk(ratio=0.1): cosine", "deflate_impl"):
         assert all(r[column] != "" for r in rows), column
     assert rows[0]["whatif_ranks"] == "2"  # the captured ranks of the step, together
+    assert all(float(r["kurtosis"]) > -3 for r in rows)  # plain numbers in the CSV
     assert float(rows[0]["int8: ratio_fp32"]) > 3
     assert (out / "params.csv").is_file() and (out / "summary.md").exists() is False
     if importlib.util.find_spec("pyarrow") is not None:

@@ -142,9 +142,10 @@ class _Appender:
 
 
 def _cell(v: Any) -> str:
+    """A CSV cell: empty for missing; floats (numpy's too) as their shortest exact repr."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return ""
-    return repr(v) if isinstance(v, float) else str(v)
+    return repr(float(v)) if isinstance(v, float) else str(v)
 
 
 def run_analysis(source: str | os.PathLike[str], out: str | os.PathLike[str], *,
