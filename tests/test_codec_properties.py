@@ -145,6 +145,13 @@ def _projection(c, x, dtype):
     _norm_bound(y, x, dtype, str(c))
 
 
+def _demo(c, x, dtype):
+    """DeMo's first step sends the kept coefficients of x in an orthonormal DCT basis per
+    tile: an orthogonal projection, never farther from x than zero is."""
+    y = c.decode(c.encode(x, "w"))
+    _norm_bound(y, x, dtype, str(c))
+
+
 def _sketch(c, x, dtype):
     y = c.decode(c.encode(x, "w"))
     k = max(1, math.ceil(0.001 * x.numel()))
@@ -180,7 +187,7 @@ BOUNDS = {
     "none": _exact, "lossless": _exact, "fp16": _cast(torch.float16), "bf16": _cast(torch.bfloat16),
     "int8": _int8, "signsgd": _signsgd, "efsignsgd": _efsignsgd, "onebit": _onebit,
     "topk": _topk, "threshold": _threshold, "randomk": _randomk, "dgc": _dgc,
-    "powersgd": _projection, "gradiveq": _projection, "sketch": _sketch,
+    "powersgd": _projection, "gradiveq": _projection, "sketch": _sketch, "demo": _demo,
     # stochastic codecs: the support of the output (their mean is checked below)
     "natural": _natural, "qsgd": _qsgd, "terngrad": _terngrad,
 }

@@ -6,6 +6,7 @@ Importing this package registers every built-in stage.
 # importing a stage module registers its stages
 from gradzip.codecs import (  # noqa: F401
     casts,
+    demo,
     dgc,
     entropy,
     feedback,
