@@ -58,8 +58,15 @@ def test_two_rank_processes_share_one_build(tmp_path):
     assert r0["firsts"] != r1["firsts"] and starts0 and starts1
 
 
+def default_sigint() -> None:
+    """In the child: Ctrl-C as in a terminal (a test run started in the background of a
+    non-interactive shell has SIGINT ignored, which children inherit)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_a_prefetching_process(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", CTRL_C, str(tmp_path / "t.bin")],
+                            preexec_fn=default_sigint,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()

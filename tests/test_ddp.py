@@ -103,8 +103,9 @@ def _codec_specs() -> list[str]:
 
 
 #: DGC applies momentum 0.9 itself (the optimizer must not): 1 - 0.9 of the step size;
-#: signSGD's step is lr * (+-1) per weight, so lr is the step itself (0.1 oscillates)
-_LR = {"dgc": 0.01, "signsgd": 0.01}
+#: signSGD's and DeMo's step is lr * (+-1) per weight, so lr is the step itself (0.1
+#: oscillates)
+_LR = {"dgc": 0.01, "signsgd": 0.01, "demo": 0.01}
 
 
 def _fit(model: nn.Module, handle, rank: int, steps: int, lr: float) -> list[float]:

@@ -265,3 +265,16 @@ def test_a_fresh_run_into_a_run_with_checkpoints_is_refused(
     out = fake_run(tmp_path / "run", 2, train={"max_steps": 8})
     assert main(["train", "--out", str(out), "--print-config"]) == 2
     assert "pass --resume" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--outer", "diloco", "--sync-every", "0", "--parallel", "ddp"], "sync_every"),
+    (["--outer", "diloco"], "--parallel ddp"),
+    (["--outer", "diloco", "--parallel", "fsdp"], "FSDP2 is not supported"),
+    (["--outer", "diloco", "--parallel", "ddp", "--codec", "int8"], "--outer-codec"),
+    (["--outer", "diloco", "--parallel", "ddp", "--outer-codec", "topk(ratio=7)"], "ratio"),
+    (["--outer", "streaming", "--parallel", "ddp"], "outer must be one of"),
+])
+def test_bad_outer_options_fail_before_training(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_args(build_parser().parse_args(["train", *argv])).validate()

@@ -72,3 +72,21 @@ def test_fsdp_error_feedback_resume_equals_uninterrupted(cache: Path, tmp_path: 
     assert resumed["train_loss"] == straight["train_loss"]
     assert resumed["val_loss"] == straight["val_loss"]
     assert (tmp_path / "b" / "checkpoints" / "step_0000020" / "dcp").is_dir()
+
+
+def test_diloco_resume_across_a_sync_boundary_equals_uninterrupted(
+        cache: Path, tmp_path: Path) -> None:
+    """--outer diloco with an int8 codec on the pseudo-gradients: 20 steps straight against
+    10 + resume (mid-interval: syncs at 6, 12, 18); the same losses, bytes per sync."""
+    straight, resumed = resume_matches(cache, tmp_path, "--parallel", "ddp", "--outer",
+                                       "diloco", "--sync-every", "6", "--outer-codec", "int8")
+    assert resumed["train_loss"] == straight["train_loss"]
+    assert resumed["val_loss"] == straight["val_loss"]
+    outer = straight["outer"]
+    assert (outer["kind"], outer["syncs"], outer["codec"]) == ("diloco", 3, "int8")
+    # int8 pseudo-gradients: ~1 byte a value per sync, against 4 for the fp32 all-reduce
+    assert outer["bytes_wire_per_sync"] < 1.2 * straight["params"]
+    assert straight["bytes_raw_total"] / straight["bytes_wire_total"] > 3
+    assert resumed["outer"]["syncs"] == 3  # counted since the run began, as steps are
+    assert resumed["outer"]["bytes_wire_per_sync"] == pytest.approx(
+        outer["bytes_wire_per_sync"], rel=0.01)  # 2 syncs' bytes over the 2 it ran

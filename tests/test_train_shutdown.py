@@ -44,6 +44,12 @@ def processes_of(out: Path) -> list[int]:
     return pids
 
 
+def default_sigint() -> None:
+    """In the child: Ctrl-C as in a terminal. A test run started as a background job of a
+    non-interactive shell has SIGINT ignored, which children would inherit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Run:
     """A training process whose output is read line by line on a thread (never blocks)."""
 
@@ -51,7 +57,8 @@ class Run:
         self.out = out
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, start_new_session=True)
+                                     text=True, env=env, start_new_session=True,
+                                     preexec_fn=default_sigint)
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.text: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()

@@ -154,6 +154,20 @@ class TrainConfig:
     codec_start_step: int = 0
     """Optimizer steps communicated uncompressed before --codec starts (PowerSGD's start
     iteration, DGC's warm-up)."""
+    outer: str = "none"
+    """Local updates instead of per-step gradient sync: diloco (DiLoCo: every
+    --sync-every steps, an outer Nesterov step on the averaged pseudo-gradient) or average
+    (post-local SGD, the control); none = synchronize every step. Needs --parallel ddp;
+    the model is then not wrapped by DDP."""
+    sync_every: int = 32
+    """With --outer: inner steps between synchronizations (DiLoCo's H)."""
+    outer_lr: float = 0.7
+    """With --outer diloco: the outer SGD learning rate."""
+    outer_momentum: float = 0.9
+    """With --outer diloco: the outer Nesterov momentum."""
+    outer_codec: str = "none"
+    """With --outer: the codec spec the pseudo-gradients cross the link with (e.g. int8);
+    none = the fp32 all-reduce."""
     diagnose: bool = False
     """Measure each step's compression error (grad_rel_error, grad_cos_sim); costs time."""
     nonfinite: str = "auto"
@@ -258,6 +272,7 @@ class JobConfig:
         _check_train(self.train, self.run)
         _check_codec(self)
         _check_capture(self)
+        _check_outer(self.train)
 
     def schedule_horizon(self) -> int:
         """The step at which the cosine lr reaches its floor: decay_steps, else max_steps."""
@@ -378,6 +393,25 @@ def _check_train(t: TrainConfig, r: RunConfig) -> None:
     if r.profile and first > t.max_steps:
         raise ValueError(f"--profile-steps {r.profile_steps} starts after --max-steps "
                          f"{t.max_steps}: nothing would be profiled")
+
+
+def _check_outer(t: TrainConfig) -> None:
+    """DiLoCo's options: values, and a path it can run on."""
+    if t.outer == "none":
+        return
+    from gradzip.comm.outer import check_options
+
+    check_options(t.sync_every, t.outer_lr, t.outer_momentum, t.outer)
+    if t.parallel != "ddp":
+        raise ValueError(f"--outer {t.outer} runs data-parallel processes without DDP: use "
+                         f"--parallel ddp (FSDP2 is not supported with --outer)")
+    if t.codec != "none":
+        raise ValueError("--outer synchronizes rarely instead of every step: give the "
+                         "pseudo-gradients' codec with --outer-codec, not --codec")
+    if t.outer_codec != "none":
+        import gradzip
+
+        gradzip.codec(t.outer_codec)  # a bad spec fails here
 
 
 def _check_capture(cfg: JobConfig) -> None:

@@ -52,6 +52,7 @@ from gradzip.train.metrics import (
 from gradzip.train.model import GPT
 from gradzip.train.parallel import (
     DistInfo,
+    LocalUpdates,
     Parallelism,
     all_reduce_mean,
     any_rank,
@@ -183,9 +184,11 @@ class Trainer:
         self.par: Parallelism = parallelize(
             raw, info, parallel=t.parallel, policy=policy, bucket_cap_mb=t.bucket_cap_mb,
             seed=t.seed, diagnose=t.diagnose, nonfinite=nonfinite_policy(t),
-            torch_method=torch_method, capture=self.capture)
+            torch_method=torch_method, capture=self.capture, outer=outer_options(t))
         self.model = self.par.model
         self.optimizer = build_optimizer(self.model, o)
+        if isinstance(self.par, LocalUpdates):  # per-rank inner state in checkpoints
+            self.par.inner_optimizer = self.optimizer
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.dtype == "fp16")
         self.loader = make_loader(self.data.train, batch_size=d.batch_size, seq_len=d.seq_len,
                                   rank=info.rank, world_size=info.world_size, seed=t.seed,
@@ -332,6 +335,7 @@ class Trainer:
                 if self.capture is not None:
                     self.capture.begin_step(step, epoch=getattr(self.loader, "epoch", 0))
                 loss_sum, lr, grad_norm = self.train_step(step)
+                self.par.after_optimizer_step()
                 if self.capture is not None:
                     self.capture.end_step()
                 phases = self.timer.end_step()
@@ -387,10 +391,11 @@ class Trainer:
 
     def _evaluate(self, step: int, train_loss: float) -> dict[str, float]:
         t, d, info = self.cfg.train, self.cfg.data, self.info
-        val = evaluate(self.model, self.data.val, make_loader=self.make_loader,
-                       batch_size=d.batch_size, seq_len=d.seq_len, steps=t.eval_steps,
-                       rank=info.rank, world_size=info.world_size, device=self.device,
-                       dtype=t.dtype)
+        with self.par.evaluation_weights():  # DiLoCo: the synchronized model only
+            val = evaluate(self.model, self.data.val, make_loader=self.make_loader,
+                           batch_size=d.batch_size, seq_len=d.seq_len, steps=t.eval_steps,
+                           rank=info.rank, world_size=info.world_size, device=self.device,
+                           dtype=t.dtype)
         p = self.progress
         if t.target_loss and p["time_to_target_s"] is None and val["val_loss"] <= t.target_loss:
             p["time_to_target_s"] = p["train_time_s"]
@@ -479,6 +484,7 @@ class Trainer:
             **self.metrics.counters(),
             "ef_memory_bytes": _state_bytes(self.par.codec_state()),
             "capture": _capture_summary(self.capture),
+            "outer": _outer_summary(self.par, t),
             **peak_memory(info.device),
             "target_loss": t.target_loss or None,
             "time_to_target_s": p["time_to_target_s"],
@@ -494,6 +500,26 @@ class Trainer:
             else torch.cuda.get_device_name(info.device),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+
+
+def outer_options(t: Any) -> dict[str, Any] | None:
+    """``DiLoCo`` keywords of --outer (None: synchronize every step)."""
+    if t.outer == "none":
+        return None
+    return {"sync_every": t.sync_every, "outer_lr": t.outer_lr,
+            "outer_momentum": t.outer_momentum, "outer": t.outer,
+            "codec": None if t.outer_codec == "none" else t.outer_codec}
+
+
+def _outer_summary(par: Any, t: Any) -> dict[str, Any] | None:
+    """What --outer did on this rank: syncs and link bytes per sync (rank 0's record)."""
+    if t.outer == "none":
+        return None
+    outer, totals = par.handle, par.handle.stats.totals()
+    here = outer.syncs_here  # the byte totals cover this process's syncs
+    return {"kind": t.outer, "sync_every": t.sync_every, "codec": t.outer_codec,
+            "syncs": outer.syncs,
+            "bytes_wire_per_sync": totals["bytes_wire"] / here if here else None}
 
 
 def _capture_summary(capture: Any) -> dict[str, Any] | None:

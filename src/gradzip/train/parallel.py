@@ -182,6 +182,43 @@ class Parallelism:
         if self.handle is not None:
             self.handle.load_state_dict(state)
 
+    def after_optimizer_step(self) -> None:
+        """Called after every optimizer step (``LocalUpdates`` synchronizes here)."""
+
+    def evaluation_weights(self) -> contextlib.AbstractContextManager[None]:
+        """The weights validation runs on (``LocalUpdates``: the synchronized ones)."""
+        return contextlib.nullcontext()
+
+
+class LocalUpdates(Parallelism):
+    """DiLoCo / post-local SGD: no DDP; ``handle`` is the ``DiLoCo`` (its ``CommStats``
+    and checkpointable state), which synchronizes every H optimizer steps.
+
+    Between syncs every rank has its own weights and its own inner optimizer state, so
+    both travel in this rank's checkpoint state (a replicated checkpoint holds rank 0's).
+    """
+
+    #: the trainer's (inner) optimizer, set once it is built
+    inner_optimizer: Any = None
+
+    def codec_state(self) -> Any:
+        state = self.handle.state_dict()
+        if self.inner_optimizer is not None:
+            state["inner_optimizer"] = self.inner_optimizer.state_dict()
+        return state
+
+    def resume_codec(self, state: Any, sample: torch.Tensor) -> None:
+        self.handle.load_state_dict(state)
+        if self.inner_optimizer is not None and "inner_optimizer" in state:
+            self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+
+    def after_optimizer_step(self) -> None:
+        self.handle.step()
+
+    def evaluation_weights(self) -> contextlib.AbstractContextManager[None]:
+        return cast(contextlib.AbstractContextManager[None],
+                    self.handle.synchronized_weights())
+
 
 class DataParallel(Parallelism):
     """DDP; the codec (``none`` included) is gradzip's comm hook."""
@@ -221,13 +258,18 @@ class FullyShard(Parallelism):
 
 def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, policy: Any,
                 bucket_cap_mb: float, seed: int, diagnose: bool, nonfinite: str,
-                torch_method: str | None = None, capture: Any = None) -> Parallelism:
+                torch_method: str | None = None, capture: Any = None,
+                outer: dict[str, Any] | None = None) -> Parallelism:
     """Apply ``parallel`` (none, ddp, fsdp) and the codec ``policy`` (None: no codec), or
     under DDP PyTorch's own hook ``torch_method`` (``torch:fp16``, ...). ``capture`` (a
     ``gradzip.capture.Capture``) records the communicated buckets: FSDP then reduces
     through gradzip's ``none`` when no codec is given."""
     if parallel == "none":
         return Parallelism(raw, raw)
+    if parallel == "ddp" and outer is not None:
+        from gradzip.comm.outer import DiLoCo
+
+        return LocalUpdates(raw, raw, DiLoCo(raw, seed=seed, nonfinite=nonfinite, **outer))
     if parallel == "ddp" and torch_method is not None:
         return _torch_hook_ddp(raw, info, torch_method, bucket_cap_mb)
     if parallel == "ddp":
