@@ -123,3 +123,23 @@ def test_every_preset_is_a_valid_matrix(tmp_path: Path, preset: str,
     p = PRESETS[preset]
     runs = len(p.methods) * len(p.rates) * len(p.ranks) * p.seeds
     assert len(capsys.readouterr().out.splitlines()) == runs
+
+
+def test_local_update_methods_map_to_the_outer_flags() -> None:
+    from gradzip.compare.matrix import method_flags
+
+    assert method_flags("ef | topk(ratio=0.01)") == ["--codec", "ef | topk(ratio=0.01)"]
+    assert method_flags("diloco(sync_every=16, lr=0.5) | int8") == [
+        "--outer", "diloco", "--outer-codec", "int8", "--sync-every", "16", "--outer-lr", "0.5"]
+    assert method_flags("average(sync_every=8)") == [
+        "--outer", "average", "--outer-codec", "none", "--sync-every", "8"]
+    with pytest.raises(ValueError, match="takes sync_every="):
+        method_flags("diloco(H=3)")
+
+
+def test_a_local_update_method_is_checked_before_training(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "race"
+    assert main(["compare", "--methods", "torch:none;diloco(sync_every=0)", "--dry-run",
+                 "--out", str(out)]) == 2
+    assert "sync_every (H) must be >= 1" in capsys.readouterr().err

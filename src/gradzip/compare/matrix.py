@@ -18,6 +18,32 @@ from pathlib import Path
 #: methods that are PyTorch's own DDP comm hooks run through the same trainer
 TORCH_PREFIX = "torch:"
 
+#: local-update methods: ``diloco(sync_every=H, lr=0.7, momentum=0.9) | CODEC`` and
+#: ``average(sync_every=H) | CODEC`` run ``gradzip train --outer ...`` (the codec, if
+#: any, is the pseudo-gradients')
+OUTER_METHODS = ("diloco", "average")
+_OUTER = re.compile(r"^\s*(diloco|average)\s*(?:\((.*?)\))?\s*(?:\|\s*(.+))?$")
+_OUTER_KEYS = {"sync_every": "--sync-every", "lr": "--outer-lr",
+               "momentum": "--outer-momentum"}
+
+
+def method_flags(method: str) -> list[str]:
+    """``gradzip train`` flags of a method: ``--codec SPEC`` for per-step methods, the
+    ``--outer`` flags for ``diloco(...)``/``average(...)`` (ValueError if malformed)."""
+    m = _OUTER.match(method)
+    if not m:
+        return ["--codec", method]
+    kind, params, codec = m.groups()
+    flags = ["--outer", kind, "--outer-codec", (codec or "none").strip()]
+    for item in filter(None, (x.strip() for x in (params or "").split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in _OUTER_KEYS:
+            raise ValueError(f"method {method!r}: {kind}(...) takes "
+                             f"{', '.join(k + '=' for k in _OUTER_KEYS)}, got {item!r}")
+        flags += [_OUTER_KEYS[key.strip()], value.strip()]
+    return flags
+
+
 #: how the ranks of a run reach each other: one token bucket on a loopback shared by
 #: all ranks (``gradzip.comm.netns``), or a shaped link per rank (``comm.rank_links``)
 LINK_KINDS = ("shared", "per-rank")
@@ -85,7 +111,7 @@ class Run:
                     ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                      str(self.ranks)])
         return [sys.executable, *torchrun, "-m", "gradzip", "train", *self.train,
-                "--parallel", "ddp", "--codec", self.method, "--seed", str(self.seed),
+                "--parallel", "ddp", *method_flags(self.method), "--seed", str(self.seed),
                 "--cache-dir", str(cache), "--out", str(out), "--no-progress",
                 "--no-tensorboard"]
 
