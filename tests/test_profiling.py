@@ -111,4 +111,6 @@ def test_profiler_comm_agrees_with_phase_timers(cache: Path, tmp_path: Path, cod
         assert 0.5 * comm <= prof["comm_ms"] <= max(1.5 * comm, comm + 5.0), summary
         # the time is in gloo's worker ranges, not in the c10d launch ops
         assert prof["comm_ms_by_op"]["gloo:all_reduce"] >= 0.5 * prof["comm_ms"]
-        assert abs(prof["step_ms"] - timers["step"]) <= max(0.05 * timers["step"], 1.0)
+        # the same steps timed two ways; a clean-clone run once read 15.3 against 14.2 ms
+        # (scheduling on 2 busy cores), so 10% or 2 ms: a missing phase is far more
+        assert abs(prof["step_ms"] - timers["step"]) <= max(0.1 * timers["step"], 2.0)
