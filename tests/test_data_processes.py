@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+from train_helpers import default_sigint
 
 RANK = textwrap.dedent("""
     import json, sys
@@ -57,11 +58,6 @@ def test_two_rank_processes_share_one_build(tmp_path):
     assert status["state"] == "done" and status["pid"] == procs[1].pid  # rank 0 built it
     assert r0["firsts"] != r1["firsts"] and starts0 and starts1
 
-
-def default_sigint() -> None:
-    """In the child: Ctrl-C as in a terminal (a test run started in the background of a
-    non-interactive shell has SIGINT ignored, which children inherit)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_ctrl_c_stops_a_prefetching_process(tmp_path):

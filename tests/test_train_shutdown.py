@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from train_helpers import flags
+from train_helpers import default_sigint, flags
 
 from gradzip.train import checkpoint as ckpt
 
@@ -43,11 +43,6 @@ def processes_of(out: Path) -> list[int]:
             pids.append(int(entry.name))
     return pids
 
-
-def default_sigint() -> None:
-    """In the child: Ctrl-C as in a terminal. A test run started as a background job of a
-    non-interactive shell has SIGINT ignored, which children would inherit."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class Run:

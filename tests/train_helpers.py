@@ -21,3 +21,12 @@ def flags(cache: Path, out: Path, *extra: str) -> list[str]:
 def last_result(run_dir: Path) -> dict[str, Any]:
     lines = (run_dir / "results.jsonl").read_text().splitlines()
     return json.loads(lines[-1])
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` of a child that must see Ctrl-C as in a terminal: a test run started
+    as a background job of a non-interactive shell has SIGINT ignored, which children
+    would inherit."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -41,6 +41,7 @@ import numpy as np
 import zstandard
 
 from gradzip.analyze.sources import as_float32
+from gradzip.capture.packs import storage_dtype
 from gradzip.codecs.entropy import measures as em
 
 QUANTIZERS = ("int8", "fixed")
@@ -122,7 +123,7 @@ class Accumulator:
 
     def row(self) -> dict[str, Any]:
         """The bucket's columns (see the module docstring)."""
-        n, itemsize = self.n, np.dtype(_STORAGE_SIZE[self.dtype]).itemsize
+        n, itemsize = self.n, storage_dtype(self.dtype).itemsize
         raw_bytes = n * itemsize
         out: dict[str, Any] = {"values": n, "dtype": self.dtype, **self._stats()}
         out["deflate_impl"] = DEFLATE_IMPL
@@ -181,10 +182,6 @@ class Accumulator:
         bits = int((lengths * counts).sum()) + n  # a sign bit for every value
         nbytes = bits // 8
         return {"first_study_bytes": nbytes, "first_study_saving_vs_fp16": 1 - nbytes / (2 * n)}
-
-
-_STORAGE_SIZE = {"float32": np.float32, "float16": np.float16, "float64": np.float64,
-                 "bfloat16": np.uint16}
 
 
 def _add(total: dict[str, int], part: dict[str, int]) -> None:

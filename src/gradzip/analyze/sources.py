@@ -15,10 +15,6 @@ from typing import Any
 
 import numpy as np
 
-#: numpy storage of each captured dtype (bfloat16 as uint16 bits)
-STORAGE = {"float32": np.float32, "float16": np.float16, "float64": np.float64,
-           "bfloat16": np.uint16}
-
 
 @dataclass(frozen=True)
 class BucketRef:
@@ -111,8 +107,10 @@ def _from_tensors(tensors: dict[str, Any]) -> BucketData:
     dtypes = {t.dtype for t in tensors.values()}
     if len(dtypes) != 1:
         raise ValueError(f"a bucket holds one dtype, this one {sorted(map(str, dtypes))}")
+    from gradzip.capture.packs import STORAGE_DTYPES
+
     dtype = str(next(iter(dtypes))).removeprefix("torch.")
-    if dtype not in STORAGE:
+    if dtype not in STORAGE_DTYPES:
         raise ValueError(f"cannot analyze {dtype} values (float32, float16, bfloat16 only)")
     flat = torch.cat([t.detach().reshape(-1) for t in tensors.values()])
     values = (flat.view(torch.int16).numpy().view(np.uint16) if flat.dtype == torch.bfloat16
@@ -123,7 +121,7 @@ def _from_tensors(tensors: dict[str, Any]) -> BucketData:
 def _from_arrays(arrays: dict[str, np.ndarray]) -> BucketData:
     dtypes = {str(a.dtype) for a in arrays.values()}
     dtype = dtypes.pop()
-    if dtypes or dtype not in STORAGE or dtype == "bfloat16":
+    if dtypes or dtype not in ("float32", "float16"):
         raise ValueError(f"cannot analyze {dtype} arrays (float32, float16)")
     flat = np.concatenate([a.reshape(-1) for a in arrays.values()])
     return BucketData(flat, dtype, _layout({k: a.shape for k, a in arrays.items()}))

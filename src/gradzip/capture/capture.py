@@ -28,8 +28,9 @@ from gradzip.capture.layout import StepKey, parse_size
 from gradzip.capture.packs import DEFAULT_PACK_CAP, PackWriter
 from gradzip.capture.writer import BackgroundWriter, WriterStats
 
-_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.float64: "float64",
-           torch.bfloat16: "bfloat16"}
+#: torch dtypes a capture stores, by the name archives record
+TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16",
+                     torch.float64: "float64", torch.bfloat16: "bfloat16"}
 
 
 class Capture:
@@ -135,7 +136,7 @@ class Capture:
                 > self.budget:
             self._active = False  # the budget is spent: the rest of the run is not captured
             return
-        dtype = _DTYPES.get(flat.dtype)
+        dtype = TORCH_DTYPE_NAMES.get(flat.dtype)
         if dtype is None:
             raise TypeError(f"cannot capture {flat.dtype} gradients")
         host, prepare = _to_host(flat)

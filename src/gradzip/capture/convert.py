@@ -49,14 +49,14 @@ def bucket_arrays(path: Path) -> tuple[np.ndarray, str, list[tuple[str, tuple[in
     """A ``.pt`` bucket as (flat values, dtype, [(name, shape, offset)])."""
     import torch
 
-    from gradzip.capture.capture import _DTYPES
+    from gradzip.capture.capture import TORCH_DTYPE_NAMES
 
     tensors = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(tensors, dict) or not tensors or not all(
             isinstance(t, torch.Tensor) for t in tensors.values()):
         raise ValueError("not a bucket file: expected a non-empty dict name -> tensor")
     dtypes = {t.dtype for t in tensors.values()}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPES:
+    if len(dtypes) != 1 or next(iter(dtypes)) not in TORCH_DTYPE_NAMES:
         raise ValueError(f"a bucket holds one float dtype, this one {sorted(map(str, dtypes))}")
     dtype = next(iter(dtypes))
     flat = torch.cat([t.detach().reshape(-1) for t in tensors.values()])
@@ -66,7 +66,7 @@ def bucket_arrays(path: Path) -> tuple[np.ndarray, str, list[tuple[str, tuple[in
     for name, t in tensors.items():
         params.append((str(name), tuple(t.shape), offset))
         offset += t.numel()
-    return values, _DTYPES[dtype], params
+    return values, TORCH_DTYPE_NAMES[dtype], params
 
 
 def _read_back_equal(out: Path, key: StepKey, bucket: int, values: np.ndarray) -> bool:

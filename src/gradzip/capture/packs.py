@@ -38,9 +38,18 @@ def versions() -> dict[str, str]:
     return {"torch_version": str(torch.__version__), "gradzip_version": str(__version__)}
 
 
+#: captured dtype -> the numpy dtype it is stored as (bfloat16 as its uint16 bits)
+STORAGE_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32),
+                                       "float16": np.dtype(np.float16),
+                                       "float64": np.dtype(np.float64),
+                                       "bfloat16": np.dtype(np.uint16)}
+
+
 def storage_dtype(dtype: str) -> np.dtype:
     """The numpy dtype a tensor of ``dtype`` is stored as (bfloat16 as its uint16 bits)."""
-    return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(f"cannot store {dtype} values (float32, float16, float64, bfloat16)")
+    return STORAGE_DTYPES[dtype]
 
 
 class PackWriter:
