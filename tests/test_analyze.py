@@ -140,3 +140,30 @@ def test_a_torn_row_is_redone_and_a_corrupt_bucket_is_skipped(tmp_path: Path) ->
     again = run_analysis(src, out, options=Options())
     assert again.analyzed == 1 and again.resumed == 1  # the torn row is done again
     assert len(_rows(out / "buckets.csv")) == 2
+
+
+def test_the_what_if_runs_on_steps_spread_over_the_source(tmp_path: Path) -> None:
+    from gradzip.analyze.runner import _groups, whatif_groups
+    from gradzip.analyze.sources import find_buckets
+
+    src = tmp_path / "pt"
+    src.mkdir()
+    for step in range(1, 12):
+        torch.save({"w": torch.randn(300) * 1e-3}, src / f"R_0_E_0_S_{step}_B_0.pt")
+    groups = _groups(find_buckets(src))
+    steps = lambda n: sorted(groups[i][0].step for i in whatif_groups(groups, n))  # noqa: E731
+    assert steps(3) == [1, 6, 11] and steps(1) == [11] and steps(0) == []
+    assert steps(None) == steps(40) == list(range(1, 12))
+    out = tmp_path / "out"
+    # the first rows written have no what-if columns: the file is widened, nothing dropped
+    outcome = run_analysis(src, out, options=Options(codecs=("int8",), whatif_steps=2))
+    assert outcome.analyzed == 11
+    rows = {int(r["step"]): r for r in _rows(out / "buckets.csv")}
+    assert {s for s, r in rows.items() if r.get("int8: link_bytes")} == {1, 11}
+    assert all(r["raw_zstd_ratio"] for r in rows.values())
+
+
+def test_whatif_steps_must_be_a_count_or_all(tmp_path: Path, capsys: pytest.CaptureFixture
+                                             ) -> None:
+    assert main(["analyze", str(tmp_path), "--whatif-steps", "some", "--no-progress"]) != 0
+    assert "--whatif-steps must be a number >= 0 or 'all'" in capsys.readouterr().err

@@ -1,7 +1,10 @@
 """Running an analysis: buckets in worker processes, rows appended as they finish.
 
 Buckets of one step (every captured rank of it) form one task, so the what-if runs each
-codec's real N-rank protocol on them. Tasks go to ``workers`` processes; each reads its
+codec's real N-rank protocol on them. The what-if costs several times the other columns
+together (six codecs' real encode, reduce and decode per step), and its answer changes
+slowly over training, so by default it runs on a few steps spread evenly over the source
+(``Options.whatif_steps``; ``None``: every step). Tasks go to ``workers`` processes; each reads its
 bucket in slices of ``slice_elems`` values (memory stays bounded whatever the bucket
 size). Finished rows are appended to ``OUT/buckets.csv`` (``--per-param``: also
 ``OUT/params.csv``) and flushed at once, so an interrupted run resumes where it stopped:
@@ -18,7 +21,7 @@ import os
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,8 @@ class Options:
 
     per_param: bool = False
     codecs: tuple[str, ...] = ()
+    #: steps that get the what-if, evenly spread over the source's (None: every step)
+    whatif_steps: int | None = None
     slice_elems: int = 1 << 22
 
 
@@ -53,6 +58,26 @@ def _groups(refs: list[BucketRef]) -> list[list[BucketRef]]:
                else (ref.epoch, ref.step, ref.bucket))
         groups.setdefault(key, []).append(ref)
     return list(groups.values())
+
+
+def _step_key(group: list[BucketRef]) -> Any:
+    ref = group[0]
+    return ref.path if ref.step is None else (ref.epoch, ref.step)
+
+
+def whatif_groups(groups: list[list[BucketRef]], steps: int | None) -> set[int]:
+    """Indices of the groups whose step is among ``steps`` evenly spread over the
+    source's steps, first and last included (every group when ``steps`` is None)."""
+    keys = sorted({_step_key(g) for g in groups}, key=lambda k: (isinstance(k, str), k))
+    if steps is None or steps >= len(keys):
+        chosen = set(keys)
+    elif steps <= 0:
+        chosen = set()
+    elif steps == 1:
+        chosen = {keys[-1]}
+    else:
+        chosen = {keys[round(i * (len(keys) - 1) / (steps - 1))] for i in range(steps)}
+    return {i for i, g in enumerate(groups) if _step_key(g) in chosen}
 
 
 def analyze_group(group: list[BucketRef], options: Options
@@ -133,6 +158,12 @@ class _Appender:
         if self.header is None:
             self.header = list(rows[0])
             _write_rows(self.path, self.header, [])
+        new = list(dict.fromkeys(k for row in rows for k in row if k not in self.header))
+        if new:  # columns first seen now (a what-if step after plain ones): widen the file
+            with open(self.path, newline="") as f:
+                body = list(csv.reader(f))[1:]
+            self.header += new
+            _write_rows(self.path, self.header, [r + [""] * len(new) for r in body])
         with open(self.path, "a", newline="") as f:
             writer = csv.writer(f)
             for row in rows:
@@ -158,8 +189,12 @@ def run_analysis(source: str | os.PathLike[str], out: str | os.PathLike[str], *,
     done = _done_keys(out_dir / BUCKETS_CSV)
     if options.per_param:
         done &= _done_keys(out_dir / PARAMS_CSV)
-    todo = [g for g in _groups(refs) if not all(r.key in done for r in g)]
-    outcome = Outcome(resumed=len(refs) - sum(len(g) for g in todo))
+    groups = _groups(refs)
+    sampled = whatif_groups(groups, options.whatif_steps)
+    plain = replace(options, codecs=())
+    todo = [(g, options if i in sampled else plain) for i, g in enumerate(groups)
+            if not all(r.key in done for r in g)]
+    outcome = Outcome(resumed=len(refs) - sum(len(g) for g, _ in todo))
     buckets, params = _Appender(out_dir / BUCKETS_CSV), _Appender(out_dir / PARAMS_CSV)
     errors = _Appender(out_dir / ERRORS_CSV)
     total = len(refs)
@@ -180,9 +215,9 @@ def run_analysis(source: str | os.PathLike[str], out: str | os.PathLike[str], *,
             on_bucket(len(group), total)
 
     if workers <= 1:
-        for group in todo:
+        for group, opts in todo:
             try:
-                finished(group, analyze_group(group, options), None)
+                finished(group, analyze_group(group, opts), None)
             except Exception as e:  # noqa: BLE001 - reported and skipped
                 finished(group, None, _why(e))
     else:
@@ -190,7 +225,7 @@ def run_analysis(source: str | os.PathLike[str], out: str | os.PathLike[str], *,
 
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
                                  max_tasks_per_child=64) as pool:
-            futures = {pool.submit(analyze_group, g, options): g for g in todo}
+            futures = {pool.submit(analyze_group, g, opts): g for g, opts in todo}
             for fut in as_completed(futures):
                 try:
                     finished(futures[fut], fut.result(), None)

@@ -170,7 +170,7 @@ class Payload:
         for value in self.fields.values():
             if isinstance(value, torch.Tensor):
                 total += value.numel() * value.element_size()
-            elif isinstance(value, bytes):
+            elif isinstance(value, bytes | bytearray | memoryview):
                 total += len(value)
             else:
                 total += value.tensor_bytes()

@@ -35,6 +35,10 @@ def register(sub: Any) -> None:
     p.add_argument("--codecs", default=";".join(DEFAULT_CODECS), metavar="SPEC;SPEC",
                    help="lossy codecs for the what-if, ';'-separated; 'none' to skip "
                         f"(default: {';'.join(DEFAULT_CODECS)})")
+    p.add_argument("--whatif-steps", default="4", metavar="N|all",
+                   help="run the what-if on N steps spread evenly over the source, first "
+                        "and last included, or on all (default 4: it costs several times "
+                        "the other columns and changes slowly over training)")
     p.add_argument("--slice-mb", type=float, default=16.0,
                    help="values read at a time per worker, in MB of fp32 (bounds memory)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -54,9 +58,10 @@ def run(args: argparse.Namespace) -> int:
         gradzip.codec(spec)  # a bad spec fails now, before any work
     if args.workers < 1 or args.slice_mb <= 0:
         raise ValueError("--workers must be >= 1 and --slice-mb > 0")
+    steps = None if args.whatif_steps == "all" else _count(args.whatif_steps)
     source = Path(args.source)
     out = Path(args.out) if args.out else source.with_name(source.name + ".analysis")
-    options = Options(per_param=args.per_param, codecs=codecs,
+    options = Options(per_param=args.per_param, codecs=codecs, whatif_steps=steps,
                       slice_elems=max(256, int(args.slice_mb * 2**20 / 4)))
     bar = tqdm(unit="bucket", desc="analyze", disable=args.no_progress, dynamic_ncols=True)
 
@@ -75,3 +80,13 @@ def run(args: argparse.Namespace) -> int:
                                                if outcome.failed else "")
           + (f"; summary: {summary}" if summary else ""))
     return 1 if outcome.failed and not outcome.analyzed and not outcome.resumed else 0
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"--whatif-steps must be a number >= 0 or 'all', got {text!r}")
+    return n

@@ -8,6 +8,8 @@ it into a clear error.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit
 
@@ -323,3 +325,17 @@ def eg_decode_lut(buf, nbytes, out, mode, k, lo, table, lz8, dval, dlen):
         bitcnt = 64 - (bitpos & 7)
         bytepos += 8
     return bytepos * 8 - bitcnt
+
+
+@njit(cache=True, nogil=True)
+def eg_bits_by_k(u, counts, kmax):
+    """``bits[k] = sum(counts * (2 floor(log2(u + 2**k)) - k + 1))`` for k = 0..kmax: the
+    exact Exp-Golomb payload of a histogram at every order in one pass over it
+    (``u + 2**k < 2**53``, so float64's exponent is the exact bit length)."""
+    bits = np.zeros(kmax + 1, np.int64)
+    for i in range(u.size):
+        c = counts[i]
+        for k in range(kmax + 1):
+            n = math.frexp(np.float64(u[i] + (np.int64(1) << k)))[1]  # bit length
+            bits[k] += c * (2 * n - k - 1)
+    return bits

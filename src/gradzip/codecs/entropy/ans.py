@@ -153,6 +153,61 @@ def _code_planes(v: np.ndarray, t: torch.Tensor, lo: int, hi: int, chunk: int,
     return Payload(dict(fields), {"m": "planes", **meta, "lo": int(lo), "np": nplanes})
 
 
+def size_from_histogram(values: np.ndarray, counts: np.ndarray, dtype: torch.dtype,
+                        chunk: int = DEFAULT_CHUNK) -> int:
+    """The bytes ``encode`` (rans backend) would emit for a stream of ``dtype`` with this
+    histogram (``values`` ascending), computed from the histogram alone: the same
+    choices (constant, direct, byte planes of ``v - min``, stored when coding does not
+    pay), the data as the quantized table's exact cost ``sum(count * log2(2**15 / freq))``
+    plus each chunk's flushed states, the real table and header. ``gradzip analyze``
+    sizes its ANS columns with it; a test holds it within 0.1% of real payloads.
+    """
+    return _shaped(np.asarray(values, np.int64), np.asarray(counts, np.int64), dtype,
+                   chunk).wire_bytes
+
+
+def _shaped(values: np.ndarray, counts: np.ndarray, dtype: torch.dtype, chunk: int
+            ) -> Payload:
+    """A payload shaped as ``encode``'s would be, its data zero bytes of the modelled
+    length (``bytes(n)`` is a lazily zeroed allocation: nothing is coded or copied)."""
+    n = int(counts.sum())
+    t = torch.empty(n, dtype=dtype)  # uninitialized: only its size and dtype are used
+    meta: dict[str, MetaValue] = {"dt": _frame.dtype_code(t), "sh": (n,)}
+    if n == 0:
+        return _like_pick(None, t)
+    lo, hi = int(values[0]), int(values[-1])
+    if values.size == 1:
+        return _like_pick(Payload({}, {"m": "const", **meta, "lo": lo}), t)
+    if (t.element_size() > 1 and hi - lo >= ALPHABET_SPAN) or values.size > RANS_SYMBOLS:
+        u = values - lo
+        nplanes = (int(hi - lo).bit_length() + 7) // 8
+        fields: dict[str, Payload] = {}
+        for i in range(nplanes):
+            plane = np.bincount((u >> (8 * i)) & 0xFF, weights=counts, minlength=256)
+            present = np.nonzero(plane)[0]
+            fields[f"p{i}"] = _shaped(present, plane[present].astype(np.int64),
+                                      torch.uint8, chunk)
+        return Payload(dict(fields), {"m": "planes", **meta, "lo": lo, "np": nplanes})
+    freq = _rans.quantize(counts)
+    bits = float((counts * (_rans.SCALE_BITS - np.log2(freq))).sum())
+    words = tuple(round(bits / 16 * min(chunk, n - start) / n) + 4
+                  for start in range(0, n, chunk))
+    base = lo if t.element_size() > 1 else (-128 if dtype == torch.int8 else 0)
+    coded = Payload({"t": _table_bytes(values - base, freq), "d": bytes(2 * sum(words))},
+                    {"m": "rans", **meta, "lo": base, "v": int(values.size), "cw": words,
+                     "ck": int(chunk)})
+    return _like_pick(coded, t)
+
+
+def _like_pick(coded: Payload | None, t: torch.Tensor) -> Payload:
+    """``_frame.pick`` without touching data: a checksum of the usual width."""
+    if coded is None or coded.wire_bytes >= _frame.stored_wire_bytes(t):
+        coded = Payload({"d": bytes(t.numel() * t.element_size())},
+                        {"m": _frame.STORED, "dt": _frame.dtype_code(t), "sh": tuple(t.shape)})
+    coded.meta["crc"] = 1 << 31
+    return coded
+
+
 def decode(p: Payload) -> torch.Tensor:
     """Rebuild the exact tensor from an ``ans`` coded field; raises on corruption."""
     _frame.check(p, "ans")

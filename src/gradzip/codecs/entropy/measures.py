@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gradzip.codecs.entropy import _kernels
+
 MAPPINGS = ("sign", "sign_always", "zigzag", "offset", "rank")
 #: codes are built for mapped values below this (longer codes never beat raw int64)
 MAX_MAPPED = 1 << 52
@@ -224,12 +226,9 @@ def best_k(values: np.ndarray, counts: np.ndarray, mapping: str,
     if top >= MAX_MAPPED:
         raise ValueError("values too large for Exp-Golomb coding")
     ks = ks if ks is not None else range(0, min(MAX_K, max(1, top.bit_length())) + 1)
-    best: tuple[int, int] | None = None
-    for k in ks:
-        bits = int((eg_lengths(u, k) * counts).sum()) + extra_bits
-        if best is None or bits < best[1]:
-            best = (k, bits)
-    assert best is not None
+    by_k = _kernels.eg_bits_by_k(np.ascontiguousarray(u, np.int64),
+                                 np.ascontiguousarray(counts, np.int64), max(ks))
+    best = min(((k, int(by_k[k]) + extra_bits) for k in ks), key=lambda kb: kb[1])
     table = rank_table_bits(values, counts) if mapping == "rank" else 0
     return EgChoice(mapping, best[0], best[1], table)
 
