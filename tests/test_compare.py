@@ -129,6 +129,10 @@ def test_local_update_methods_map_to_the_outer_flags() -> None:
     from gradzip.compare.matrix import method_flags
 
     assert method_flags("ef | topk(ratio=0.01)") == ["--codec", "ef | topk(ratio=0.01)"]
+    # DeMo steps with the sign it sends: plain SGD without clipping, as DeMo runs
+    assert method_flags("demo(topk=8)") == ["--codec", "demo(topk=8)", "--optimizer", "sgd",
+                                            "--grad-clip", "0"]
+    assert method_flags("diloco(sync_every=8, fragments=2)")[-2:] == ["--fragments", "2"]
     assert method_flags("diloco(sync_every=16, lr=0.5) | int8") == [
         "--outer", "diloco", "--outer-codec", "int8", "--sync-every", "16", "--outer-lr", "0.5"]
     assert method_flags("average(sync_every=8)") == [

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from gradzip.comm.launch import run_ranks
-from gradzip.comm.outer import DiLoCo, check_options
+from gradzip.comm.outer import DiLoCo, check_options, fragment_indices
 
 pytestmark = pytest.mark.dist
 
@@ -103,3 +103,103 @@ def test_resume_across_a_sync_boundary_is_bit_exact(spec: str | None) -> None:
 def test_bad_options_are_clear_errors(args: tuple, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check_options(*args)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((8, 0.7, 0.9, "diloco", 0), "fragments must be in"),
+    ((4, 0.7, 0.9, "diloco", 5), "fragments must be in"),
+])
+def test_bad_fragment_counts_are_clear_errors(args: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_options(*args)
+
+
+_NAMES = ["emb.weight", "blocks.0.w", "blocks.0.b", "blocks.1.w", "blocks.2.w",
+          "blocks.3.w", "norm.weight", "head.weight"]
+
+
+def test_fragments_are_consecutive_blocks_with_the_outer_parameters_nearest() -> None:
+    assert fragment_indices(_NAMES, 1) == [list(range(8))]
+    assert fragment_indices(_NAMES, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert fragment_indices(_NAMES, 4) == [[0, 1, 2], [3], [4], [5, 6, 7]]
+    with pytest.raises(ValueError, match=r"does not divide the model's 4 blocks: choose one "
+                                         r"of \[1, 2, 4\]"):
+        fragment_indices(_NAMES, 3)
+    with pytest.raises(ValueError, match="numbered blocks"):
+        fragment_indices(["0.weight", "2.weight"], 2)
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.out(x)
+
+
+def _fragment_schedule(rank: int) -> list[list[int]]:
+    """Per inner step, the fragments whose weights are equal on both ranks right after
+    it (ranks train on different data, so only what was just synchronized agrees)."""
+    import torch.distributed as dist
+
+    model = _Blocks()
+    outer = DiLoCo(model, sync_every=4, codec="int8", fragments=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    agree: list[list[int]] = []
+    for step in range(8):
+        _inner(model, opt, step, rank)
+        outer.step()
+        outer.stats.end_step()
+        same = []
+        for idx in outer.fragments:
+            mine = torch.cat([outer.params[i].detach().reshape(-1) for i in idx])
+            other = mine.clone()
+            dist.broadcast(other, src=0)
+            same.append(bool(torch.equal(mine, other)))
+        agree.append([f for f, s in enumerate(same) if s])
+    return agree
+
+
+def test_fragments_are_synchronized_on_their_staggered_schedule() -> None:
+    # H = 4, F = 2: fragment 0 at steps 4 and 8, fragment 1 (offset 2) at steps 2 and 6
+    expected = [[], [1], [], [0], [], [1], [], [0]]
+    assert run_ranks(_fragment_schedule, 2)[1] == expected  # rank 1 against rank 0's
+
+
+def _fragment_resume(rank: int) -> bool:
+    def run(steps: range, model: nn.Module, outer: DiLoCo, opt: torch.optim.Optimizer) -> None:
+        for step in steps:
+            _inner(model, opt, step, rank)
+            outer.step()
+            outer.stats.end_step()
+
+    whole = _Blocks()
+    w_outer = DiLoCo(whole, sync_every=4, codec="ef | int8", fragments=2)
+    w_opt = torch.optim.AdamW(whole.parameters(), lr=1e-2)
+    run(range(9), whole, w_outer, w_opt)
+    first = _Blocks()
+    f_outer = DiLoCo(first, sync_every=4, codec="ef | int8", fragments=2)
+    f_opt = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    run(range(3), first, f_outer, f_opt)  # after fragment 1's sync, before fragment 0's
+    saved = (copy.deepcopy(f_outer.state_dict()), copy.deepcopy(f_opt.state_dict()))
+    second = _Blocks()
+    s_outer = DiLoCo(second, sync_every=4, codec="ef | int8", fragments=2)
+    s_opt = torch.optim.AdamW(second.parameters(), lr=1e-2)
+    s_outer.load_state_dict(saved[0])
+    s_opt.load_state_dict(saved[1])
+    run(range(3, 9), second, s_outer, s_opt)
+    with pytest.raises(ValueError, match="same --fragments"):
+        DiLoCo(_Blocks(), sync_every=4, fragments=1).load_state_dict(saved[0])
+    return all(torch.equal(a, b) for a, b in zip(whole.parameters(), second.parameters(),
+                                                 strict=True))
+
+
+def test_fragment_state_survives_a_checkpoint_exactly() -> None:
+    assert all(run_ranks(_fragment_resume, 2))

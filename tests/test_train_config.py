@@ -274,7 +274,20 @@ def test_a_fresh_run_into_a_run_with_checkpoints_is_refused(
     (["--outer", "diloco", "--parallel", "ddp", "--codec", "int8"], "--outer-codec"),
     (["--outer", "diloco", "--parallel", "ddp", "--outer-codec", "topk(ratio=7)"], "ratio"),
     (["--outer", "streaming", "--parallel", "ddp"], "outer must be one of"),
+    (["--outer", "diloco", "--parallel", "ddp", "--sync-every", "2", "--fragments", "4"],
+     "fragments must be in"),
+    (["--outer", "diloco", "--parallel", "ddp", "--n-layer", "4", "--fragments", "3"],
+     "does not divide the model's 4 blocks"),
+    (["--optimizer", "lion"], "--optimizer"),
+    (["--parallel", "ddp", "--codec", "demo"], "--optimizer sgd --grad-clip 0"),
+    (["--parallel", "ddp", "--codec", "demo", "--optimizer", "sgd"], "--grad-clip 0"),
 ])
 def test_bad_outer_options_fail_before_training(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         resolve_args(build_parser().parse_args(["train", *argv])).validate()
+
+
+def test_demo_with_plain_sgd_is_accepted() -> None:
+    argv = ["train", "--parallel", "ddp", "--codec", "demo(topk=8)", "--optimizer", "sgd",
+            "--grad-clip", "0"]
+    resolve_args(build_parser().parse_args(argv)).validate()

@@ -90,3 +90,28 @@ def test_diloco_resume_across_a_sync_boundary_equals_uninterrupted(
     assert resumed["outer"]["syncs"] == 3  # counted since the run began, as steps are
     assert resumed["outer"]["bytes_wire_per_sync"] == pytest.approx(
         outer["bytes_wire_per_sync"], rel=0.01)  # 2 syncs' bytes over the 2 it ran
+
+
+def test_streaming_diloco_fragments_resume_exactly(cache: Path, tmp_path: Path) -> None:
+    """--fragments 2 (the tiny model's 2 blocks, one each) with H = 6: fragment 0 syncs at
+    6, 12, 18 and fragment 1 at 3, 9, 15; resumed at 10, between the two."""
+    straight, resumed = resume_matches(cache, tmp_path, "--parallel", "ddp", "--outer",
+                                       "diloco", "--sync-every", "6", "--fragments", "2",
+                                       "--outer-codec", "ef | int8")
+    assert resumed["train_loss"] == straight["train_loss"]
+    assert resumed["val_loss"] == straight["val_loss"]
+    assert (straight["outer"]["syncs"], straight["outer"]["fragments"]) == (6, 2)
+    # each exchange carries about half the model
+    assert straight["outer"]["bytes_wire_per_sync"] < 0.7 * straight["params"]
+
+
+def test_demo_trains_with_plain_sgd_through_the_trainer(cache: Path, tmp_path: Path) -> None:
+    """--codec demo on 2 ranks with --optimizer sgd: the loss falls, and DeMo's packed
+    top-k sends a fraction of the fp32 all-reduce's bytes (its 1-D tensors dominate)."""
+    torchrun(*flags(cache, tmp_path / "d", "--parallel", "ddp", "--codec", "demo(topk=8)",
+                    "--optimizer", "sgd", "--grad-clip", "0", "--lr", "0.002",
+                    "--max-steps", "12", "--eval-every", "3"))
+    final = last_result(tmp_path / "d")
+    losses = [e["val_loss"] for e in final["eval_history"]]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert final["bytes_raw_total"] / final["bytes_wire_total"] > 5  # 11x on the tiny model

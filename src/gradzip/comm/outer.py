@@ -14,6 +14,13 @@ The pseudo-gradient crosses the link through a gradzip codec (``codec="int8"``,
 rank and are checkpointed. The model is not wrapped by DDP: nothing is communicated on
 the inner steps. Initial weights are broadcast once from rank 0.
 
+``fragments=F`` (Streaming DiLoCo, Douillard et al. 2025) splits the model's numbered
+blocks (``blocks.0.``, ``layers.0.``, ...) into F groups of consecutive blocks, each with
+its own anchor slice, outer optimizer and codec key, synchronized every H steps at
+staggered offsets ``f * H // F``: the same bytes per step on average, but each exchange
+is 1/F of the model (peak link use and the pause it costs drop F-fold). Parameters before
+the first block (embeddings) go with fragment 0, those after the last with fragment F-1.
+
 Use: ``outer = DiLoCo(model, sync_every=32, codec="int8")`` after building the model;
 call ``outer.step()`` after every inner optimizer step; evaluate inside
 ``with outer.synchronized_weights():``.
@@ -22,6 +29,7 @@ call ``outer.step()`` after every inner optimizer step; evaluate inside
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,20 +52,24 @@ class DiLoCo:
                  outer_momentum: float = 0.9, nesterov: bool = True,
                  codec: str | None = None, outer: str = "diloco",
                  process_group: dist.ProcessGroup | None = None, seed: int = 0,
-                 nonfinite: str = "error") -> None:
-        check_options(sync_every, outer_lr, outer_momentum, outer)
+                 nonfinite: str = "error", fragments: int = 1) -> None:
+        check_options(sync_every, outer_lr, outer_momentum, outer, fragments)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.fragments = fragment_indices([n for n, _ in named], fragments)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("DiLoCo needs torch.distributed initialized")
         self.sync_every = sync_every
+        self.offsets = [f * sync_every // fragments for f in range(fragments)]
         self.outer = outer
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
         self.group = private_group(process_group)
         self.comm = TorchCommunicator(self.group)
         self._broadcast(model)
         self.anchor = [p.detach().float().clone() for p in self.params]
         lr, momentum = (1.0, 0.0) if outer == "average" else (outer_lr, outer_momentum)
-        self.optimizer = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum,
-                                         nesterov=nesterov and momentum > 0)
+        self.optimizers = [
+            torch.optim.SGD([self.anchor[i] for i in idx], lr=lr, momentum=momentum,
+                            nesterov=nesterov and momentum > 0) for idx in self.fragments]
         self.codec = build_codec(codec or "none", seed=seed, nonfinite=nonfinite)
         self.stats = CommStats()
         self.reducer = Reducer(self.codec, self.stats)
@@ -72,28 +84,37 @@ class DiLoCo:
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t.data, src=src, group=self.group)
 
+    def due(self, inner_steps: int) -> list[int]:
+        """The fragments synchronized after inner step ``inner_steps`` (1-based): each
+        every H steps from its offset. The schedule depends only on the step count, so
+        a resumed run keeps it."""
+        return [f for f, off in enumerate(self.offsets)
+                if inner_steps >= max(off, 1) and (inner_steps - off) % self.sync_every == 0]
+
     def step(self) -> bool:
-        """After an inner optimizer step: synchronize when H steps have passed since the
-        last sync (the boundaries depend only on the step count, so a resumed run keeps
-        them). Returns whether it synchronized."""
+        """After an inner optimizer step: synchronize the fragments now due. Returns
+        whether any was."""
         self.inner_steps += 1
-        if self.inner_steps % self.sync_every:
-            return False
-        self.synchronize()
-        return True
+        due = self.due(self.inner_steps)
+        for f in due:
+            self.synchronize(f)
+        return bool(due)
 
     @torch.no_grad()
-    def synchronize(self) -> None:
-        """Average the pseudo-gradients through the codec, outer step, new weights."""
+    def synchronize(self, fragment: int = 0) -> None:
+        """Average one fragment's pseudo-gradient through the codec, outer step on its
+        anchor, which becomes its weights on every rank."""
+        idx = self.fragments[fragment]
+        anchor, params = [self.anchor[i] for i in idx], [self.params[i] for i in idx]
         pseudo = torch.cat([(a - p.float()).reshape(-1)
-                            for a, p in zip(self.anchor, self.params, strict=True)])
-        shapes = [p.shape for p in self.params]
-        mean = self.reducer.reduce_mean(pseudo, "pseudo_gradient", self.comm, shapes=shapes)
-        for a, g in zip(self.anchor, mean.split([a.numel() for a in self.anchor]),
-                        strict=True):
+                            for a, p in zip(anchor, params, strict=True)])
+        key = "pseudo_gradient" if len(self.fragments) == 1 else f"pseudo_gradient.{fragment}"
+        mean = self.reducer.reduce_mean(pseudo, key, self.comm,
+                                        shapes=[p.shape for p in params])
+        for a, g in zip(anchor, mean.split([a.numel() for a in anchor]), strict=True):
             a.grad = g.view_as(a)
-        self.optimizer.step()
-        for a, p in zip(self.anchor, self.params, strict=True):
+        self.optimizers[fragment].step()
+        for a, p in zip(anchor, params, strict=True):
             a.grad = None
             p.copy_(a)
         self.syncs += 1
@@ -118,8 +139,9 @@ class DiLoCo:
         anchor, the outer optimizer, the codec's state and the step counts."""
         return {"kind": "diloco", "inner_steps": self.inner_steps, "syncs": self.syncs,
                 "local": [p.detach().clone() for p in self.params],
-                "anchor": [a.clone() for a in self.anchor],
-                "optimizer": self.optimizer.state_dict(), "codec": self.codec.state_dict()}
+                "anchor": [a.clone() for a in self.anchor], "fragments": len(self.fragments),
+                "optimizers": [o.state_dict() for o in self.optimizers],
+                "codec": self.codec.state_dict()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("kind") != "diloco":
@@ -127,12 +149,17 @@ class DiLoCo:
                              "DiLoCo state: resume with the same --outer")
         if len(sd["anchor"]) != len(self.anchor):
             raise ValueError("the checkpoint's DiLoCo state is for another model")
+        states = sd.get("optimizers", [sd.get("optimizer")])  # one, before fragments
+        if len(states) != len(self.optimizers):
+            raise ValueError(f"the checkpoint has {len(states)} DiLoCo fragment(s), this run "
+                             f"{len(self.optimizers)}: resume with the same --fragments")
         with torch.no_grad():
             for a, saved in zip(self.anchor, sd["anchor"], strict=True):
                 a.copy_(saved)
             for p, saved in zip(self.params, sd["local"], strict=True):
                 p.copy_(saved)
-        self.optimizer.load_state_dict(sd["optimizer"])
+        for opt, state in zip(self.optimizers, states, strict=True):
+            opt.load_state_dict(state)
         self.codec.load_state_dict(sd["codec"])
         self.inner_steps, self.syncs = int(sd["inner_steps"]), int(sd["syncs"])
 
@@ -140,12 +167,45 @@ class DiLoCo:
         """Nothing runs in the background; for symmetry with the hooks' handles."""
 
 
-def check_options(sync_every: int, outer_lr: float, outer_momentum: float, outer: str) -> None:
+def check_options(sync_every: int, outer_lr: float, outer_momentum: float, outer: str,
+                  fragments: int = 1) -> None:
     """Clear errors for values DiLoCo cannot run with (before any training)."""
     if outer not in OUTER_KINDS:
         raise ValueError(f"outer must be one of {', '.join(OUTER_KINDS)}, got {outer!r}")
     if sync_every < 1:
         raise ValueError(f"sync_every (H) must be >= 1, got {sync_every}")
+    if fragments < 1 or fragments > sync_every:
+        raise ValueError(f"fragments must be in [1, sync_every={sync_every}] (each fragment "
+                         f"needs its own step in the H-step cycle), got {fragments}")
     if outer_lr <= 0 or not 0 <= outer_momentum < 1:
         raise ValueError(f"outer lr must be > 0 and outer momentum in [0, 1), got "
                          f"{outer_lr}, {outer_momentum}")
+
+
+#: the numbered blocks of a model: ``blocks.3.``, ``layers.3.``, ``h.3.``, ``layer.3.``
+_BLOCK = re.compile(r"(?:^|\.)(?:blocks|layers|layer|h)\.(\d+)\.")
+
+
+def fragment_indices(names: list[str], fragments: int) -> list[list[int]]:
+    """Indices (into ``names``) of each fragment's parameters: consecutive blocks, the
+    same number per fragment; parameters outside the blocks join the nearest fragment."""
+    if fragments == 1:
+        return [list(range(len(names)))]
+    blocks = [int(m.group(1)) if (m := _BLOCK.search(n)) else None for n in names]
+    ids = sorted({b for b in blocks if b is not None})
+    if not ids:
+        raise ValueError("fragments > 1 needs a model with numbered blocks (parameters named "
+                         "like 'blocks.0.…' or 'layers.0.…'); this model has none")
+    if len(ids) % fragments:
+        divisors = [d for d in range(1, len(ids) + 1) if len(ids) % d == 0]
+        raise ValueError(f"fragments={fragments} does not divide the model's {len(ids)} "
+                         f"blocks: choose one of {divisors}")
+    per = len(ids) // fragments
+    of_block = {b: i // per for i, b in enumerate(ids)}
+    out: list[list[int]] = [[] for _ in range(fragments)]
+    after_blocks = False
+    for i, b in enumerate(blocks):
+        if b is not None:
+            after_blocks = True
+        out[of_block[b] if b is not None else (fragments - 1 if after_blocks else 0)].append(i)
+    return out

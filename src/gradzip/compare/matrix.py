@@ -18,13 +18,14 @@ from pathlib import Path
 #: methods that are PyTorch's own DDP comm hooks run through the same trainer
 TORCH_PREFIX = "torch:"
 
-#: local-update methods: ``diloco(sync_every=H, lr=0.7, momentum=0.9) | CODEC`` and
+#: local-update methods: ``diloco(sync_every=H, lr=0.7, momentum=0.9, fragments=F) | CODEC``
+#: and
 #: ``average(sync_every=H) | CODEC`` run ``gradzip train --outer ...`` (the codec, if
 #: any, is the pseudo-gradients')
 OUTER_METHODS = ("diloco", "average")
 _OUTER = re.compile(r"^\s*(diloco|average)\s*(?:\((.*?)\))?\s*(?:\|\s*(.+))?$")
 _OUTER_KEYS = {"sync_every": "--sync-every", "lr": "--outer-lr",
-               "momentum": "--outer-momentum"}
+               "momentum": "--outer-momentum", "fragments": "--fragments"}
 
 
 def method_flags(method: str) -> list[str]:
@@ -32,7 +33,7 @@ def method_flags(method: str) -> list[str]:
     ``--outer`` flags for ``diloco(...)``/``average(...)`` (ValueError if malformed)."""
     m = _OUTER.match(method)
     if not m:
-        return ["--codec", method]
+        return ["--codec", method, *_step_flags(method)]
     kind, params, codec = m.groups()
     flags = ["--outer", kind, "--outer-codec", (codec or "none").strip()]
     for item in filter(None, (x.strip() for x in (params or "").split(","))):
@@ -42,6 +43,22 @@ def method_flags(method: str) -> list[str]:
                              f"{', '.join(k + '=' for k in _OUTER_KEYS)}, got {item!r}")
         flags += [_OUTER_KEYS[key.strip()], value.strip()]
     return flags
+
+
+def _step_flags(spec: str) -> list[str]:
+    """DeMo steps with the sign its codec sends: plain SGD, no clipping (as DeMo runs)."""
+    if spec.startswith(TORCH_PREFIX):
+        return []
+    from gradzip.codecs.chain import Codec
+    from gradzip.codecs.registry import SpecError
+
+    try:
+        stages = Codec.from_spec(spec).stages
+    except (SpecError, ValueError):
+        return []  # the check before training reports it, naming the method
+    if any(s.name == "demo" for s in stages):
+        return ["--optimizer", "sgd", "--grad-clip", "0"]
+    return []
 
 
 #: how the ranks of a run reach each other: one token bucket on a loopback shared by

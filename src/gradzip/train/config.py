@@ -104,8 +104,11 @@ class DataOptions:
 
 @dataclass
 class OptimConfig:
-    """AdamW with a cosine schedule, warm-up and a floor."""
+    """AdamW (or plain SGD) with a cosine schedule, warm-up and a floor."""
 
+    optimizer: str = "adamw"
+    """adamw, or sgd: plain SGD without momentum (for codecs that step with their own
+    momentum, as DeMo does: --codec demo needs --optimizer sgd --grad-clip 0)."""
     lr: float = 1e-3
     """Peak learning rate, reached after warm-up."""
     min_lr_ratio: float = 0.1
@@ -168,6 +171,10 @@ class TrainConfig:
     outer_codec: str = "none"
     """With --outer: the codec spec the pseudo-gradients cross the link with (e.g. int8);
     none = the fp32 all-reduce."""
+    fragments: int = 1
+    """With --outer: Streaming DiLoCo's fragments: the model's blocks in this many groups,
+    each synchronized every --sync-every steps at staggered offsets (must divide the
+    number of blocks and be <= --sync-every)."""
     diagnose: bool = False
     """Measure each step's compression error (grad_rel_error, grad_cos_sim); costs time."""
     nonfinite: str = "auto"
@@ -272,7 +279,7 @@ class JobConfig:
         _check_train(self.train, self.run)
         _check_codec(self)
         _check_capture(self)
-        _check_outer(self.train)
+        _check_outer(self.train, self.model.n_layer)
 
     def schedule_horizon(self) -> int:
         """The step at which the cosine lr reaches its floor: decay_steps, else max_steps."""
@@ -360,6 +367,7 @@ def _check_data(d: DataOptions, m: ModelConfig) -> None:
 
 def _check_optim(o: OptimConfig) -> None:
     """Optimizer values AdamW or the schedule would reject once the model is built."""
+    _choice("--optimizer", o.optimizer, ("adamw", "sgd"))
     if o.lr <= 0 or not 0 <= o.min_lr_ratio <= 1:
         raise ValueError("--lr must be > 0 and --min-lr-ratio in [0, 1]")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
@@ -395,13 +403,16 @@ def _check_train(t: TrainConfig, r: RunConfig) -> None:
                          f"{t.max_steps}: nothing would be profiled")
 
 
-def _check_outer(t: TrainConfig) -> None:
+def _check_outer(t: TrainConfig, n_layer: int) -> None:
     """DiLoCo's options: values, and a path it can run on."""
     if t.outer == "none":
         return
     from gradzip.comm.outer import check_options
 
-    check_options(t.sync_every, t.outer_lr, t.outer_momentum, t.outer)
+    check_options(t.sync_every, t.outer_lr, t.outer_momentum, t.outer, t.fragments)
+    if n_layer % t.fragments:
+        raise ValueError(f"--fragments {t.fragments} does not divide the model's {n_layer} "
+                         f"blocks (--n-layer): choose a divisor of {n_layer}")
     if t.parallel != "ddp":
         raise ValueError(f"--outer {t.outer} runs data-parallel processes without DDP: use "
                          f"--parallel ddp (FSDP2 is not supported with --outer)")
@@ -468,6 +479,11 @@ def _check_codec(cfg: JobConfig) -> None:
     codecs = [Codec.from_spec(spec) for spec in policy.specs]  # every group's SpecError
     if t.parallel == "fsdp":
         _check_fsdp_codecs(cfg.model, policy, codecs)
+    if any(s.name == "demo" for c in codecs for s in c.stages) and (
+            cfg.optim.optimizer != "sgd" or cfg.optim.grad_clip):
+        raise ValueError("--codec demo sends the sign of its own momentum's top DCT "
+                         "components: the step must be plain, so use --optimizer sgd "
+                         "--grad-clip 0 (AdamW or clipping would rescale the signs)")
 
 
 def _check_torch_hook(t: TrainConfig) -> None:

@@ -75,13 +75,16 @@ def lr_at(step: int, o: OptimConfig, max_steps: int) -> float:
     return floor + (o.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices (and embeddings) only, not on norms and biases."""
+def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW (or plain SGD); weight decay on matrices (and embeddings) only, not on norms
+    and biases (decoupled in AdamW, an L2 term in SGD)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
+    if o.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=0.0)
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
@@ -508,7 +511,8 @@ def outer_options(t: Any) -> dict[str, Any] | None:
         return None
     return {"sync_every": t.sync_every, "outer_lr": t.outer_lr,
             "outer_momentum": t.outer_momentum, "outer": t.outer,
-            "codec": None if t.outer_codec == "none" else t.outer_codec}
+            "codec": None if t.outer_codec == "none" else t.outer_codec,
+            "fragments": t.fragments}
 
 
 def _outer_summary(par: Any, t: Any) -> dict[str, Any] | None:
@@ -518,7 +522,7 @@ def _outer_summary(par: Any, t: Any) -> dict[str, Any] | None:
     outer, totals = par.handle, par.handle.stats.totals()
     here = outer.syncs_here  # the byte totals cover this process's syncs
     return {"kind": t.outer, "sync_every": t.sync_every, "codec": t.outer_codec,
-            "syncs": outer.syncs,
+            "fragments": t.fragments, "syncs": outer.syncs,
             "bytes_wire_per_sync": totals["bytes_wire"] / here if here else None}
 
 
