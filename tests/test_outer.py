@@ -203,3 +203,82 @@ def _fragment_resume(rank: int) -> bool:
 
 def test_fragment_state_survives_a_checkpoint_exactly() -> None:
     assert all(run_ranks(_fragment_resume, 2))
+
+
+def test_overlap_must_land_before_the_next_exchange() -> None:
+    with pytest.raises(ValueError, match="overlap_steps must be in"):
+        check_options(4, 0.7, 0.9, "diloco", 1, 4)
+    with pytest.raises(ValueError, match="overlap_steps must be in"):
+        check_options(4, 0.7, 0.9, "diloco", 1, -1)
+
+
+def _overlap_schedule(rank: int) -> tuple[list[int], bool, bool]:
+    """H = 4, F = 2, S = 1: exchanges start at 2 (fragment 1), 4 (0), 6 (1), 8 (0) and are
+    applied one step later; the anchors agree on both ranks, and an applied fragment's
+    weights are its new anchor plus the local step taken while the exchange ran."""
+    import torch.distributed as dist
+
+    model = _Blocks()
+    outer = DiLoCo(model, sync_every=4, codec="int8", fragments=2, overlap_steps=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    syncs, kept_local = [], True
+    for step in range(9):
+        if step == 2:  # step 3 applies fragment 1's exchange started at step 2
+            before = [outer.params[i].detach().clone() for i in outer.fragments[1]]
+        _inner(model, opt, step, rank)
+        if step == 2:
+            local_step = [outer.params[i].detach() - b
+                          for i, b in zip(outer.fragments[1], before, strict=True)]
+        outer.step()
+        outer.stats.end_step()
+        syncs.append(outer.syncs)
+        if step == 2:
+            kept_local = all(torch.allclose(outer.params[i], outer.anchor[i] + d, atol=1e-6)
+                             for i, d in zip(outer.fragments[1], local_step, strict=True))
+    anchor = torch.cat([a.reshape(-1) for a in outer.anchor])
+    other = anchor.clone()
+    dist.broadcast(other, src=0)
+    outer.close()
+    return syncs, bool(torch.equal(anchor, other)), kept_local
+
+
+def test_overlapped_exchanges_are_applied_steps_later() -> None:
+    for syncs, anchors_agree, kept_local in run_ranks(_overlap_schedule, 2):
+        assert syncs == [0, 0, 1, 1, 2, 2, 3, 3, 4]
+        assert anchors_agree and kept_local
+
+
+def _overlap_resume(rank: int) -> bool:
+    from gradzip.outer import DiLoCo as PublicDiLoCo
+
+    def build() -> tuple[nn.Module, DiLoCo, torch.optim.Optimizer]:
+        model = _Blocks()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        outer = PublicDiLoCo(model, opt, sync_every=4, codec="ef | int8", fragments=2,
+                             overlap_steps=2)  # the inner optimizer's state is in its own
+        return model, outer, opt
+
+    def run(steps: range, model: nn.Module, outer: DiLoCo, opt: torch.optim.Optimizer) -> None:
+        for step in steps:
+            _inner(model, opt, step, rank)
+            outer.step()
+            outer.stats.end_step()
+
+    whole = build()
+    run(range(10), *whole)
+    first = build()
+    run(range(3), *first)  # fragment 1's exchange (started at 2) is still in flight
+    assert len(first[1]._pending) == 1
+    saved = copy.deepcopy(first[1].state_dict())
+    assert "inner_optimizer" in saved
+    second = build()
+    second[1].load_state_dict(saved)
+    run(range(3, 10), *second)
+    for _, outer, _ in (whole, first, second):
+        outer.close()
+    return all(torch.equal(a, b) for a, b in zip(whole[0].parameters(),
+                                                 second[0].parameters(), strict=True))
+
+
+def test_exchanges_in_flight_survive_a_checkpoint_exactly() -> None:
+    assert all(run_ranks(_overlap_resume, 2))

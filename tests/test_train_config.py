@@ -278,6 +278,8 @@ def test_a_fresh_run_into_a_run_with_checkpoints_is_refused(
      "fragments must be in"),
     (["--outer", "diloco", "--parallel", "ddp", "--n-layer", "4", "--fragments", "3"],
      "does not divide the model's 4 blocks"),
+    (["--outer", "diloco", "--parallel", "ddp", "--sync-every", "4", "--overlap-steps", "4"],
+     "overlap_steps must be in"),
     (["--optimizer", "lion"], "--optimizer"),
     (["--parallel", "ddp", "--codec", "demo"], "--optimizer sgd --grad-clip 0"),
     (["--parallel", "ddp", "--codec", "demo", "--optimizer", "sgd"], "--grad-clip 0"),

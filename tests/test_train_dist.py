@@ -93,14 +93,16 @@ def test_diloco_resume_across_a_sync_boundary_equals_uninterrupted(
 
 
 def test_streaming_diloco_fragments_resume_exactly(cache: Path, tmp_path: Path) -> None:
-    """--fragments 2 (the tiny model's 2 blocks, one each) with H = 6: fragment 0 syncs at
-    6, 12, 18 and fragment 1 at 3, 9, 15; resumed at 10, between the two."""
+    """--fragments 2 (the tiny model's 2 blocks, one each) with H = 6 and 2 overlapped
+    steps: fragment 1's exchanges start at 3, 9, 15 (applied at 5, 11, 17), fragment 0's
+    at 6, 12, 18 (8, 14, 20); resumed at 10, with fragment 1's exchange in flight."""
     straight, resumed = resume_matches(cache, tmp_path, "--parallel", "ddp", "--outer",
                                        "diloco", "--sync-every", "6", "--fragments", "2",
-                                       "--outer-codec", "ef | int8")
+                                       "--overlap-steps", "2", "--outer-codec", "ef | int8")
     assert resumed["train_loss"] == straight["train_loss"]
     assert resumed["val_loss"] == straight["val_loss"]
-    assert (straight["outer"]["syncs"], straight["outer"]["fragments"]) == (6, 2)
+    outer = straight["outer"]
+    assert (outer["syncs"], outer["fragments"], outer["overlap_steps"]) == (6, 2, 2)
     # each exchange carries about half the model
     assert straight["outer"]["bytes_wire_per_sync"] < 0.7 * straight["params"]
 

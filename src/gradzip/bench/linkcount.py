@@ -6,11 +6,12 @@ Run *inside* a fresh network namespace (``gradzip.comm.netns.run_in_netns``), wh
     python -m gradzip.bench.linkcount --ranks 4 --steps 6 --case none --case qsgd
     python -m gradzip.bench.linkcount --ranks 4 --probe
 
-Each ``--case`` is a codec spec for DDP, or ``fsdp2: SPEC`` for an FSDP2
-(``fully_shard``) model. For each case every rank builds the same small MLP, wraps it,
-``gradzip.attach``-es the codec (setup traffic: parameter broadcast, new process
-group), and then the counter is read around the training steps only. Rank 0 prints
-one JSON line per case, as soon as it is done:
+Each ``--case`` is a codec spec for DDP, ``fsdp2: SPEC`` for an FSDP2 (``fully_shard``)
+model, or ``diloco H: SPEC`` for DiLoCo synchronizing every H steps (``none``: fp32).
+For each case every rank builds the same small MLP, wraps it, ``gradzip.attach``-es the
+codec (setup traffic: parameter broadcast, new process group), and then the counter is
+read around the training steps only. Rank 0 prints one JSON line per case, as soon as it
+is done:
 
 * ``kernel``: lo tx bytes over the steps, minus one barrier (the window closes with
   one); ``barrier``: the measured bytes of one barrier (mean of three, measured once
@@ -135,29 +136,38 @@ class _CountAllGather:
         dist.all_gather_single = self._saved
 
 
-def _build(case: str) -> tuple[Any, str]:
-    """The wrapped model and the codec spec of ``case`` (``SPEC`` or ``fsdp2: SPEC``)."""
+def _build(case: str) -> tuple[Any, Any]:
+    """The model and gradzip's handle of ``case``: ``SPEC`` (DDP), ``fsdp2: SPEC`` or
+    ``diloco H: SPEC`` (DiLoCo, syncing every H steps, ``none``: fp32)."""
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import gradzip
+    from gradzip.comm.outer import DiLoCo
+
     kind, sep, spec = case.partition(":")
+    kind, spec = kind.strip(), spec.strip()
     base = _mlp(WIDTH, DEPTH)
-    if sep and kind.strip() == "fsdp2":
+    if sep and kind == "fsdp2":
         for layer in base:
             if any(True for _ in layer.parameters()):
                 fully_shard(layer)
-        return fully_shard(base), spec.strip()
-    return DDP(base, bucket_cap_mb=BUCKET_MB), case.strip()
+        model = fully_shard(base)
+        return model, gradzip.attach(model, spec)
+    if sep and kind.startswith("diloco"):
+        every = int(kind.removeprefix("diloco").strip() or "4")
+        return base, DiLoCo(base, sync_every=every, codec=None if spec == "none" else spec)
+    model = DDP(base, bucket_cap_mb=BUCKET_MB)
+    return model, gradzip.attach(model, case.strip())
 
 
 def _run_case(rank: int, case: str, steps: int, barrier: float) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
-    import gradzip
+    from gradzip.comm.outer import DiLoCo
 
-    model, spec = _build(case)
-    handle = gradzip.attach(model, spec)
+    model, handle = _build(case)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, 1, generator=g)
@@ -167,6 +177,8 @@ def _run_case(rank: int, case: str, steps: int, barrier: float) -> dict[str, Any
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
+            if isinstance(handle, DiLoCo):
+                handle.step()
             handle.stats.end_step()
     end = _mark(rank)
     handle.close()
@@ -262,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=4, help="local gloo processes")
     p.add_argument("--steps", type=int, default=6, help="training steps per case")
     p.add_argument("--case", action="append", default=[],
-                   help="codec spec for DDP, or 'fsdp2: SPEC' (repeatable)")
+                   help="codec spec for DDP, 'fsdp2: SPEC' or 'diloco H: SPEC' (repeatable)")
     p.add_argument("--probe", action="store_true", help="measure gloo's collectives instead")
     p.add_argument("--probe-bytes", default="64,4096,1048576",
                    help="bytes handed in per probe call, comma-separated")
@@ -285,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     import gradzip
 
     for case in args.case:  # a bad spec fails before any rank starts
-        gradzip.codec(case.partition(":")[2] if case.startswith("fsdp2:") else case)
+        kind, sep, spec = case.partition(":")
+        gradzip.codec(spec if sep and kind.strip().startswith(("fsdp2", "diloco")) else case)
     run_ranks(_cases_rank, args.ranks, args.case, args.steps, timeout=args.timeout)
     return 0
 

@@ -38,6 +38,9 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, tmp: str, args: t
     with open(Path(tmp) / f"result{rank}.pkl", "wb") as f:
         pickle.dump(result, f)
     if result[0] == "ok":
+        # the ranks leave together: a rank that exits first closes its end of groups a
+        # slower peer may still be connecting ("connectFullMesh ... closed by peer")
+        dist.barrier()
         dist.destroy_process_group()
     else:
         os._exit(1)  # peers may be blocked in a collective; don't wait for them

@@ -21,7 +21,14 @@ staggered offsets ``f * H // F``: the same bytes per step on average, but each e
 is 1/F of the model (peak link use and the pause it costs drop F-fold). Parameters before
 the first block (embeddings) go with fragment 0, those after the last with fragment F-1.
 
-Use: ``outer = DiLoCo(model, sync_every=32, codec="int8")`` after building the model;
+``overlap_steps=S`` (Streaming DiLoCo's overlap) starts a fragment's exchange and goes
+on training: the reduction runs on a background thread (one, so every rank issues its
+collectives in the same order; the inner steps communicate nothing) and is applied S
+inner steps later: the outer step moves the anchor, and the fragment's weights become the
+new anchor plus what the S local steps since the exchange began changed.
+
+Use: ``outer = DiLoCo(model, opt, sync_every=32, codec="int8")`` after building the model
+and its inner optimizer ``opt`` (optional: given, its state is in ``state_dict``);
 call ``outer.step()`` after every inner optimizer step; evaluate inside
 ``with outer.synchronized_weights():``.
 """
@@ -31,6 +38,8 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,12 +57,14 @@ OUTER_KINDS = ("diloco", "average")
 class DiLoCo:
     """Outer synchronization of ``model`` every ``sync_every`` inner steps."""
 
-    def __init__(self, model: nn.Module, *, sync_every: int, outer_lr: float = 0.7,
+    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer | None = None,
+                 *, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True,
                  codec: str | None = None, outer: str = "diloco",
                  process_group: dist.ProcessGroup | None = None, seed: int = 0,
-                 nonfinite: str = "error", fragments: int = 1) -> None:
-        check_options(sync_every, outer_lr, outer_momentum, outer, fragments)
+                 nonfinite: str = "error", fragments: int = 1,
+                 overlap_steps: int = 0) -> None:
+        check_options(sync_every, outer_lr, outer_momentum, outer, fragments, overlap_steps)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.fragments = fragment_indices([n for n, _ in named], fragments)
         if not (dist.is_available() and dist.is_initialized()):
@@ -76,6 +87,11 @@ class DiLoCo:
         self.inner_steps = 0
         self.syncs = 0  # since the run began (restored on resume)
         self.syncs_here = 0  # by this process: what ``stats`` covers
+        self.inner_optimizer = inner_optimizer  # its state travels in ``state_dict``
+        self.overlap_steps = overlap_steps
+        self._pool = (ThreadPoolExecutor(1, thread_name_prefix="diloco-exchange")
+                      if overlap_steps else None)
+        self._pending: list[_Exchange] = []  # started, not yet applied (start order)
 
     def _broadcast(self, model: nn.Module) -> None:
         """Every rank starts from rank 0's weights and buffers."""
@@ -92,33 +108,69 @@ class DiLoCo:
                 if inner_steps >= max(off, 1) and (inner_steps - off) % self.sync_every == 0]
 
     def step(self) -> bool:
-        """After an inner optimizer step: synchronize the fragments now due. Returns
-        whether any was."""
+        """After an inner optimizer step: apply the exchanges that are due, then start
+        (or, without overlap, run) those of the fragments now due. Returns whether any
+        fragment's weights were synchronized."""
         self.inner_steps += 1
-        due = self.due(self.inner_steps)
-        for f in due:
-            self.synchronize(f)
-        return bool(due)
+        applied = False
+        while self._pending and self._pending[0].apply_at == self.inner_steps:
+            self._apply(self._pending.pop(0))
+            applied = True
+        for f in self.due(self.inner_steps):
+            if self._pool is None:
+                self.synchronize(f)
+                applied = True
+            else:
+                self._start(f)
+        return applied
 
     @torch.no_grad()
     def synchronize(self, fragment: int = 0) -> None:
         """Average one fragment's pseudo-gradient through the codec, outer step on its
         anchor, which becomes its weights on every rank."""
+        self._outer_step(fragment, self._exchange(fragment, self._pseudo(fragment)), None)
+
+    def _params(self, fragment: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         idx = self.fragments[fragment]
-        anchor, params = [self.anchor[i] for i in idx], [self.params[i] for i in idx]
-        pseudo = torch.cat([(a - p.float()).reshape(-1)
-                            for a, p in zip(anchor, params, strict=True)])
+        return [self.anchor[i] for i in idx], [self.params[i] for i in idx]
+
+    def _pseudo(self, fragment: int) -> torch.Tensor:
+        anchor, params = self._params(fragment)
+        return torch.cat([(a - p.detach().float()).reshape(-1)
+                          for a, p in zip(anchor, params, strict=True)])
+
+    def _exchange(self, fragment: int, pseudo: torch.Tensor) -> torch.Tensor:
+        """The ranks' mean pseudo-gradient of the fragment, through the codec."""
         key = "pseudo_gradient" if len(self.fragments) == 1 else f"pseudo_gradient.{fragment}"
-        mean = self.reducer.reduce_mean(pseudo, key, self.comm,
-                                        shapes=[p.shape for p in params])
+        shapes = [p.shape for p in self._params(fragment)[1]]
+        return self.reducer.reduce_mean(pseudo, key, self.comm, shapes=shapes)
+
+    @torch.no_grad()
+    def _outer_step(self, fragment: int, mean: torch.Tensor,
+                    since: list[torch.Tensor] | None) -> None:
+        """Outer step of the fragment's anchor with ``mean``; its weights become the new
+        anchor (plus their change since ``since``, the weights when the exchange began)."""
+        anchor, params = self._params(fragment)
         for a, g in zip(anchor, mean.split([a.numel() for a in anchor]), strict=True):
             a.grad = g.view_as(a)
         self.optimizers[fragment].step()
-        for a, p in zip(anchor, params, strict=True):
+        for i, (a, p) in enumerate(zip(anchor, params, strict=True)):
             a.grad = None
-            p.copy_(a)
+            p.copy_(a if since is None else a + (p - since[i]))
         self.syncs += 1
         self.syncs_here += 1
+
+    @torch.no_grad()
+    def _start(self, fragment: int) -> None:
+        assert self._pool is not None
+        pseudo = self._pseudo(fragment)
+        since = [p.detach().clone() for p in self._params(fragment)[1]]
+        future = self._pool.submit(self._exchange, fragment, pseudo)
+        self._pending.append(_Exchange(fragment, self.inner_steps + self.overlap_steps,
+                                       future, since))
+
+    def _apply(self, ex: _Exchange) -> None:
+        self._outer_step(ex.fragment, ex.future.result(), ex.since)
 
     @contextlib.contextmanager
     def synchronized_weights(self) -> Iterator[None]:
@@ -137,7 +189,13 @@ class DiLoCo:
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: its local weights (ranks differ between syncs), the
         anchor, the outer optimizer, the codec's state and the step counts."""
+        pending = [{"fragment": ex.fragment, "apply_at": ex.apply_at,
+                    "mean": ex.future.result().clone(), "since": [t.clone() for t in ex.since]}
+                   for ex in self._pending]  # waits for exchanges in flight
+        inner = {} if self.inner_optimizer is None else {
+            "inner_optimizer": self.inner_optimizer.state_dict()}
         return {"kind": "diloco", "inner_steps": self.inner_steps, "syncs": self.syncs,
+                "pending": pending, **inner,
                 "local": [p.detach().clone() for p in self.params],
                 "anchor": [a.clone() for a in self.anchor], "fragments": len(self.fragments),
                 "optimizers": [o.state_dict() for o in self.optimizers],
@@ -162,13 +220,41 @@ class DiLoCo:
             opt.load_state_dict(state)
         self.codec.load_state_dict(sd["codec"])
         self.inner_steps, self.syncs = int(sd["inner_steps"]), int(sd["syncs"])
+        if sd.get("pending") and self._pool is None:
+            raise ValueError("the checkpoint has exchanges in flight (--overlap-steps): "
+                             "resume with the same --overlap-steps")
+        self._pending = [_Exchange(e["fragment"], e["apply_at"], _done(e["mean"]), e["since"])
+                         for e in sd.get("pending", [])]
+        if self.inner_optimizer is not None and "inner_optimizer" in sd:
+            self.inner_optimizer.load_state_dict(sd["inner_optimizer"])
 
     def close(self) -> None:
-        """Nothing runs in the background; for symmetry with the hooks' handles."""
+        """Wait for exchanges in flight (their collectives must finish on every rank)
+        and stop the exchange thread."""
+        for ex in self._pending:
+            ex.future.result()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+@dataclass
+class _Exchange:
+    """A fragment's exchange in flight: applied after inner step ``apply_at``."""
+
+    fragment: int
+    apply_at: int
+    future: Future[torch.Tensor]
+    since: list[torch.Tensor]  # the fragment's weights when it began
+
+
+def _done(mean: torch.Tensor) -> Future[torch.Tensor]:
+    future: Future[torch.Tensor] = Future()
+    future.set_result(mean)
+    return future
 
 
 def check_options(sync_every: int, outer_lr: float, outer_momentum: float, outer: str,
-                  fragments: int = 1) -> None:
+                  fragments: int = 1, overlap_steps: int = 0) -> None:
     """Clear errors for values DiLoCo cannot run with (before any training)."""
     if outer not in OUTER_KINDS:
         raise ValueError(f"outer must be one of {', '.join(OUTER_KINDS)}, got {outer!r}")
@@ -177,6 +263,9 @@ def check_options(sync_every: int, outer_lr: float, outer_momentum: float, outer
     if fragments < 1 or fragments > sync_every:
         raise ValueError(f"fragments must be in [1, sync_every={sync_every}] (each fragment "
                          f"needs its own step in the H-step cycle), got {fragments}")
+    if not 0 <= overlap_steps < sync_every:
+        raise ValueError(f"overlap_steps must be in [0, sync_every={sync_every}) (an exchange "
+                         f"lands before the fragment's next one starts), got {overlap_steps}")
     if outer_lr <= 0 or not 0 <= outer_momentum < 1:
         raise ValueError(f"outer lr must be > 0 and outer momentum in [0, 1), got "
                          f"{outer_lr}, {outer_momentum}")

@@ -18,14 +18,15 @@ from pathlib import Path
 #: methods that are PyTorch's own DDP comm hooks run through the same trainer
 TORCH_PREFIX = "torch:"
 
-#: local-update methods: ``diloco(sync_every=H, lr=0.7, momentum=0.9, fragments=F) | CODEC``
-#: and
+#: local-update methods: ``diloco(sync_every=H, lr=0.7, momentum=0.9, fragments=F,
+#: overlap=S) | CODEC`` and
 #: ``average(sync_every=H) | CODEC`` run ``gradzip train --outer ...`` (the codec, if
 #: any, is the pseudo-gradients')
 OUTER_METHODS = ("diloco", "average")
 _OUTER = re.compile(r"^\s*(diloco|average)\s*(?:\((.*?)\))?\s*(?:\|\s*(.+))?$")
 _OUTER_KEYS = {"sync_every": "--sync-every", "lr": "--outer-lr",
-               "momentum": "--outer-momentum", "fragments": "--fragments"}
+               "momentum": "--outer-momentum", "fragments": "--fragments",
+               "overlap": "--overlap-steps"}
 
 
 def method_flags(method: str) -> list[str]:

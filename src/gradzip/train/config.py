@@ -175,6 +175,10 @@ class TrainConfig:
     """With --outer: Streaming DiLoCo's fragments: the model's blocks in this many groups,
     each synchronized every --sync-every steps at staggered offsets (must divide the
     number of blocks and be <= --sync-every)."""
+    overlap_steps: int = 0
+    """With --outer: Streaming DiLoCo's overlap: a fragment's exchange runs in the
+    background and is applied this many inner steps after it starts (0: at once; must be
+    < --sync-every)."""
     diagnose: bool = False
     """Measure each step's compression error (grad_rel_error, grad_cos_sim); costs time."""
     nonfinite: str = "auto"
@@ -409,7 +413,8 @@ def _check_outer(t: TrainConfig, n_layer: int) -> None:
         return
     from gradzip.comm.outer import check_options
 
-    check_options(t.sync_every, t.outer_lr, t.outer_momentum, t.outer, t.fragments)
+    check_options(t.sync_every, t.outer_lr, t.outer_momentum, t.outer, t.fragments,
+                  t.overlap_steps)
     if n_layer % t.fragments:
         raise ValueError(f"--fragments {t.fragments} does not divide the model's {n_layer} "
                          f"blocks (--n-layer): choose a divisor of {n_layer}")

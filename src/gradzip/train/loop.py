@@ -192,6 +192,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, o)
         if isinstance(self.par, LocalUpdates):  # per-rank inner state in checkpoints
             self.par.inner_optimizer = self.optimizer
+            cleanup.callback(self.par.handle.close)  # exchanges in flight end first
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.dtype == "fp16")
         self.loader = make_loader(self.data.train, batch_size=d.batch_size, seq_len=d.seq_len,
                                   rank=info.rank, world_size=info.world_size, seed=t.seed,
@@ -512,7 +513,7 @@ def outer_options(t: Any) -> dict[str, Any] | None:
     return {"sync_every": t.sync_every, "outer_lr": t.outer_lr,
             "outer_momentum": t.outer_momentum, "outer": t.outer,
             "codec": None if t.outer_codec == "none" else t.outer_codec,
-            "fragments": t.fragments}
+            "fragments": t.fragments, "overlap_steps": t.overlap_steps}
 
 
 def _outer_summary(par: Any, t: Any) -> dict[str, Any] | None:
@@ -522,7 +523,7 @@ def _outer_summary(par: Any, t: Any) -> dict[str, Any] | None:
     outer, totals = par.handle, par.handle.stats.totals()
     here = outer.syncs_here  # the byte totals cover this process's syncs
     return {"kind": t.outer, "sync_every": t.sync_every, "codec": t.outer_codec,
-            "fragments": t.fragments, "syncs": outer.syncs,
+            "fragments": t.fragments, "overlap_steps": t.overlap_steps, "syncs": outer.syncs,
             "bytes_wire_per_sync": totals["bytes_wire"] / here if here else None}
 
 
