@@ -174,27 +174,21 @@ def test_fragments_are_synchronized_on_their_staggered_schedule() -> None:
 
 
 def _fragment_resume(rank: int) -> bool:
-    def run(steps: range, model: nn.Module, outer: DiLoCo, opt: torch.optim.Optimizer) -> None:
-        for step in steps:
-            _inner(model, opt, step, rank)
-            outer.step()
-            outer.stats.end_step()
-
     whole = _Blocks()
     w_outer = DiLoCo(whole, sync_every=4, codec="ef | int8", fragments=2)
     w_opt = torch.optim.AdamW(whole.parameters(), lr=1e-2)
-    run(range(9), whole, w_outer, w_opt)
+    _train(rank, range(9), whole, w_outer, w_opt)
     first = _Blocks()
     f_outer = DiLoCo(first, sync_every=4, codec="ef | int8", fragments=2)
     f_opt = torch.optim.AdamW(first.parameters(), lr=1e-2)
-    run(range(3), first, f_outer, f_opt)  # after fragment 1's sync, before fragment 0's
+    _train(rank, range(3), first, f_outer, f_opt)  # after fragment 1's sync, before fragment 0's
     saved = (copy.deepcopy(f_outer.state_dict()), copy.deepcopy(f_opt.state_dict()))
     second = _Blocks()
     s_outer = DiLoCo(second, sync_every=4, codec="ef | int8", fragments=2)
     s_opt = torch.optim.AdamW(second.parameters(), lr=1e-2)
     s_outer.load_state_dict(saved[0])
     s_opt.load_state_dict(saved[1])
-    run(range(3, 9), second, s_outer, s_opt)
+    _train(rank, range(3, 9), second, s_outer, s_opt)
     with pytest.raises(ValueError, match="same --fragments"):
         DiLoCo(_Blocks(), sync_every=4, fragments=1).load_state_dict(saved[0])
     return all(torch.equal(a, b) for a, b in zip(whole.parameters(), second.parameters(),
@@ -258,22 +252,16 @@ def _overlap_resume(rank: int) -> bool:
                              overlap_steps=2)  # the inner optimizer's state is in its own
         return model, outer, opt
 
-    def run(steps: range, model: nn.Module, outer: DiLoCo, opt: torch.optim.Optimizer) -> None:
-        for step in steps:
-            _inner(model, opt, step, rank)
-            outer.step()
-            outer.stats.end_step()
-
     whole = build()
-    run(range(10), *whole)
+    _train(rank, range(10), *whole)
     first = build()
-    run(range(3), *first)  # fragment 1's exchange (started at 2) is still in flight
+    _train(rank, range(3), *first)  # fragment 1's exchange (started at 2) is still in flight
     assert len(first[1]._pending) == 1
     saved = copy.deepcopy(first[1].state_dict())
     assert "inner_optimizer" in saved
     second = build()
     second[1].load_state_dict(saved)
-    run(range(3, 10), *second)
+    _train(rank, range(3, 10), *second)
     for _, outer, _ in (whole, first, second):
         outer.close()
     return all(torch.equal(a, b) for a, b in zip(whole[0].parameters(),
