@@ -49,15 +49,22 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def from_numpy(a: np.ndarray, dtype: torch.dtype, shape: Iterable[int]) -> torch.Tensor:
-    """The inverse of ``to_numpy``: a tensor of ``dtype`` and ``shape`` owning its data."""
+def from_numpy(a: np.ndarray, dtype: torch.dtype, shape: Iterable[int],
+               owned: bool = False) -> torch.Tensor:
+    """The inverse of ``to_numpy``: a tensor of ``dtype`` and ``shape`` owning its data.
+
+    ``owned``: ``a`` is a fresh, writable array nothing else refers to (a decoder's own
+    output), so the tensor may take its memory instead of a copy."""
     if a.size == 0:  # torch.from_numpy gives empty arrays stride 0, which cannot be viewed
         return torch.empty(tuple(shape), dtype=dtype)
     a = np.ascontiguousarray(a)
+    take = owned and a.flags.writeable
     if dtype == torch.bfloat16:
-        t = torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+        bits = a.view(np.int16)
+        t = torch.from_numpy(bits if take else bits.copy()).view(torch.bfloat16)
     else:
-        t = torch.from_numpy(a.astype(_NP_DTYPES[dtype], copy=False).copy())
+        typed = a.astype(_NP_DTYPES[dtype], copy=False)
+        t = torch.from_numpy(typed if take and typed is a else typed.copy())
     return t.reshape(tuple(shape))
 
 

@@ -169,7 +169,7 @@ class LosslessFloat(Compressor):
         planes = []
         for i in range(_PLANES[dtype]):
             planes.append(_decode_plane(p.child(f"p{i}"), numel))
-        return _frame.from_numpy(join_planes(planes, dtype), dtype, shape)
+        return _frame.from_numpy(join_planes(planes, dtype), dtype, shape, owned=True)
 
 
 def _fast_zstd(plane: np.ndarray) -> Payload:
