@@ -63,7 +63,7 @@ def from_numpy(a: np.ndarray, dtype: torch.dtype, shape: Iterable[int],
         bits = a.view(np.int16)
         t = torch.from_numpy(bits if take else bits.copy()).view(torch.bfloat16)
     else:
-        typed = a.astype(_NP_DTYPES[dtype], copy=False)
+        typed: np.ndarray = a.astype(_NP_DTYPES[dtype], copy=False)
         t = torch.from_numpy(typed if take and typed is a else typed.copy())
     return t.reshape(tuple(shape))
 
