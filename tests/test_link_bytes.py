@@ -27,13 +27,14 @@ ALL_REDUCE = "none"
 ALL_GATHER = "ef | topk(ratio=0.01)"
 MULTI_ROUND = "ef | powersgd(rank=2)"
 REDUCE_SCATTER = "fsdp2: none"
+DILOCO = "diloco 2: int8"  # pseudo-gradients through a codec every 2 steps
 
 @pytest.fixture(scope="module")
 def measured() -> dict[str, dict]:
     """One namespace, one group of ranks, every case in turn: {case: row}."""
     if not OK:
         pytest.skip(f"no network namespace here: {WHY}")
-    cases = [ALL_REDUCE, ALL_GATHER, MULTI_ROUND, REDUCE_SCATTER]
+    cases = [ALL_REDUCE, ALL_GATHER, MULTI_ROUND, REDUCE_SCATTER, DILOCO]
     argv = [sys.executable, "-m", "gradzip.bench.linkcount", "--ranks", str(RANKS),
             "--steps", str(STEPS)]
     for case in cases:
@@ -55,6 +56,7 @@ def measured() -> dict[str, dict]:
     ALL_GATHER,
     MULTI_ROUND,
     REDUCE_SCATTER,
+    DILOCO,
 ])
 def test_kernel_bytes_match_bytes_wire(measured: dict[str, dict], case: str) -> None:
     row = measured[case]
