@@ -69,30 +69,49 @@ def test_symbol_rows_round_trip_and_never_beat_the_entropy():
 
 def test_bars_read_the_rows():
     sym = [
-        {"input": "laplace", "coder": "ans", "eta": 0.995, "encode_mbps": 150.0},
-        {"input": "laplace", "coder": "eg auto", "eta": 0.9, "encode_mbps": 50.0},
+        {"input": "laplace", "coder": "ans", "eta": 0.995, "encode_mbps": 450.0,
+         "decode_mbps": 500.0},
+        {"input": "laplace", "coder": "eg auto", "eta": 0.9, "encode_mbps": 50.0,
+         "decode_mbps": 900.0},
         {"input": "laplace", "coder": "eg best-k sign", "eta": 0.95, "encode_mbps": 1.0},
         {"input": "laplace", "coder": "eg best-k offset", "eta": 0.5, "encode_mbps": 1.0},
     ]
     flt = [
-        {"input": "g", "coder": "lossless", "wire_bytes": 90, "ratio": 1.3},
+        {"input": "g", "coder": "lossless", "wire_bytes": 90, "ratio": 1.3,
+         "encode_mbps": 600.0, "decode_mbps": 900.0},
         {"input": "g", "coder": "zstd-3 raw bytes", "wire_bytes": 95, "ratio": 1.2},
-        {"input": "g", "coder": "zipnn", "wire_bytes": 80, "ratio": 1.4},
+        {"input": "g", "coder": "zipnn", "wire_bytes": 80, "ratio": 1.4,
+         "encode_mbps": 500.0, "decode_mbps": 1000.0},
     ]
     bars = bench.check_bars(sym, flt)
-    assert bars["ans eta >= 0.99 (laplace)"] and bars["ans encode >= 100 MB/s (laplace)"]
-    assert not bars["eg auto encode >= 100 MB/s (laplace)"]
+    assert bars["ans eta >= 0.99 (laplace)"] and bars["ans encode >= 400 MB/s (laplace)"]
+    assert bars["ans decode >= 400 MB/s (laplace)"]
+    assert not bars["eg auto encode >= 400 MB/s (laplace)"]
+    assert bars["eg auto decode >= 400 MB/s (laplace)"]
+    assert bars["lossless encode >= zipnn (g)"] and not bars["lossless decode >= zipnn (g)"]
     assert bars["eg best-k sign eta >= 0.92 (laplace)"]
     assert not any("offset" in name for name in bars)  # not a signed mapping
     assert bars["lossless beats zstd (g)"] and not bars["lossless ratio >= zipnn (g)"]
 
 
 def test_float_rows_are_exact(monkeypatch):
-    monkeypatch.setattr(samples, "real_gradient_flat", lambda seed=0: samples.heavy_tailed(3000))
+    for fn in bench.FLOAT_SOURCES.values():
+        monkeypatch.setattr(samples, fn, lambda seed=0: samples.heavy_tailed(3000))
     rows = bench.bench_floats(seed=0, repeat=1)
     assert {r["coder"] for r in rows} >= {"lossless", "zstd-3 raw bytes"}
+    assert len({r["input"] for r in rows}) == 2 * 3  # two model families x three dtypes
     for r in rows:
         assert r["exact"], r
         assert r["ratio"] == pytest.approx(r["raw_bytes"] / r["wire_bytes"])
     lossless = [r for r in rows if r["coder"] == "lossless"]
     assert all(r["ratio"] > 1.0 for r in lossless)
+
+
+def test_the_cnn_source_is_a_real_small_resnet_gradient():
+    grads = samples.cnn_gradients(seed=0, steps=1, batch=8)
+    assert any("bn" in n or n.endswith(".1.weight") for n in grads)  # batch-norm affine
+    assert any(g.dim() == 4 for g in grads.values())  # conv kernels
+    flat = torch.cat([g.reshape(-1) for g in grads.values()])
+    assert torch.isfinite(flat).all() and flat.abs().max() > 0
+    images, labels = samples.drawn_images(4, torch.Generator().manual_seed(0))
+    assert images.shape == (4, 3, 32, 32) and labels.shape == (4,)

@@ -1,5 +1,7 @@
 """The ``lossless`` float codec: bit-exact for every float dtype, smaller than raw."""
 
+import base64
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ from test_expgolomb import skewed_int_tensors
 
 import gradzip
 from gradzip.codecs import Payload, PayloadError
-from gradzip.codecs.entropy import bytecoders
+from gradzip.codecs.entropy import ans, bytecoders
 from gradzip.codecs.entropy.floatcodec import LosslessFloat, join_planes, split_planes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -156,7 +158,7 @@ def test_payloads_of_every_plane_coding_decode_with_the_default_codec(dtype, par
     x = grad_like(20_000, seed=3, dtype=dtype)
     p = Payload.deserialize(LosslessFloat(**params).encode(x, None).serialize())
     modes = {p.child(k).meta.get("m") for k in p.fields}
-    assert ("rans" in modes) == (params.get("exponent") == "ans")
+    assert (ans.RANS in modes) == (params.get("exponent") == "ans")
     assert torch.equal(bits(LosslessFloat().decode(p, x.shape, None)), bits(x))
 
 
@@ -168,3 +170,35 @@ def test_fast_zstd_exponent_plane_beats_ans_on_runs():
     fast = LosslessFloat().encode(x, None).wire_bytes
     order0 = LosslessFloat(exponent="ans").encode(x, None).wire_bytes
     assert fast < order0
+
+
+#: a ``lossless`` fp16 payload of the first layout (three planes: exponent, sign + two
+#: mantissa bits, low mantissa byte), written by gradzip 0a56344, and its input's bytes
+FP16_V1_PAYLOAD = (
+    "R1oBAgJmbAAKA2NyYwD4opyZFgMCcDACBQFtAgR6c3RkAmR0AAACc2gDAYAEA2x2bAACA2NyYwCqo9OZCwEBZAGLASi1"
+    "L/1gAAANBAAGUB8MQE3zw49vy9khJDoCHAAaABkAw6bpSoomZbp/SAe3/Wa4P09SpD3eyKEDgKIoAhP4uJElFx+l6zCw"
+    "nTDwmaPlcdahbglSiyP77aKXf2iSVWoig0M0N9vpruhtzEtxHX3rFuzK/ZNJKzLFrTnKOkbD31G5oTBh5dFNDAMOBwAC"
+    "cDECBQFtAgR6c3RkAmR0AAACc2gDAYAEA2x2bAACA2NyYwDOia7vFQEBZAF7KLUv/WAAAI0DAAZQG4YyISIgGAAYABkA"
+    "a0Jb1IL3XAOkMhcef2N06dLCJBDiZVs7kmYjiwCZ6KBijRyslt9Ab7E2+aHfh3YoLdWNIShtfAS9jQjyAyXtZ53YsptgZ"
+    "dBQBDoOwJSNZbRofU8yCFUjhN+08EACIbwsEQUAAnAyAgQBbQIDcmF3AmR0AAACc2gDAYAEA2NyYwCm1IuzDwEBZAGAAg"
+    "AAAAAAzlUd8UWZObVxidDfgl0uHFYOWDuOBRkmnSM3fFUXWHp/eCiphQcXKkQpvbQkEPmPEQ4hTcQ2ZHQQyHdh+34m5HJO"
+    "M8C2PTD9TnzFqZdOY6nBe79vavDqDYt/OVRnvo1Z4SBzToz/UWAtxKRnrdgmRRIERoVhMA8kfW30k8joiQdLwI4akkNfBv"
+    "+Q+VyY7mfWdL+cbhA1Z2O6ok6pugLfOGkYWsKL64PsX5qXNGyi2p+cA2JbJgd9BlIahaVnVPeRRSH/LSLS1S6yze5vPyjN"
+    "HQF++VF0Lz79zUqnFY5Y5HW2iyGcLAg58t9BhD6CJRxPCLoLv4Ql95dnLhM="
+)
+
+
+def test_fp16_payloads_of_the_first_layout_still_decode():
+    rng = np.random.default_rng(11)
+    x = torch.from_numpy((rng.standard_normal(256) * np.exp(rng.standard_normal(256)))
+                         .astype(np.float16))
+    x[:5] = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0])
+    old = Payload.deserialize(base64.b64decode(FP16_V1_PAYLOAD))
+    assert sorted(old.fields) == ["p0", "p1", "p2"]
+    got = LosslessFloat().decode(old, x.shape, None)
+    assert torch.equal(got.view(torch.int16), x.view(torch.int16))
+    new = LosslessFloat().encode(x, None)
+    assert sorted(new.fields) == ["p0", "p1"]  # today's layout: two planes
+    assert new.wire_bytes < old.wire_bytes
+    back = LosslessFloat().decode(Payload.deserialize(new.serialize()), x.shape, None)
+    assert torch.equal(back.view(torch.int16), x.view(torch.int16))

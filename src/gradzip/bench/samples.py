@@ -2,7 +2,9 @@
 
 The real gradient comes from one backward pass of a small transformer language model
 on text from the Python standard library (no download), so benchmarks see the mix of
-scales, sparsity and outliers that real LLM gradients have.
+scales, sparsity and outliers that real LLM gradients have. A second model family, a
+small residual convolutional network with batch normalisation trained on drawn images
+(``cnn_gradients``), checks that a result is not a property of transformers alone.
 """
 
 from __future__ import annotations
@@ -107,3 +109,73 @@ def real_gradient_steps(seed: int = 0, first: int = 3, count: int = 1, batch: in
 def real_gradient_flat(seed: int = 0) -> torch.Tensor:
     """All parameter gradients of the small LM concatenated (like one DDP bucket)."""
     return torch.cat([g.reshape(-1) for g in real_gradients(seed).values()])
+
+
+class _TinyResNet(nn.Module):
+    """A residual CNN with batch normalisation (~0.5M parameters) for 32x32 RGB images:
+    a stem and three stages of width w, 2w, 4w, each one residual block."""
+
+    def __init__(self, width: int = 32, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(width), nn.ReLU())
+        stages: list[nn.Module] = []
+        for i, w in enumerate((width, 2 * width, 4 * width)):
+            if i:
+                stages += [nn.Conv2d(w // 2, w, 3, stride=2, padding=1, bias=False),
+                           nn.BatchNorm2d(w), nn.ReLU()]
+            stages.append(_ResidualBlock(w))
+        self.stages = nn.Sequential(*stages)
+        self.head = nn.Linear(4 * width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)).mean(dim=(2, 3)))
+
+
+class _ResidualBlock(nn.Module):
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(w, w, 3, padding=1, bias=False), nn.BatchNorm2d(w),
+                                  nn.ReLU(), nn.Conv2d(w, w, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(w))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.body(x))
+
+
+def drawn_images(batch: int, generator: torch.Generator, classes: int = 10
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` 32x32 RGB images and labels: class c is a grating at angle c * 180/classes
+    degrees with a random frequency, phase and tint, plus noise (no download)."""
+    labels = torch.randint(classes, (batch,), generator=generator)
+    angle = labels.float() * (torch.pi / classes)
+    freq = 0.2 + 0.4 * torch.rand(batch, generator=generator)
+    phase = 2 * torch.pi * torch.rand(batch, generator=generator)
+    yy, xx = torch.meshgrid(torch.arange(32.0), torch.arange(32.0), indexing="ij")
+    proj = xx * torch.cos(angle)[:, None, None] + yy * torch.sin(angle)[:, None, None]
+    wave = torch.sin(freq[:, None, None] * proj + phase[:, None, None])
+    tint = 0.5 + torch.rand(batch, 3, 1, 1, generator=generator)
+    noise = 0.3 * torch.randn(batch, 3, 32, 32, generator=generator)
+    return wave[:, None] * tint + noise, labels
+
+
+def cnn_gradients(seed: int = 0, steps: int = 3, batch: int = 32) -> dict[str, torch.Tensor]:
+    """Per-parameter gradients of a small ResNet after ``steps`` SGD steps on drawn images."""
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    model = _TinyResNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps + 1):
+        images, labels = drawn_images(batch, gen)
+        loss = nn.functional.cross_entropy(model(images), labels)
+        opt.zero_grad()
+        loss.backward()
+        if step < steps:
+            opt.step()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()
+            if p.grad is not None}
+
+
+def cnn_gradient_flat(seed: int = 0) -> torch.Tensor:
+    """All parameter gradients of the small ResNet concatenated (like one DDP bucket)."""
+    return torch.cat([g.reshape(-1) for g in cnn_gradients(seed).values()])

@@ -132,11 +132,12 @@ def check(p: Payload, stage: str) -> None:
         )
 
 
-def blob(p: Payload, name: str, stage: str) -> bytes:
+def blob(p: Payload, name: str, stage: str) -> bytes | bytearray | memoryview:
+    """The bytes-like field ``name`` as it is (a view is not copied: decoders only read)."""
     value = p.fields.get(name)
     if not isinstance(value, bytes | bytearray | memoryview):
         raise EntropyCodingError(f"{stage}: coded field lacks its {name!r} bytes")
-    return bytes(value)
+    return value
 
 
 def stored(t: torch.Tensor) -> Payload:

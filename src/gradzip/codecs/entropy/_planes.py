@@ -66,17 +66,28 @@ def join_bf16(planes, h):
 
 @njit(cache=True, nogil=True)
 def split_fp16(h, planes, counts):
-    """fp16 words -> [5-bit exponent] [sign + 2 top mantissa bits] [mantissa 8]."""
+    """fp16 words -> [5-bit exponent, sign, 2 top mantissa bits] [mantissa 8]: the
+    exponent shares its byte with the three bits beside it, so one coded plane carries
+    everything compressible and the other travels raw."""
     for i in range(h.size):
         x = h[i]
-        planes[0, i] = (x >> 10) & 0x1F
-        planes[1, i] = ((x >> 13) & 0x4) | ((x >> 8) & 0x3)
-        planes[2, i] = x & 0xFF
+        planes[0, i] = ((x >> 7) & 0xF8) | ((x >> 13) & 0x4) | ((x >> 8) & 0x3)
+        planes[1, i] = x & 0xFF
     _count_sample(planes, 1, counts)
 
 
 @njit(cache=True, nogil=True)
 def join_fp16(planes, h):
+    for i in range(h.size):
+        top = np.uint16(planes[0, i])
+        h[i] = (((top & 0x4) << 13) | ((top >> 3) << 10) | ((top & 0x3) << 8)
+                | np.uint16(planes[1, i]))
+
+
+@njit(cache=True, nogil=True)
+def join_fp16_v1(planes, h):
+    """Inverse of the first fp16 layout, [5-bit exponent] [sign + 2 top mantissa bits]
+    [mantissa 8], so its payloads still decode."""
     for i in range(h.size):
         e = np.uint16(planes[0, i])
         s2 = np.uint16(planes[1, i])

@@ -4,11 +4,14 @@ Range ANS as in Duda (2013) with the byte-/word-oriented layout of Giesen's publ
 ``rans_byte`` (2014): a 32-bit state kept in [2**16, 2**32), 16-bit renormalisation
 words, frequencies quantized to a total of 2**15, and the division in the encoder
 replaced by a multiplication with a precomputed reciprocal (a 33-bit one, exact for
-every state the encoder divides: see ``encoder_tables``). Two states are
-interleaved (even and odd symbols) so their dependency chains overlap in the CPU.
-The encoder runs backwards and writes words from the end; the decoder reads forward
-and must finish with both states back at their initial value and every word used,
-which catches most corruption on its own (a checksum covers the rest).
+every state the encoder divides: see ``encoder_table``). Four states are
+interleaved (symbol i in state i % 4) so their dependency chains overlap in the CPU;
+the decoder takes each symbol's frequency, offset and value from one table lookup,
+renormalises without a branch, and indexes with unsigned integers (numba adds no
+wrap-around checks for them). The encoder runs backwards and writes words from the end;
+the decoder reads forward and must finish with every state back at its initial value
+and every word used, which catches most corruption on its own (a checksum covers the
+rest). ``decode_v1`` reads the first format (two states), so old payloads decode.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from numba import njit
 SCALE_BITS = 15
 M = 1 << SCALE_BITS
 L = 1 << 16  # lower bound of the state
+STATES = 4  # interleaved states of ``encode``/``decode``
 
 
 def quantize(counts: np.ndarray) -> np.ndarray:
@@ -43,8 +47,9 @@ def quantize(counts: np.ndarray) -> np.ndarray:
     return f
 
 
-def encoder_tables(freq: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Per-symbol (x_max, reciprocal, shift, start, M - freq) for ``encode``.
+def encoder_table(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-symbol ``(packed, start)`` for ``encode``: ``packed`` holds the low 32 bits of
+    the reciprocal, ``freq << 32`` and ``shift << 48`` in one word, so a step loads two.
 
     The encoder divides states ``x < x_max = 2**17 * freq <= 2**32`` by ``freq``. Giesen's
     32-bit reciprocal ``ceil(2**(31 + s) / freq)`` (``s = ceil(log2(freq))``) is exact only
@@ -55,63 +60,145 @@ def encoder_tables(freq: np.ndarray) -> tuple[np.ndarray, ...]:
     Granlund-Montgomery's ``m = ceil(2**(32 + s) / freq)``, exact for every ``x < 2**32``;
     it has 33 bits, and only its low 32 (``m - 2**32``) are stored:
     ``x // freq == (x + ((x * (m - 2**32)) >> 32)) >> s`` with no 64-bit overflow. It
-    needs no special case for ``freq == 1`` (``m = 2**32``). Where the old reciprocal was
-    right the words are the same, so the format is unchanged.
+    needs no special case for ``freq == 1`` (``m = 2**32``).
     """
-    freq = freq.astype(np.int64)
+    freq = np.asarray(freq, np.int64)
     start = np.concatenate([[0], np.cumsum(freq)[:-1]])
-    x_max = ((L >> SCALE_BITS) << 16) * freq
     shift = [int(f - 1).bit_length() for f in freq.tolist()]
-    rcp = np.array([-(-(1 << (32 + s)) // f) - (1 << 32)
-                    for f, s in zip(freq.tolist(), shift, strict=True)], np.uint64)
-    return (x_max.astype(np.uint64), rcp, np.array(shift, np.uint64), start.astype(np.uint64),
-            (M - freq).astype(np.uint64))
+    rcp = [-(-(1 << (32 + s)) // f) - (1 << 32) for f, s in zip(freq.tolist(), shift, strict=True)]
+    packed = (np.array(rcp, np.uint64) | (freq.astype(np.uint64) << np.uint64(32))
+              | (np.array(shift, np.uint64) << np.uint64(48)))
+    return packed, start.astype(np.uint64)
+
+
+_LOW16 = np.uint64(0xFFFF)
+_LOW32 = np.uint64(0xFFFFFFFF)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _step(x, s, x_max, rcp, shift, start, cmpl, out, pos):
-    """Encode symbol ``s`` into state ``x``; branch-free renormalisation (at most one
-    16-bit word, written speculatively and kept only if needed)."""
-    big = x >= x_max[s]
-    out[pos - 1] = np.uint16(x & np.uint64(0xFFFF))
-    pos -= np.int64(big)
-    x >>= np.uint64(16 * big)
-    q = (x + ((x * rcp[s]) >> np.uint64(32))) >> shift[s]  # x // freq without a division
-    return x + start[s] + q * cmpl[s], pos  # q * M + start + x % freq
+def _step(x, packed, start, out, pos):
+    """Encode the symbol of table row (``packed``, ``start``) into state ``x``; branch-free
+    renormalisation: at most one 16-bit word, written speculatively at ``out[pos - 1]``
+    and kept (``pos`` moves) only if needed. Returns (state, pos)."""
+    freq = (packed >> np.uint64(32)) & _LOW16
+    big = x >= (freq << np.uint64(17))  # x_max = 2**17 * freq
+    out[pos - np.uint64(1)] = np.uint16(x & _LOW16)
+    pos -= np.uint64(big)
+    x = (x >> np.uint64(16)) if big else x
+    q = (x + ((x * (packed & _LOW32)) >> np.uint64(32))) >> (packed >> np.uint64(48))
+    return x + start + q * (np.uint64(M) - freq), pos  # q * M + start + x % freq
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put(x, v, i, base, packed, start, out, pos):
+    r = np.uint64(np.int64(v[i]) - base)  # unsigned indices: no wrap-around checks
+    return _step(x, packed[r], start[r], out, pos)
 
 
 @njit(cache=True, nogil=True)
-def encode(v, base, lut, x_max, rcp, shift, start, cmpl):
-    """16-bit words of the rANS code of ``v`` (symbol ``lut[v - base]``); two states are
-    interleaved: even indices use state 0, odd ones state 1."""
+def encode(v, base, packed, start, out, end):
+    """rANS-code ``v`` (tables indexed by ``v - base``) into the 16-bit words
+    ``out[begin:end]``, written backwards from ``end``; returns ``begin``. ``out`` must
+    have room for ``v.size + 8`` words before ``end``, so successive calls on a stream's
+    chunks, last chunk first, leave the chunks' codes contiguous and in order.
+
+    Four states interleaved, symbol ``i`` in state ``i % 4``. The encoder runs backwards
+    so the decoder reads forwards; the four final states lead the code."""
     n = v.size
-    out = np.empty(n + 8, np.uint16)
-    pos = out.size
-    x0 = np.uint64(L)
-    x1 = np.uint64(L)
-    i = n - 1
-    if n % 2 == 1:  # the last symbol has an even index: state 0
-        s = np.int64(lut[np.int64(v[i]) - base])
-        x0, pos = _step(x0, s, x_max, rcp, shift, start, cmpl, out, pos)
-        i -= 1
-    while i > 0:
-        s = np.int64(lut[np.int64(v[i]) - base])
-        x1, pos = _step(x1, s, x_max, rcp, shift, start, cmpl, out, pos)
-        s = np.int64(lut[np.int64(v[i - 1]) - base])
-        x0, pos = _step(x0, s, x_max, rcp, shift, start, cmpl, out, pos)
-        i -= 2
-    for x in (x1, x0):
-        pos -= 1
-        out[pos] = np.uint16(x & np.uint64(0xFFFF))
-        pos -= 1
-        out[pos] = np.uint16(x >> np.uint64(16))
-    return out[pos:]
+    pos = np.uint64(end)
+    x0 = x1 = x2 = x3 = np.uint64(L)
+    b = np.int64(base)
+    i = np.uint64(n - n % 4)
+    for j in range(n - 1, n - n % 4 - 1, -1):  # the tail: states 0..n%4-1
+        k = np.uint64(j)
+        if j % 4 == 0:
+            x0, pos = _put(x0, v, k, b, packed, start, out, pos)
+        elif j % 4 == 1:
+            x1, pos = _put(x1, v, k, b, packed, start, out, pos)
+        else:
+            x2, pos = _put(x2, v, k, b, packed, start, out, pos)
+    four = np.uint64(4)
+    while i >= four:
+        i -= four
+        x3, pos = _put(x3, v, i + np.uint64(3), b, packed, start, out, pos)
+        x2, pos = _put(x2, v, i + np.uint64(2), b, packed, start, out, pos)
+        x1, pos = _put(x1, v, i + np.uint64(1), b, packed, start, out, pos)
+        x0, pos = _put(x0, v, i, b, packed, start, out, pos)
+    for x in (x3, x2, x1, x0):
+        out[pos - np.uint64(1)] = np.uint16(x & _LOW16)
+        out[pos - np.uint64(2)] = np.uint16(x >> np.uint64(16))
+        pos -= np.uint64(2)
+    return np.int64(pos)
+
+
+def decoder_table(freq: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-slot ``(freq << 16 | slot - start, value)`` of the symbol owning each of the
+    2**15 slots: the decoder's one table lookup per symbol."""
+    freq = np.asarray(freq, np.int64)
+    start = np.concatenate([[0], np.cumsum(freq)[:-1]])
+    sym = np.repeat(np.arange(freq.size), freq)
+    slot = np.arange(M, dtype=np.int64)
+    packed = ((freq[sym] << 16) | (slot - start[sym])).astype(np.uint32)
+    return packed, values[sym]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _get(x, table, values, word, out, i):
+    """Decode symbol ``i`` from state ``x`` (32-bit) and refill the state with ``word``
+    if it fell below 2**16. Returns (state, 1 if the word was used else 0)."""
+    s = x & np.uint32(M - 1)
+    e = table[s]
+    out[i] = values[s]
+    x = (e >> np.uint32(16)) * (x >> np.uint32(SCALE_BITS)) + (e & np.uint32(0xFFFF))
+    need = x < np.uint32(L)
+    x = ((x << np.uint32(16)) | np.uint32(word)) if need else x
+    return x, np.uint64(need)
 
 
 @njit(cache=True, nogil=True)
-def decode(words, freq, cum, slot_sym, values, out):
-    """Inverse of ``encode`` into ``out`` (values[s] per symbol); 0 if the stream is
-    consistent, -1 if it runs out of words or does not end in the initial states."""
+def decode(words, table, values, out):
+    """Inverse of ``encode`` into ``out``; 0 if the stream is consistent, -1 if it runs
+    out of words or does not end with every state back at 2**16 and every word used."""
+    nw = np.uint64(words.size)
+    if nw < 8:
+        return -1
+    xs = np.empty(4, np.uint32)
+    x0 = (np.uint32(words[0]) << np.uint32(16)) | np.uint32(words[1])
+    x1 = (np.uint32(words[2]) << np.uint32(16)) | np.uint32(words[3])
+    x2 = (np.uint32(words[4]) << np.uint32(16)) | np.uint32(words[5])
+    x3 = (np.uint32(words[6]) << np.uint32(16)) | np.uint32(words[7])
+    p = np.uint64(8)
+    n = np.uint64(out.size)
+    i = np.uint64(0)
+    four = np.uint64(4)
+    while i + four <= n and p + four <= nw:  # a block reads at most 4 words: in bounds
+        x0, k = _get(x0, table, values, words[p], out, i)
+        p += k
+        x1, k = _get(x1, table, values, words[p], out, i + np.uint64(1))
+        p += k
+        x2, k = _get(x2, table, values, words[p], out, i + np.uint64(2))
+        p += k
+        x3, k = _get(x3, table, values, words[p], out, i + np.uint64(3))
+        p += k
+        i += four
+    xs[0], xs[1], xs[2], xs[3] = x0, x1, x2, x3
+    while i < n:  # the last symbols, one at a time, every read checked
+        word = words[p] if p < nw else np.uint16(0)
+        xs[i % four], k = _get(xs[i % four], table, values, word, out, i)
+        p += k
+        if p > nw:
+            return -1
+        i += np.uint64(1)
+    lo = np.uint32(L)
+    if p != nw or xs[0] != lo or xs[1] != lo or xs[2] != lo or xs[3] != lo:
+        return -1
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def decode_v1(words, freq, cum, slot_sym, values, out):
+    """Decoder of the first format (mode ``rans``: two interleaved states, even and odd
+    symbols), kept so that its payloads still decode."""
     nw = words.size
     if nw < 4:
         return -1

@@ -31,7 +31,7 @@ class _ByteCoder(LosslessCoder):
     def compress(self, data: bytes) -> bytes:
         raise TypeError("abstract")  # pragma: no cover - every subclass overrides
 
-    def decompress(self, data: bytes, size: int) -> bytes:
+    def decompress(self, data: bytes | bytearray | memoryview, size: int) -> bytes:
         raise TypeError("abstract")  # pragma: no cover
 
     def encode_field(self, t: torch.Tensor, slot: Slot | None = None) -> Payload:
@@ -76,7 +76,7 @@ class Zstd(_ByteCoder):
         return zstandard.ZstdCompressor(level=self.params["level"], write_checksum=True,
                                         write_content_size=False).compress(data)
 
-    def decompress(self, data: bytes, size: int) -> bytes:
+    def decompress(self, data: bytes | bytearray | memoryview, size: int) -> bytes:
         return zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
 
 
@@ -95,5 +95,5 @@ class Lz4(_ByteCoder):
         return lz4.frame.compress(data, compression_level=self.params["level"],
                                   content_checksum=True, store_size=False)
 
-    def decompress(self, data: bytes, size: int) -> bytes:
+    def decompress(self, data: bytes | bytearray | memoryview, size: int) -> bytes:
         return lz4.frame.decompress(data)

@@ -7,7 +7,8 @@ Compression for AI Models"), each value is split into byte planes with the expon
 rotated into a byte of its own (the sign moves to the mantissa side):
 
 * bf16: ``[exponent] [sign + 7 mantissa bits]``
-* fp16: ``[5-bit exponent] [sign + 2 top mantissa bits] [8 mantissa bits]``
+* fp16: ``[5-bit exponent, sign, 2 top mantissa bits] [8 mantissa bits]`` (payloads of
+  the first fp16 layout, three planes ``[exponent] [sign + 2 bits] [8 bits]``, decode)
 * fp32: ``[exponent] [sign + 7 mantissa bits] [mantissa 8] [mantissa 8]``
 * fp64: the eight little-endian byte planes, most significant first
 
@@ -44,7 +45,7 @@ CODE_GAIN = 0.005
 
 _SPLIT = {torch.float32: (_planes.split32, np.uint32, 4),
           torch.bfloat16: (_planes.split_bf16, np.uint16, 2),
-          torch.float16: (_planes.split_fp16, np.uint16, 3)}
+          torch.float16: (_planes.split_fp16, np.uint16, 2)}
 _JOIN = {torch.float32: (_planes.join32, np.uint32), torch.bfloat16: (_planes.join_bf16, np.uint16),
          torch.float16: (_planes.join_fp16, np.uint16)}
 
@@ -87,7 +88,8 @@ def join_planes(planes: list[np.ndarray] | np.ndarray, dtype: torch.dtype) -> np
     return out.view(np.float16) if dtype == torch.float16 else out
 
 
-_PLANES = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4, torch.float64: 8}
+_PLANES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, torch.float64: 8}
+_FP16_V1_PLANES = 3  # the first fp16 layout
 
 
 #: zstd tuned for one byte plane: few match searches (the plane's runs are long or
@@ -166,9 +168,14 @@ class LosslessFloat(Compressor):
                 raise PayloadError("lossless: raw field has the wrong size")
             stored = Payload({"d": raw}, {"m": _frame.STORED, "dt": code, "sh": tuple(shape)})
             return _frame.unstore(stored, "lossless")
-        planes = []
-        for i in range(_PLANES[dtype]):
-            planes.append(_decode_plane(p.child(f"p{i}"), numel))
+        count = _PLANES[dtype]
+        if dtype == torch.float16 and f"p{_FP16_V1_PLANES - 1}" in p.fields:
+            count = _FP16_V1_PLANES
+        planes = [_decode_plane(p.child(f"p{i}"), numel) for i in range(count)]
+        if count == _FP16_V1_PLANES:
+            words = np.empty(numel, np.uint16)
+            _planes.join_fp16_v1(np.asarray(planes), words)
+            return _frame.from_numpy(words.view(np.float16), dtype, shape, owned=True)
         return _frame.from_numpy(join_planes(planes, dtype), dtype, shape, owned=True)
 
 
