@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import gradzip
 from gradzip.codecs import Payload, PayloadError, registered
-from gradzip.codecs.entropy import expgolomb, measures
+from gradzip.codecs.entropy import _frame, expgolomb, measures
 
 INT_DTYPES = {torch.int8: (-128, 127), torch.uint8: (0, 255), torch.int16: (-(2**15), 2**15 - 1),
               torch.int32: (-(2**31), 2**31 - 1), torch.int64: (-(2**63), 2**63 - 1)}
@@ -89,9 +89,35 @@ def test_encoder_writes_exactly_the_computed_length(mapping, k):
     t = laplace_int8() if mapping != "offset" else laplace_int8().abs()
     p = expgolomb.encode(t, k, mapping)
     assert p.meta["m"] == "eg" and p.meta["k"] == k and p.meta["map"] == mapping
-    bits = int(measures.eg_code_lengths(t, k, mapping).sum())
-    assert len(p.fields["d"]) == (bits + 7) // 8
+    h = (t.numel() + 1) // 2  # two streams (halves), each padded to whole bytes
+    assert t.numel() >= expgolomb.SPLIT_MIN and len(p.meta["cw"]) == 2
+    lengths = measures.eg_code_lengths(t, k, mapping)  # the whole stream's mapping
+    sizes = [(int(half.sum()) + 7) // 8 for half in (lengths[:h], lengths[h:])]
+    assert list(p.meta["cw"]) == sizes and len(p.fields["d"]) == sum(sizes)
+    one = expgolomb.encode(t[:1000], k, mapping)  # short streams: one stream, as before
+    bits = int(measures.eg_code_lengths(t[:1000], k, mapping).sum())
+    assert "cw" not in one.meta and len(one.fields["d"]) == (bits + 7) // 8
+    assert torch.equal(roundtrip(p), t) and torch.equal(roundtrip(one), t[:1000])
+
+
+@pytest.mark.parametrize("n", [expgolomb.SPLIT_MIN, expgolomb.SPLIT_MIN + 1, 100_001])
+@pytest.mark.parametrize("mapping", ["zigzag", "sign", "rank"])
+def test_two_streams_round_trip_and_refuse_damage(n, mapping):
+    """Odd and even lengths, long codes (beyond the decoder's table) in both halves; a
+    stream cut short or sizes that do not add up are refused."""
+    rng = np.random.default_rng(n)
+    x = rng.laplace(size=n) * 4
+    x[rng.choice(n, 50, replace=False)] = rng.choice([-1, 1], 50) * 30_000  # long codes
+    t = torch.from_numpy(np.round(x).astype(np.int16))
+    p = expgolomb.encode(t, "auto", mapping)
+    assert p.meta["map"] == mapping and len(p.meta["cw"]) == 2
     assert torch.equal(roundtrip(p), t)
+    meta = {key: v for key, v in p.meta.items() if key != "crc"}
+    a, b = p.meta["cw"]
+    for cw in ((a - 1, b + 1), (a + 1, b - 1), (a, b, 0)):
+        bad = _frame.seal(Payload(dict(p.fields), {**meta, "cw": cw}))
+        with pytest.raises(PayloadError):
+            expgolomb.decode(bad)
 
 
 def test_bits_match_the_textbook_code():

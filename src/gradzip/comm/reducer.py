@@ -41,7 +41,7 @@ def index_bytes(p: Payload, inside: bool = False) -> int:
         hit = inside or _is_index_name(name)
         if isinstance(value, torch.Tensor):
             total += value.numel() * value.element_size() if hit else 0
-        elif isinstance(value, bytes | bytearray):
+        elif isinstance(value, bytes | bytearray | memoryview):
             total += len(value) if hit else 0
         elif isinstance(value, Payload):
             total += index_bytes(value, hit)

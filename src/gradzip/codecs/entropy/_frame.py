@@ -12,6 +12,7 @@ pay, so a lossless stage costs at most a few header bytes more than raw.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import numpy as np
 import torch
@@ -130,6 +131,12 @@ def check(p: Payload, stage: str) -> None:
         raise EntropyCodingError(
             f"{stage}: checksum mismatch: the coded field is corrupt or truncated"
         )
+
+
+def byte_view(a: np.ndarray) -> bytes:
+    """The bytes of a contiguous array as a field value without a copy: a memoryview,
+    typed as bytes because the payload serializes any bytes-like field as bytes."""
+    return cast(bytes, np.ascontiguousarray(a).view(np.uint8).data)
 
 
 def blob(p: Payload, name: str, stage: str) -> bytes | bytearray | memoryview:

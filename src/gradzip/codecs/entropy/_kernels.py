@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 from numba import njit
+from numba.cpython.unsafe.numbers import leading_zeros  # LLVM ctlz
 
 MODE_SIGN, MODE_SIGN_ALWAYS, MODE_ZIGZAG, MODE_OFFSET, MODE_RANK = range(5)
 
@@ -87,7 +88,7 @@ def eg_encode(v, mode, k, lo, lut, nbytes, bl8):
     ``nbytes`` is the exact size from the length formula; returns the byte array and
     the number of bits written (the caller checks it against the formula).
     """
-    out = np.zeros(nbytes + 8, np.uint8)
+    out = np.empty(nbytes + 8, np.uint8)  # every byte up to the end is written
     acc = np.uint64(0)
     cnt = 0  # bits pending in acc (< 8 between symbols)
     pos = 0
@@ -193,53 +194,56 @@ def eg_encode_lut(v, lo, codes, lens, nbytes):
     """Exp-Golomb bitstream from per-symbol (code, length) tables; lengths <= 32.
 
     For narrow alphabets (int8, int16 quantizers) every code is precomputed, so a
-    symbol costs one table lookup, a shift and an or; 32 bits are flushed at a time.
+    symbol costs one table lookup, a shift and an or; 32 bits are flushed at a time as
+    one byte-swapped (big-endian) word store. Indices are unsigned, so numba adds no
+    wrap-around checks to the loop.
     """
-    out = np.zeros(nbytes + 8, np.uint8)
+    out = np.empty(nbytes + 8, np.uint8)  # every byte up to the end is written
+    words = out[: out.size - out.size % 4].view(np.uint32)
     acc = np.uint64(0)
     cnt = np.uint64(0)
-    pos = 0
-    total = 0
+    pos = np.uint64(0)
+    total = np.uint64(0)
+    b = np.int64(lo)
+    c32 = np.uint64(32)
     for i in range(v.size):
-        s = np.int64(v[i]) - lo
+        s = np.uint64(np.int64(v[i]) - b)
         length = lens[s]
         acc = (acc << length) | codes[s]
         cnt += length
         total += length
-        if cnt >= 32:
-            cnt -= np.uint64(32)
-            w = acc >> cnt
-            out[pos] = np.uint8((w >> np.uint64(24)) & np.uint64(0xFF))
-            out[pos + 1] = np.uint8((w >> np.uint64(16)) & np.uint64(0xFF))
-            out[pos + 2] = np.uint8((w >> np.uint64(8)) & np.uint64(0xFF))
-            out[pos + 3] = np.uint8(w & np.uint64(0xFF))
-            pos += 4
+        if cnt >= c32:
+            cnt -= c32
+            w = np.uint32((acc >> cnt) & np.uint64(0xFFFFFFFF))
+            words[pos] = ((w >> np.uint32(24)) | ((w >> np.uint32(8)) & np.uint32(0xFF00))
+                          | ((w << np.uint32(8)) & np.uint32(0xFF0000)) | (w << np.uint32(24)))
+            pos += np.uint64(1)
+    p = np.int64(pos) * 4
     while cnt >= 8:
         cnt -= np.uint64(8)
-        out[pos] = np.uint8((acc >> cnt) & np.uint64(0xFF))
-        pos += 1
+        out[p] = np.uint8((acc >> cnt) & np.uint64(0xFF))
+        p += 1
     if cnt > 0:
-        out[pos] = np.uint8((acc << (np.uint64(8) - cnt)) & np.uint64(0xFF))
-        pos += 1
-    return out[:pos], total
+        out[p] = np.uint8((acc << (np.uint64(8) - cnt)) & np.uint64(0xFF))
+        p += 1
+    return out[:p], np.int64(total)
 
 
 @njit(cache=True, nogil=True)
 def peek_table(codes, lens, values):
-    """Decoder lookup: for every PEEK-bit prefix, the value and length of a code that
-    fits in it (length 0 when the code is longer: the slow path decodes it)."""
-    size = 1 << PEEK
-    dval = np.zeros(size, np.int64)
-    dlen = np.zeros(size, np.int64)
+    """Decoder lookup: for every PEEK-bit prefix, ``value << 8 | length`` of the code
+    that fits in it, one int32 (16 KB in all, so it stays in the L1 cache). 0 when the
+    code is longer, or its value needs more than 24 bits: ``_eg_read`` decodes those."""
+    entries = np.zeros(1 << PEEK, np.int32)
     for s in range(codes.size):
         length = lens[s]
-        if length == 0 or length > PEEK:
+        if length == 0 or length > PEEK or not -(1 << 23) <= values[s] < (1 << 23):
             continue
         start = np.int64(codes[s]) << (PEEK - length)
+        entry = np.int32((values[s] << 8) | length)
         for j in range(start, start + (1 << (PEEK - length))):
-            dval[j] = values[s]
-            dlen[j] = length
-    return dval, dlen
+            entries[j] = entry
+    return entries
 
 
 @njit(cache=True, nogil=True)
@@ -250,91 +254,192 @@ def _be64(buf, b):
     return word
 
 
-@njit(cache=True, nogil=True)
-def eg_decode_lut(buf, nbytes, out, mode, k, lo, table, lz8, dval, dlen):
-    """Inverse of ``eg_encode``/``eg_encode_lut`` into ``out``.
+@njit(cache=True, nogil=True, inline="always")
+def _unmap(u, neg, mode, lo, table):
+    """The value of Exp-Golomb number ``u`` (sign bit ``neg`` already read) under the
+    mapping ``mode``; (value, False) if a rank is outside the table."""
+    if mode in (MODE_SIGN, MODE_SIGN_ALWAYS):
+        return (-np.int64(u) if neg else np.int64(u)), True
+    if mode == MODE_ZIGZAG:
+        return np.int64(u >> np.uint64(1)) ^ -np.int64(u & np.uint64(1)), True
+    if mode == MODE_OFFSET:
+        return lo + np.int64(u), True
+    if u >= np.uint64(table.size):
+        return np.int64(0), False
+    return table[u], True
 
-    Codes of at most PEEK bits are decoded by one table lookup; longer ones from the
-    absolute bit position. ``buf`` carries 16 bytes of zero padding. Returns the bits
-    read, or -1 if the stream ends early or holds a code the encoder never writes.
+
+@njit(cache=True, nogil=True, inline="always")
+def _has_sign(mode, u):
+    return mode == MODE_SIGN_ALWAYS or (mode == MODE_SIGN and u != 0)
+
+
+@njit(cache=True, nogil=True)
+def _eg_read(buf, end, bitbuf, bitcnt, bytepos, mode, k, lo, table, lz8, peek):
+    """One value from the bit reader (``bitbuf`` left-aligned with ``bitcnt`` valid
+    bits, next byte ``bytepos``) of a stream ending at byte ``end``.
+
+    Codes of at most PEEK bits take one table lookup; longer ones that lie in the bit
+    buffer are read from its leading zeros, in registers; the rest (over ~32 bits) from
+    the absolute bit position. Returns (value, bitbuf, bitcnt, bytepos, ok).
     """
-    limit = nbytes * 8
-    one = np.uint64(1)
-    base = one << np.uint64(k)
-    ntable = table.size
-    bitbuf = _be64(buf, 0)  # next bits, left-aligned
-    bitcnt = 64
-    bytepos = 8
+    c32 = np.uint64(32)
+    if bitcnt < c32:
+        if bytepos + 4 > buf.size:
+            return np.int64(0), bitbuf, bitcnt, bytepos, False
+        w = ((np.uint64(buf[bytepos]) << np.uint64(24))
+             | (np.uint64(buf[bytepos + 1]) << np.uint64(16))
+             | (np.uint64(buf[bytepos + 2]) << np.uint64(8))
+             | np.uint64(buf[bytepos + 3]))
+        bitbuf |= w << (c32 - bitcnt)
+        bytepos += 4
+        bitcnt += c32
+    entry = peek[bitbuf >> np.uint64(64 - PEEK)]
+    length = np.uint64(entry & 0xFF)
+    if length > 0:
+        return np.int64(entry >> 8), bitbuf << length, bitcnt - length, bytepos, True
+    length = np.uint64(2 * leading_zeros(bitbuf) + 1 + k)
+    if length < bitcnt:  # the code, and a sign bit, lie in the buffer
+        u = (bitbuf >> (np.uint64(64) - length)) - (np.uint64(1) << np.uint64(k))
+        bitbuf <<= length
+        bitcnt -= length
+        neg = False
+        if _has_sign(mode, u):
+            neg = (bitbuf >> np.uint64(63)) == np.uint64(1)
+            bitbuf <<= np.uint64(1)
+            bitcnt -= np.uint64(1)
+        x, ok = _unmap(u, neg, mode, lo, table)
+        return x, bitbuf, bitcnt, bytepos, ok
+    x, bitpos = _eg_slow(buf, end, bytepos * 8 - np.int64(bitcnt), mode, k, lo, table, lz8)
+    bytepos = bitpos >> 3  # re-synchronize the bit buffer at the new position
+    if bitpos < 0 or bytepos + 8 > buf.size:
+        return np.int64(0), bitbuf, bitcnt, bytepos, False
+    bitbuf = _be64(buf, bytepos) << np.uint64(bitpos & 7)
+    return x, bitbuf, np.uint64(64 - (bitpos & 7)), bytepos + 8, True
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _refill(buf, bitbuf, bitcnt, pos):
+    """Top the bit buffer up by 32 bits when it holds fewer (``pos + 4 <= buf.size``
+    is the caller's check). A branch: its branch-free form measured 1.4x slower."""
+    if bitcnt < 32:
+        w = ((np.uint64(buf[pos]) << np.uint64(24)) | (np.uint64(buf[pos + 1]) << np.uint64(16))
+             | (np.uint64(buf[pos + 2]) << np.uint64(8)) | np.uint64(buf[pos + 3]))
+        return bitbuf | (w << np.uint64(32 - bitcnt)), bitcnt + 32, pos + 4
+    return bitbuf, bitcnt, pos
+
+
+@njit(cache=True, nogil=True)
+def eg_decode_lut(buf, nbytes, out, mode, k, lo, table, lz8, peek):
+    """Inverse of ``eg_encode``/``eg_encode_lut`` (one stream) into ``out``. ``buf``
+    carries 16 bytes of zero padding. Returns the bits read, or -1 if the stream ends
+    early or holds a code the encoder never writes."""
+    bitbuf, bitcnt, pos = _be64(buf, 0), 64, 8
     shift = np.uint64(64 - PEEK)
     for i in range(out.size):
-        if bitcnt < 32:
-            if bytepos + 4 > buf.size:
-                return -1
-            w = ((np.uint64(buf[bytepos]) << np.uint64(24))
-                 | (np.uint64(buf[bytepos + 1]) << np.uint64(16))
-                 | (np.uint64(buf[bytepos + 2]) << np.uint64(8))
-                 | np.uint64(buf[bytepos + 3]))
-            bitbuf |= w << np.uint64(32 - bitcnt)
-            bytepos += 4
-            bitcnt += 32
-        peek = np.int64(bitbuf >> shift)
-        length = dlen[peek]
-        if length > 0:
-            out[i] = dval[peek]
+        if pos + 4 > buf.size:
+            return -1
+        bitbuf, bitcnt, pos = _refill(buf, bitbuf, bitcnt, pos)
+        entry = peek[np.int64(bitbuf >> shift)]
+        length = entry & 0xFF
+        if length > 0:  # the table's codes, inline: the hot path
+            out[i] = entry >> 8
             bitbuf <<= np.uint64(length)
             bitcnt -= length
             continue
-        # slow path: a long code, decoded from the absolute bit position
-        bitpos = bytepos * 8 - bitcnt
-        zeros = 0
-        while True:
-            b = bitpos >> 3
-            off = bitpos & 7
-            if b >= nbytes:
-                return -1
-            w8 = ((np.int64(buf[b]) << 8) | np.int64(buf[b + 1])) >> (8 - off)
-            w8 &= 0xFF
-            if w8 == 0:
-                zeros += 8
-                bitpos += 8
-                if zeros > 64:
-                    return -1
-            else:
-                lz = lz8[w8]
-                zeros += lz
-                bitpos += lz
-                break
-        length = zeros + 1 + k
-        if length > 56 or bitpos + length > limit:
+        out[i], bitbuf, c, pos, ok = _eg_read(buf, nbytes, bitbuf, np.uint64(bitcnt), pos,
+                                              mode, k, lo, table, lz8, peek)
+        bitcnt = np.int64(c)
+        if not ok:
             return -1
-        n = (_be64(buf, bitpos >> 3) << np.uint64(bitpos & 7)) >> np.uint64(64 - length)
-        bitpos += length
-        u = n - base
-        if mode in (MODE_SIGN, MODE_SIGN_ALWAYS):
-            neg = False
-            if mode == MODE_SIGN_ALWAYS or u != 0:
-                if bitpos >= limit:
-                    return -1
-                neg = ((buf[bitpos >> 3] >> (7 - (bitpos & 7))) & 1) == 1
-                bitpos += 1
-            x = -np.int64(u) if neg else np.int64(u)
-        elif mode == MODE_ZIGZAG:
-            x = np.int64(u >> one) ^ -np.int64(u & one)
-        elif mode == MODE_OFFSET:
-            x = lo + np.int64(u)
+    return pos * 8 - bitcnt
+
+
+@njit(cache=True, nogil=True)
+def eg_decode_pair(buf, split, nbytes, out, mode, k, lo, table, lz8, peek):
+    """Two streams at once: ``buf[:split]`` codes ``out[:h]`` and ``buf[split:nbytes]``
+    codes ``out[h:]`` (``h = ceil(n / 2)``). Their readers alternate in one loop, so the
+    CPU overlaps two dependency chains (each symbol's length decides where the next one
+    starts); table hits are decoded inline, the rest by ``_eg_read`` (factoring the
+    inline part into a helper measured 10x slower under numba). Returns the bits read
+    from each stream, -1 for a malformed one."""
+    n = out.size
+    h = (n + 1) // 2
+    ba, ca, pa = _be64(buf, 0), 64, 8
+    bb, cb, pb = _be64(buf, split), 64, split + 8
+    shift = np.uint64(64 - PEEK)
+    for j in range(n - h):
+        if max(pa, pb) + 4 > buf.size:
+            return -1, -1
+        ba, ca, pa = _refill(buf, ba, ca, pa)
+        bb, cb, pb = _refill(buf, bb, cb, pb)
+        ea = peek[np.int64(ba >> shift)]
+        eb = peek[np.int64(bb >> shift)]
+        la = ea & 0xFF
+        lb = eb & 0xFF
+        if la > 0:
+            out[j] = ea >> 8
+            ba <<= np.uint64(la)
+            ca -= la
         else:
-            if u >= np.uint64(ntable):
-                return -1
-            x = table[np.int64(u)]
-        out[i] = x
-        # re-synchronize the bit buffer at the new position
-        bytepos = bitpos >> 3
-        if bytepos + 8 > buf.size:
-            return -1
-        bitbuf = _be64(buf, bytepos) << np.uint64(bitpos & 7)
-        bitcnt = 64 - (bitpos & 7)
-        bytepos += 8
-    return bytepos * 8 - bitcnt
+            out[j], ba, c, pa, ok = _eg_read(buf, split, ba, np.uint64(ca), pa, mode, k, lo,
+                                             table, lz8, peek)
+            ca = np.int64(c)
+            if not ok:
+                return -1, -1
+        if lb > 0:
+            out[h + j] = eb >> 8
+            bb <<= np.uint64(lb)
+            cb -= lb
+        else:
+            out[h + j], bb, c, pb, ok = _eg_read(buf, nbytes, bb, np.uint64(cb), pb, mode, k,
+                                                 lo, table, lz8, peek)
+            cb = np.int64(c)
+            if not ok:
+                return -1, -1
+    if h > n - h:  # the first half's last symbol
+        out[h - 1], ba, c, pa, ok = _eg_read(buf, split, ba, np.uint64(ca), pa, mode, k, lo,
+                                             table, lz8, peek)
+        ca = np.int64(c)
+        if not ok:
+            return -1, -1
+    return pa * 8 - ca, (pb - split) * 8 - cb
+
+
+@njit(cache=True, nogil=True)
+def _eg_slow(buf, end, bitpos, mode, k, lo, table, lz8):
+    """The long code at absolute ``bitpos`` of a stream ending at byte ``end``:
+    (value, bit position after it), the position -1 if the stream ends early or the
+    code is malformed."""
+    limit = end * 8
+    zeros = 0
+    while True:
+        b = bitpos >> 3
+        if b >= end:
+            return np.int64(0), -1
+        w8 = (((np.int64(buf[b]) << 8) | np.int64(buf[b + 1])) >> (8 - (bitpos & 7))) & 0xFF
+        if w8 != 0:
+            zeros += lz8[w8]
+            bitpos += lz8[w8]
+            break
+        zeros += 8
+        bitpos += 8
+        if zeros > 64:
+            return np.int64(0), -1
+    length = zeros + 1 + k
+    if length > 56 or bitpos + length > limit:
+        return np.int64(0), -1
+    n = (_be64(buf, bitpos >> 3) << np.uint64(bitpos & 7)) >> np.uint64(64 - length)
+    bitpos += length
+    u = n - (np.uint64(1) << np.uint64(k))
+    neg = False
+    if _has_sign(mode, u):
+        if bitpos >= limit:
+            return np.int64(0), -1
+        neg = ((buf[bitpos >> 3] >> (7 - (bitpos & 7))) & 1) == 1
+        bitpos += 1
+    x, ok = _unmap(u, neg, mode, lo, table)
+    return x, (bitpos if ok else -1)
 
 
 @njit(cache=True, nogil=True)

@@ -24,7 +24,7 @@ costs only its header; streams where coding does not pay are stored raw.
 from __future__ import annotations
 
 import sys
-from typing import ClassVar, cast
+from typing import ClassVar
 
 import constriction
 import numpy as np
@@ -47,11 +47,8 @@ RANS = "rans4"
 
 
 def _little_endian_bytes(words: np.ndarray) -> bytes:
-    """16-bit words as little-endian bytes (a view, not a copy, on little-endian hosts;
-    bytes-like, so the payload serializes it as bytes)."""
-    if sys.byteorder == "little":
-        return cast(bytes, words.data.cast("B"))
-    return words.astype("<u2").tobytes()
+    """16-bit words as little-endian bytes (a view, not a copy, on little-endian hosts)."""
+    return _frame.byte_view(words) if sys.byteorder == "little" else words.astype("<u2").tobytes()
 
 
 def _model(counts: np.ndarray):  # noqa: ANN202 - constriction has no type stubs

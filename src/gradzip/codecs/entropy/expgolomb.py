@@ -12,6 +12,11 @@ bits, computed from the stream's histogram before anything is written (the encod
 then checks that it wrote exactly that many bits). The chosen k and mapping travel in
 the header; ``rank`` also sends its symbol table, counted in the payload's bytes.
 Streams where coding does not pay are stored raw.
+
+Streams of at least ``SPLIT_MIN`` symbols are coded as two bitstreams, the first and
+second half of the symbols (their byte lengths in the header, ``cw``), so the decoder
+can read both at once: each symbol's length decides where the next one starts, a chain
+one stream cannot shorten. Payloads of one stream (no ``cw``) decode as before.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ _NO_TABLE = np.zeros(1, np.int64)
 _RANK_SPAN = 1 << 20
 #: alphabets narrower than this get precomputed per-symbol codes
 _TABLE_SPAN = 1 << 16
+#: streams of at least this many symbols are coded as two halves (two bitstreams)
+SPLIT_MIN = 1 << 14
 
 
 def _choose(values: np.ndarray, counts: np.ndarray, k: int | str, mapping: str
@@ -97,8 +104,7 @@ def _code_table(values: np.ndarray, counts: np.ndarray, choice: measures.EgChoic
     return code_of, len_of
 
 
-def _peek_table(table: np.ndarray, k: int, mapping: str, lo: int
-                ) -> tuple[np.ndarray, np.ndarray]:
+def _peek_table(table: np.ndarray, k: int, mapping: str, lo: int) -> np.ndarray:
     """The decoder's PEEK-bit lookup of all codes short enough to fit in it."""
     short = (1 << _kernels.PEEK)  # every u whose code can fit in PEEK bits
     u = np.arange(short, dtype=np.int64)
@@ -132,13 +138,8 @@ def encode(t: torch.Tensor, k: int | str = "auto", mapping: str = "auto") -> Pay
     v = _frame.to_numpy(t)
     if v.size == 0:
         return _frame.pick(None, t)
-    lo, hi = _kernels.minmax(v)
-    if hi - lo < (1 << 24):
-        counts = _kernels.hist(v, lo, hi - lo + 1)
-        present = np.nonzero(counts)[0]
-        values, counts = present.astype(np.int64) + lo, counts[present]
-    else:
-        values, counts = measures.histogram(v)
+    values, counts = _histogram(v)
+    lo, hi = int(values[0]), int(values[-1])
     choice = _choose(values, counts, k, mapping)
     if choice is None or choice.payload_bits >= 8 * v.nbytes:
         return _frame.pick(None, t)
@@ -156,15 +157,37 @@ def encode(t: torch.Tensor, k: int | str = "auto", mapping: str = "auto") -> Pay
         meta["lo"] = int(lo)
     nbytes = (choice.payload_bits + 7) // 8
     table = _code_table(values, counts, choice, lo, hi)
-    if table is not None:
-        bits, written = _kernels.eg_encode_lut(v, lo, table[0], table[1], nbytes)
-    else:
-        bits, written = _kernels.eg_encode(v, _MODES[choice.mapping], choice.k, lo, lut,
-                                           nbytes, _kernels._BL8)
+    halves = [v] if v.size < SPLIT_MIN else [v[:(v.size + 1) // 2], v[(v.size + 1) // 2:]]
+    streams, written = [], 0
+    for part in halves:  # nbytes bounds each half's bytes too
+        if table is not None:
+            bits, n = _kernels.eg_encode_lut(part, lo, table[0], table[1], nbytes)
+        else:
+            bits, n = _kernels.eg_encode(part, _MODES[choice.mapping], choice.k, lo, lut,
+                                         nbytes, _kernels._BL8)
+        streams.append(bits)
+        written += n
     if written != choice.payload_bits:  # the formula and the bitstream must agree
         raise AssertionError(f"eg wrote {written} bits, expected {choice.payload_bits}")
-    fields["d"] = bits.tobytes()
+    if len(streams) > 1:
+        meta["cw"] = tuple(int(b.size) for b in streams)
+    fields["d"] = _frame.byte_view(np.concatenate(streams) if len(streams) > 1 else streams[0])
     return _frame.pick(Payload(dict(fields), meta), t)
+
+
+def _histogram(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(values present, ascending; their counts): one pass for narrow streams (bytes
+    need no min/max pass), a sort for wide ones."""
+    if v.dtype.itemsize == 1:
+        base = -128 if v.dtype == np.int8 else 0
+        counts = _kernels.hist(v, base, 256)
+    else:
+        base, hi = _kernels.minmax(v)
+        if hi - base >= (1 << 24):
+            return measures.histogram(v)
+        counts = _kernels.hist(v, base, hi - base + 1)
+    present = np.nonzero(counts)[0]
+    return present.astype(np.int64) + base, counts[present]
 
 
 def decode(p: Payload) -> torch.Tensor:
@@ -191,9 +214,15 @@ def decode(p: Payload) -> torch.Tensor:
     buf[: len(data)] = np.frombuffer(data, np.uint8)
     np_dtype = _frame._NP_DTYPES[dtype]
     out: np.ndarray = np.empty(numel, np_dtype)
-    dval, dlen = _peek_table(table, k, mapping, lo)
-    read = _kernels.eg_decode_lut(buf, len(data), out, _MODES[mapping], k, lo, table,
-                                  _kernels._LZ8, dval, dlen)
-    if read < 0 or (read + 7) // 8 != len(data):
+    peek = _peek_table(table, k, mapping, lo)
+    args = (out, _MODES[mapping], k, lo, table, _kernels._LZ8, peek)
+    sizes = p.meta.get("cw", (len(data),))
+    if not isinstance(sizes, tuple) or sum(sizes) != len(data) or len(sizes) not in (1, 2):
+        raise _frame.EntropyCodingError(f"eg: stream sizes {sizes!r} do not match the data")
+    if len(sizes) == 1:
+        read: tuple[int, ...] = (_kernels.eg_decode_lut(buf, len(data), *args),)
+    else:
+        read = _kernels.eg_decode_pair(buf, sizes[0], len(data), *args)
+    if any(r < 0 or (r + 7) // 8 != size for r, size in zip(read, sizes, strict=True)):
         raise _frame.EntropyCodingError("eg: bitstream is truncated or malformed")
-    return _frame.from_numpy(out, dtype, shape)
+    return _frame.from_numpy(out, dtype, shape, owned=True)

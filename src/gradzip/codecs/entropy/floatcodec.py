@@ -26,7 +26,7 @@ payload, and a damaged one raises instead of decoding to other values.
 
 from __future__ import annotations
 
-from typing import ClassVar, cast
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -188,8 +188,7 @@ def _fast_zstd(plane: np.ndarray) -> Payload:
 def _raw_plane(plane: np.ndarray) -> Payload:
     """The plane's bytes as they are: a view of the codec's own array, not a copy."""
     meta: dict[str, MetaValue] = {"m": _frame.STORED, "dt": _UINT8, "sh": (plane.size,)}
-    view = cast(bytes, memoryview(plane.data))  # bytes-like: serialized as bytes
-    return _frame.seal(Payload({"d": view}, meta))
+    return _frame.seal(Payload({"d": _frame.byte_view(plane)}, meta))
 
 
 def _decode_plane(p: Payload, numel: int) -> np.ndarray:
