@@ -133,6 +133,12 @@ def test_payloads_of_the_first_rans_format_still_decode():
     assert torch.equal(ans.decode(p), torch.from_numpy(want))
     now = ans.encode(torch.from_numpy(want), chunk=256)  # today's format codes it anew
     assert now.meta["m"] == ans.RANS and torch.equal(roundtrip(now), torch.from_numpy(want))
+    # its CRC-32 is still checked: a flipped byte is refused (today's fields use XXH3)
+    assert _frame.CRC in p.meta and _frame.DIGEST in now.meta
+    data = bytearray(p.fields["d"])
+    data[5] ^= 0x10
+    with pytest.raises(PayloadError, match="checksum"):
+        ans.decode(Payload({**p.fields, "d": bytes(data)}, p.meta))
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 7, 8, 9, 13, 1023, 1025])
@@ -151,7 +157,7 @@ def test_a_stream_missing_its_last_word_is_refused():
     assert p.meta["m"] == ans.RANS
     data = bytes(p.fields["d"])[:-2]
     meta = {**p.meta, "cw": (p.meta["cw"][0] - 1,)}
-    meta.pop("crc")
+    meta.pop(_frame.DIGEST)
     with pytest.raises(PayloadError, match="corrupt or truncated"):
         ans.decode(_frame.seal(Payload({**p.fields, "d": data}, meta)))
 
@@ -210,9 +216,10 @@ def test_corrupt_or_truncated_payload_raises(backend):
     with pytest.raises(PayloadError):
         ans.decode(Payload({**p.fields, "t": p.fields["t"][:-1]}, p.meta))
     with pytest.raises(PayloadError):
-        ans.decode(Payload(p.fields, {k: v for k, v in p.meta.items() if k != "crc"}))
+        ans.decode(Payload(p.fields, {k: v for k, v in p.meta.items() if k != _frame.DIGEST}))
     # even with a matching checksum, a damaged stream is caught by the coder itself
-    bad = Payload({**p.fields, "d": bytes(data)}, {k: v for k, v in p.meta.items() if k != "crc"})
+    unsealed = {k: v for k, v in p.meta.items() if k != _frame.DIGEST}
+    bad = Payload({**p.fields, "d": bytes(data)}, unsealed)
     with pytest.raises(PayloadError):
         ans.decode(_frame.seal(bad))
 

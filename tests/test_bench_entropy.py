@@ -96,7 +96,8 @@ def test_bars_read_the_rows():
 
 def test_float_rows_are_exact(monkeypatch):
     for fn in bench.FLOAT_SOURCES.values():
-        monkeypatch.setattr(samples, fn, lambda seed=0: samples.heavy_tailed(3000))
+        monkeypatch.setattr(samples, fn, lambda seed=0: {"a": samples.heavy_tailed(3000),
+                                                         "b": samples.heavy_tailed(500, 1)})
     rows = bench.bench_floats(seed=0, repeat=1)
     assert {r["coder"] for r in rows} >= {"lossless", "zstd-3 raw bytes"}
     assert len({r["input"] for r in rows}) == 2 * 3  # two model families x three dtypes
@@ -115,3 +116,15 @@ def test_the_cnn_source_is_a_real_small_resnet_gradient():
     assert torch.isfinite(flat).all() and flat.abs().max() > 0
     images, labels = samples.drawn_images(4, torch.Generator().manual_seed(0))
     assert images.shape == (4, 3, 32, 32) and labels.shape == (4,)
+
+
+def test_exponent_table_study_rows(monkeypatch):
+    for fn in bench.FLOAT_SOURCES.values():
+        monkeypatch.setattr(samples, fn, lambda seed=0: {"a": samples.heavy_tailed(3000),
+                                                         "b": samples.heavy_tailed(500, 1)})
+    rows = bench.bench_exponent_tables(seed=0, repeat=1)
+    assert len(rows) == 2 * 2 * 2  # sources x (bf16, fp16) x (per bucket, per tensor)
+    for one, per in zip(rows[::2], rows[1::2], strict=True):
+        assert (one["tables"], per["tables"]) == ("one per bucket", "one per tensor")
+        assert one["mutual_bits"] == per["mutual_bits"] >= 0
+        assert 0 < one["share_of_raw"] < 1 and one["exponent_bytes"] > 0

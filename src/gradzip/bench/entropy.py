@@ -177,10 +177,11 @@ def _row(data: str, coder: str, n: int, h_bits: float, nbytes: int, enc: float |
     }
 
 
-#: the gradient sources of the float table: name -> flat gradient of one model family
+#: the gradient sources of the float tables: name -> per-tensor gradients of one model
+#: family (a function of ``gradzip.bench.samples``)
 FLOAT_SOURCES: dict[str, str] = {
-    "tiny LM": "real_gradient_flat",  # byte-level transformer on stdlib text
-    "small ResNet": "cnn_gradient_flat",  # residual CNN with batch norm on drawn images
+    "tiny LM": "real_gradients",  # byte-level transformer on stdlib text
+    "small ResNet": "cnn_gradients",  # residual CNN with batch norm on drawn images
 }
 FLOAT_DTYPES = ((torch.bfloat16, "bfloat16"), (torch.float16, "float16"),
                 (torch.float32, "float32"))
@@ -193,7 +194,7 @@ def bench_floats(seed: int, repeat: int) -> list[dict[str, Any]]:
 
     rows = []
     for source, fn in FLOAT_SOURCES.items():
-        g = getattr(samples, fn)(seed)
+        g = torch.cat([t.reshape(-1) for t in getattr(samples, fn)(seed).values()])
         for dtype, zname in FLOAT_DTYPES:
             rows += _bench_float(f"{source} {zname}", g.to(dtype), zname, repeat)
     return rows
@@ -230,6 +231,49 @@ def _bench_float(name: str, x: torch.Tensor, zname: str, repeat: int) -> list[di
         rows.append({"input": name, "coder": coder, "numel": x.numel(), "raw_bytes": raw,
                      "wire_bytes": p.wire_bytes, "ratio": raw / p.wire_bytes, "exact": exact,
                      "encode_mbps": raw / te / 1e6, "decode_mbps": raw / td / 1e6})
+    return rows
+
+
+def bench_exponent_tables(seed: int, repeat: int) -> list[dict[str, Any]]:
+    """The two questions beyond ZipNN, on bf16 and fp16 gradients of both sources.
+
+    Tables: the exponent plane as one zstd frame (one Huffman table per 128 KB block,
+    what ``lossless`` sends) against one frame per tensor (a table each; the hooks know
+    the tensors' boundaries): bytes and encode/decode time of that plane. Splits: the
+    mutual information between the exponent byte and the next plane's byte, in bits a
+    value: what any coder of the two planes together (or of one conditioned on the
+    other) could save over coding them apart, as ``lossless`` and ZipNN do.
+    """
+    import zstandard
+
+    from gradzip.bench import samples
+    from gradzip.codecs.entropy import measures
+    from gradzip.codecs.entropy.floatcodec import _FAST_ZSTD, split_with_counts
+
+    coder = zstandard.ZstdCompressor(compression_params=_FAST_ZSTD)
+    plain = zstandard.ZstdDecompressor()
+    rows = []
+    for source, fn in FLOAT_SOURCES.items():
+        grads = getattr(samples, fn)(seed)
+        for dtype in (torch.bfloat16, torch.float16):
+            parts = [g.reshape(-1).to(dtype) for g in grads.values()]
+            planes = split_with_counts(torch.cat(parts))[0]
+            bounds = np.cumsum([0] + [t.numel() for t in parts])
+            pieces = [planes[0][a:b].tobytes() for a, b in zip(bounds[:-1], bounds[1:],
+                                                                  strict=True)]
+            raw = int(bounds[-1]) * parts[0].element_size()
+            for tables, blobs in (("one per bucket", [planes[0].tobytes()]),
+                                  ("one per tensor", pieces)):
+                te, coded = _best_time(lambda b=blobs: [coder.compress(x) for x in b], repeat)
+                td, _ = _best_time(lambda c=coded: [plain.decompress(x) for x in c], repeat)
+                size = sum(len(c) for c in coded)
+                rows.append({"input": f"{source} {str(dtype)[6:]}", "tables": tables,
+                             "exponent_bytes": size, "share_of_raw": size / raw,
+                             "encode_ms": te * 1e3, "decode_ms": td * 1e3})
+            joint = planes[0].astype(np.int64) * 256 + planes[1]
+            mutual = (measures.entropy_bits(planes[0]) + measures.entropy_bits(planes[1])
+                      - measures.entropy_bits(joint)) / joint.size
+            rows[-1]["mutual_bits"] = rows[-2]["mutual_bits"] = mutual
     return rows
 
 
@@ -288,9 +332,11 @@ def run(args: argparse.Namespace) -> int:
         inputs.append(("real gradients (int8)", real_int8(args.seed)))
     sym = [r for name, t in inputs for r in bench_symbols(name, t, args.repeat)]
     flt = [] if args.no_real else bench_floats(args.seed, args.repeat)
+    study = [] if args.no_real else bench_exponent_tables(args.seed, args.repeat)
     bars = check_bars(sym, flt)
     if args.json:
-        print(json.dumps({"symbols": sym, "floats": flt, "bars": bars}, indent=2))
+        print(json.dumps({"symbols": sym, "floats": flt, "exponent_tables": study,
+                          "bars": bars}, indent=2))
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -315,6 +361,17 @@ def run(args: argparse.Namespace) -> int:
         for r in flt:
             table.add_row(r["input"], r["coder"], f"{r['wire_bytes']:,}", f"{r['ratio']:.4f}",
                           str(r["exact"]), _fmt(r["encode_mbps"]), _fmt(r["decode_mbps"]))
+        console.print(table)
+    if study:
+        table = Table(title="exponent plane: one table per bucket or per tensor; "
+                      "what coding the first two planes jointly could save")
+        for col in ("input", "tables", "bytes", "share of raw", "enc ms", "dec ms",
+                    "I(exp; next) bits/value"):
+            table.add_column(col)
+        for r in study:
+            table.add_row(r["input"], r["tables"], f"{r['exponent_bytes']:,}",
+                          f"{r['share_of_raw']:.4f}", f"{r['encode_ms']:.2f}",
+                          f"{r['decode_ms']:.2f}", f"{r['mutual_bits']:.4f}")
         console.print(table)
     for bar, ok in bars.items():
         console.print(f"[{'green' if ok else 'red'}]{'PASS' if ok else 'MISS'}[/] {bar}")

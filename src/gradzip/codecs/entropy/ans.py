@@ -218,7 +218,7 @@ def _like_pick(coded: Payload | None, t: torch.Tensor) -> Payload:
     if coded is None or coded.wire_bytes >= _frame.stored_wire_bytes(t):
         coded = Payload({"d": bytes(t.numel() * t.element_size())},
                         {"m": _frame.STORED, "dt": _frame.dtype_code(t), "sh": tuple(t.shape)})
-    coded.meta["crc"] = 1 << 31
+    coded.meta[_frame.DIGEST] = 1 << 31
     return coded
 
 
