@@ -52,7 +52,8 @@ def parse_size(text: str) -> int:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("entropy", help="eta and speed of eg/ans/huffman/zstd/lz4 on int8 "
-                       "symbols; lossless float codec vs zstd and zipnn")
+                       "symbols; the lossless float codec vs zstd and zipnn on bf16/fp16/fp32 "
+                       "gradients of two model families; per-tensor exponent tables")
     p.add_argument("--symbols", type=parse_size, default=4 * 2**20,
                    help="symbols per synthetic input (default 4M)")
     p.add_argument("--repeat", type=int, default=3, help="timing repeats; the best counts")
