@@ -7,7 +7,7 @@ its table (LEB128 varints of the gaps between the symbols present and their
 frequencies) travels with the payload and counts in its bytes, so the decoder rebuilds
 the identical model. Two backends, both exact, chosen by ``backend``:
 
-* ``rans`` (default): a numba rANS with frequencies quantized to 2**15 and four
+* ``rans`` (default): a numba rANS with frequencies quantized to 2**15 and eight
   interleaved states (``_rans.py``) — the fast path (``gradzip bench entropy``).
 * ``constriction``: ``constriction``'s ``stack.AnsCoder`` (Bamler 2022) with a
   ``Categorical`` model of the exact counts — the reference implementation, about
@@ -41,9 +41,9 @@ ALPHABET_SPAN = 1 << 16
 RANS_SYMBOLS = 4096
 DEFAULT_CHUNK = 1 << 20
 BACKENDS = ("rans", "constriction")
-#: mode of the rans backend's payloads: four interleaved states (``_rans.encode``);
+#: mode of the rans backend's payloads: eight interleaved states (``_rans.encode``);
 #: ``rans`` payloads of the first format (two states) still decode
-RANS = "rans4"
+RANS = "rans8"
 
 
 def _little_endian_bytes(words: np.ndarray) -> bytes:
