@@ -131,12 +131,3 @@ def quantize_fixed(x, scale, out):
         if i == 0 or q > hi:
             hi = q
     return lo, hi
-
-
-@njit(cache=True, nogil=True)
-def histogram(v, lo, size):
-    """Counts of ``v - lo`` over ``size`` bins (four interleaved copies)."""
-    copies = np.zeros((4, size), np.int64)
-    for i in range(v.size):
-        copies[i & 3, np.int64(v[i]) - lo] += 1
-    return copies[0] + copies[1] + copies[2] + copies[3]

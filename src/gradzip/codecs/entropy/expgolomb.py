@@ -21,6 +21,7 @@ one stream cannot shorten. Payloads of one stream (no ``cw``) decode as before.
 
 from __future__ import annotations
 
+import sys
 from typing import ClassVar
 
 import numpy as np
@@ -156,7 +157,9 @@ def encode(t: torch.Tensor, k: int | str = "auto", mapping: str = "auto") -> Pay
     if choice.mapping in ("offset", "rank"):
         meta["lo"] = int(lo)
     nbytes = (choice.payload_bits + 7) // 8
-    table = _code_table(values, counts, choice, lo, hi)
+    # the table encoder stores byte-swapped 32-bit words: big-endian output on
+    # little-endian hosts only; elsewhere the generic encoder writes byte by byte
+    table = _code_table(values, counts, choice, lo, hi) if sys.byteorder == "little" else None
     halves = [v] if v.size < SPLIT_MIN else [v[:(v.size + 1) // 2], v[(v.size + 1) // 2:]]
     streams, written = [], 0
     for part in halves:  # nbytes bounds each half's bytes too
@@ -217,7 +220,8 @@ def decode(p: Payload) -> torch.Tensor:
     peek = _peek_table(table, k, mapping, lo)
     args = (out, _MODES[mapping], k, lo, table, _kernels._LZ8, peek)
     sizes = p.meta.get("cw", (len(data),))
-    if not isinstance(sizes, tuple) or sum(sizes) != len(data) or len(sizes) not in (1, 2):
+    if (not isinstance(sizes, tuple) or len(sizes) not in (1, 2)
+            or any(not isinstance(n, int) or n < 0 for n in sizes) or sum(sizes) != len(data)):
         raise _frame.EntropyCodingError(f"eg: stream sizes {sizes!r} do not match the data")
     if len(sizes) == 1:
         read: tuple[int, ...] = (_kernels.eg_decode_lut(buf, len(data), *args),)
