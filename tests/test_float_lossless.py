@@ -202,3 +202,9 @@ def test_fp16_payloads_of_the_first_layout_still_decode():
     assert new.wire_bytes < old.wire_bytes
     back = LosslessFloat().decode(Payload.deserialize(new.serialize()), x.shape, None)
     assert torch.equal(back.view(torch.int16), x.view(torch.int16))
+
+
+def test_planes_of_different_lengths_are_refused():
+    planes = split_planes(grad_like(1000, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="different lengths"):
+        join_planes([planes[0], planes[1][:-1]], torch.bfloat16)

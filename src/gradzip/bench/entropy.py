@@ -245,14 +245,10 @@ def bench_exponent_tables(seed: int, repeat: int) -> list[dict[str, Any]]:
     value: what any coder of the two planes together (or of one conditioned on the
     other) could save over coding them apart, as ``lossless`` and ZipNN do.
     """
-    import zstandard
-
     from gradzip.bench import samples
-    from gradzip.codecs.entropy import measures
-    from gradzip.codecs.entropy.floatcodec import _FAST_ZSTD, split_with_counts
+    from gradzip.codecs.entropy import _zstd_plane, measures
+    from gradzip.codecs.entropy.floatcodec import _ACCELERATION, split_with_counts
 
-    coder = zstandard.ZstdCompressor(compression_params=_FAST_ZSTD)
-    plain = zstandard.ZstdDecompressor()
     rows = []
     for source, fn in FLOAT_SOURCES.items():
         grads = getattr(samples, fn)(seed)
@@ -260,13 +256,15 @@ def bench_exponent_tables(seed: int, repeat: int) -> list[dict[str, Any]]:
             parts = [g.reshape(-1).to(dtype) for g in grads.values()]
             planes = split_with_counts(torch.cat(parts))[0]
             bounds = np.cumsum([0] + [t.numel() for t in parts])
-            pieces = [planes[0][a:b].tobytes() for a, b in zip(bounds[:-1], bounds[1:],
-                                                                  strict=True)]
+            pieces = [planes[0][a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
             raw = int(bounds[-1]) * parts[0].element_size()
-            for tables, blobs in (("one per bucket", [planes[0].tobytes()]),
-                                  ("one per tensor", pieces)):
-                te, coded = _best_time(lambda b=blobs: [coder.compress(x) for x in b], repeat)
-                td, _ = _best_time(lambda c=coded: [plain.decompress(x) for x in c], repeat)
+            for tables, blobs in (("one per bucket", [planes[0]]), ("one per tensor", pieces)):
+                te, coded = _best_time(
+                    lambda b=blobs, a=_ACCELERATION[dtype]: [_zstd_plane.compress(x, a)
+                                                             for x in b], repeat)
+                td, _ = _best_time(lambda c=coded, b=blobs: [
+                    _zstd_plane.decompress(x, y.size) for x, y in zip(c, b, strict=True)],
+                    repeat)
                 size = sum(len(c) for c in coded)
                 rows.append({"input": f"{source} {str(dtype)[6:]}", "tables": tables,
                              "exponent_bytes": size, "share_of_raw": size / raw,

@@ -3,7 +3,8 @@
 ``split*`` writes every byte plane of a float tensor (layouts in ``floatcodec``) while
 reading the words once, and counts the other planes' bytes of every ``SAMPLE``-th value
 (256-bin histograms that only decide between zstd and raw for those planes; the exponent
-plane is always coded); ``join*`` is the inverse.
+plane is always coded); ``join*`` is the inverse, reading each plane from its own array
+(the decoded planes are separate buffers: stacking them first cost as much as the join).
 The numpy expressions they replace read the words once per plane and allocate a
 temporary per shift, which cost 10x more than the coder itself on fp32 gradients.
 """
@@ -38,12 +39,12 @@ def _count_sample(planes, first, counts):
 
 
 @njit(cache=True, nogil=True)
-def join32(planes, w):
+def join32(exponent, sign_top, mid, low, w):
     for i in range(w.size):
-        e = np.uint32(planes[0, i])
-        sm = np.uint32(planes[1, i])
+        e = np.uint32(exponent[i])
+        sm = np.uint32(sign_top[i])
         w[i] = (((sm & 0x80) << 24) | (e << 23) | ((sm & 0x7F) << 16)
-                | (np.uint32(planes[2, i]) << 8) | np.uint32(planes[3, i]))
+                | (np.uint32(mid[i]) << 8) | np.uint32(low[i]))
 
 
 @njit(cache=True, nogil=True)
@@ -57,10 +58,10 @@ def split_bf16(h, planes, counts):
 
 
 @njit(cache=True, nogil=True)
-def join_bf16(planes, h):
+def join_bf16(exponent, sign_mantissa, h):
     for i in range(h.size):
-        e = np.uint16(planes[0, i])
-        sm = np.uint16(planes[1, i])
+        e = np.uint16(exponent[i])
+        sm = np.uint16(sign_mantissa[i])
         h[i] = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
 
 
@@ -77,19 +78,19 @@ def split_fp16(h, planes, counts):
 
 
 @njit(cache=True, nogil=True)
-def join_fp16(planes, h):
+def join_fp16(top_plane, low, h):
     for i in range(h.size):
-        top = np.uint16(planes[0, i])
+        top = np.uint16(top_plane[i])
         h[i] = (((top & 0x4) << 13) | ((top >> 3) << 10) | ((top & 0x3) << 8)
-                | np.uint16(planes[1, i]))
+                | np.uint16(low[i]))
 
 
 @njit(cache=True, nogil=True)
-def join_fp16_v1(planes, h):
+def join_fp16_v1(exponent, sign_top, low, h):
     """Inverse of the first fp16 layout, [5-bit exponent] [sign + 2 top mantissa bits]
     [mantissa 8], so its payloads still decode."""
     for i in range(h.size):
-        e = np.uint16(planes[0, i])
-        s2 = np.uint16(planes[1, i])
+        e = np.uint16(exponent[i])
+        s2 = np.uint16(sign_top[i])
         h[i] = (((s2 & 0x4) << 13) | (e << 10) | ((s2 & 0x3) << 8)
-                | np.uint16(planes[2, i]))
+                | np.uint16(low[i]))

@@ -12,9 +12,9 @@ rotated into a byte of its own (the sign moves to the mantissa side):
 * fp32: ``[exponent] [sign + 7 mantissa bits] [mantissa 8] [mantissa 8]``
 * fp64: the eight little-endian byte planes, most significant first
 
-The exponent plane is coded with zstd set for one byte plane (``_FAST_ZSTD``: Huffman
-literals, few match searches; its matches catch runs, such as the zero rows of unused
-embeddings, that an order-0 coder cannot) or, with ``exponent=ans``, with the ``ans``
+The exponent plane is coded with zstd set for one byte plane (``_zstd_plane``: Huffman
+literals behind an accelerated match search; its matches catch runs, such as the zero
+rows of unused embeddings, that an order-0 coder cannot) or, with ``exponent=ans``, with the ``ans``
 stage. Every other plane takes the same zstd when the histogram of a 1-in-8 sample of its
 bytes promises a saving of 0.5%, else travels raw (a view, not a copy). The payload
 format is the per-plane one of earlier versions (each plane names its coder), so their
@@ -26,14 +26,14 @@ payload, and a damaged one raises instead of decoding to other values.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import numpy as np
 import torch
-import zstandard
 
 from gradzip.codecs.base import Compressor, Slot
-from gradzip.codecs.entropy import _frame, _planes, ans, bytecoders, measures
+from gradzip.codecs.entropy import _frame, _planes, _zstd_plane, ans, bytecoders, measures
 from gradzip.codecs.payload import _DTYPE_CODE, _DTYPES, MetaValue, Payload, PayloadError
 from gradzip.codecs.registry import Param, in_range, register
 
@@ -46,8 +46,11 @@ CODE_GAIN = 0.005
 _SPLIT = {torch.float32: (_planes.split32, np.uint32, 4),
           torch.bfloat16: (_planes.split_bf16, np.uint16, 2),
           torch.float16: (_planes.split_fp16, np.uint16, 2)}
-_JOIN = {torch.float32: (_planes.join32, np.uint32), torch.bfloat16: (_planes.join_bf16, np.uint16),
-         torch.float16: (_planes.join_fp16, np.uint16)}
+#: (kernel(*planes, words), word type): the kernels read each plane from its own array
+_JOIN: dict[torch.dtype, tuple[Callable[..., None], type]] = {
+    torch.float32: (_planes.join32, np.uint32), torch.bfloat16: (_planes.join_bf16, np.uint16),
+    torch.float16: (_planes.join_fp16, np.uint16)}
+_JOIN_FP16_V1: Callable[..., None] = _planes.join_fp16_v1
 
 
 def split_with_counts(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -75,14 +78,17 @@ def split_planes(x: torch.Tensor) -> list[np.ndarray]:
 
 def join_planes(planes: list[np.ndarray] | np.ndarray, dtype: torch.dtype) -> np.ndarray:
     """Inverse of ``split_planes``: the raw words (bf16 as uint16)."""
-    rows = np.asarray(planes, dtype=np.uint8).reshape(len(planes), -1)
     if dtype == torch.float64:
-        return np.ascontiguousarray(rows[::-1].T).reshape(-1).view(np.float64)
+        stacked = np.asarray(planes, dtype=np.uint8).reshape(len(planes), -1)
+        return np.ascontiguousarray(stacked[::-1].T).reshape(-1).view(np.float64)
     if dtype not in _JOIN:
         raise TypeError(f"lossless cannot rebuild {dtype}")
     kernel, word = _JOIN[dtype]
-    out = np.empty(rows.shape[1], word)
-    kernel(rows, out)
+    rows = [np.asarray(p, dtype=np.uint8).reshape(-1) for p in planes]
+    if len({r.size for r in rows}) != 1:
+        raise ValueError("lossless: byte planes of different lengths")
+    out: np.ndarray = np.empty(rows[0].size, word)
+    kernel(*rows, out)
     if dtype == torch.float32:
         return out.view(np.float32)
     return out.view(np.float16) if dtype == torch.float16 else out
@@ -92,15 +98,13 @@ _PLANES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, torch.float64:
 _FP16_V1_PLANES = 3  # the first fp16 layout
 
 
-#: zstd tuned for one byte plane: few match searches (the plane's runs are long or
-#: absent), Huffman-coded literals; 5-8x faster than level 3 at a better ratio on the
-#: exponent planes of real gradients (``gradzip bench entropy``). A hash table of 2**8
-#: entries: the smallest (2**6) was no faster on a captured 17 MB bucket and lost 0.6%
-#: (fp32) to 1.4% (bf16) of the ratio, the zero-row runs it no longer found.
-_FAST_ZSTD = zstandard.ZstdCompressionParameters.from_level(
-    1, strategy=zstandard.STRATEGY_FAST, min_match=7, search_log=1, hash_log=8,
-    window_log=17, write_content_size=True, write_checksum=False)
 _FAST_LEVEL = 1  # recorded in the plane's header
+#: zstd's match-search acceleration (``_zstd_plane.compress``) by dtype. The search finds
+#: runs worth 0.1-1.1% of the exponent plane but takes half its encode time on planes
+#: without runs (a ResNet's). In bf16/fp16 that plane is half the input, so the search
+#: is accelerated: 1.3-2x faster to encode the whole tensor, 0.02-0.2% larger. In fp32
+#: it is a quarter of the input and the full search stays (``gradzip bench entropy``).
+_ACCELERATION = {torch.bfloat16: 4, torch.float16: 4, torch.float32: 0, torch.float64: 0}
 _UINT8 = _DTYPE_CODE[torch.uint8]
 
 
@@ -135,11 +139,13 @@ class LosslessFloat(Compressor):
         fields: dict[str, Payload] = {}
         for i, plane in enumerate(planes):
             exponent = i == 0 and x.dtype != torch.float64
-            fields[f"p{i}"] = self._code_plane(plane, counts[i], exponent)
+            fields[f"p{i}"] = self._code_plane(plane, counts[i], exponent,
+                                               _ACCELERATION[x.dtype])
         # the checksum covers the dtype code, raw bytes and each plane's own checksum
         return _frame.seal(Payload(dict(fields), meta))
 
-    def _code_plane(self, plane: np.ndarray, counts: np.ndarray, exponent: bool) -> Payload:
+    def _code_plane(self, plane: np.ndarray, counts: np.ndarray, exponent: bool,
+                    acceleration: int) -> Payload:
         t = torch.from_numpy(plane)
         if exponent and self.params["exponent"] == "ans":
             return ans.encode(t)
@@ -147,7 +153,7 @@ class LosslessFloat(Compressor):
         if exponent or rest == "auto":
             gain = 1 - measures.entropy_of_counts(counts) / 8  # counts: a sample's
             if exponent or gain > CODE_GAIN:
-                return _frame.pick(_fast_zstd(plane), t)
+                return _frame.pick(_fast_zstd(plane, acceleration), t)
             return _raw_plane(plane)
         if rest == "raw":
             return _raw_plane(plane)
@@ -176,13 +182,13 @@ class LosslessFloat(Compressor):
         planes = [_decode_plane(p.child(f"p{i}"), numel) for i in range(count)]
         if count == _FP16_V1_PLANES:
             words = np.empty(numel, np.uint16)
-            _planes.join_fp16_v1(np.asarray(planes), words)
+            _JOIN_FP16_V1(*planes, words)
             return _frame.from_numpy(words.view(np.float16), dtype, shape, owned=True)
         return _frame.from_numpy(join_planes(planes, dtype), dtype, shape, owned=True)
 
 
-def _fast_zstd(plane: np.ndarray) -> Payload:
-    data = zstandard.ZstdCompressor(compression_params=_FAST_ZSTD).compress(plane.data)
+def _fast_zstd(plane: np.ndarray, acceleration: int) -> Payload:
+    data = _zstd_plane.compress(plane, acceleration)
     return Payload({"d": data}, {"m": "zstd", "dt": _UINT8, "sh": (plane.size,),
                                  "lvl": _FAST_LEVEL})
 
@@ -199,10 +205,7 @@ def _decode_plane(p: Payload, numel: int) -> np.ndarray:
         _frame.check(p, "lossless")
         data = _frame.blob(p, "d", "lossless")
         if mode == "zstd":
-            try:
-                data = zstandard.ZstdDecompressor().decompress(data, max_output_size=numel)
-            except zstandard.ZstdError as e:
-                raise _frame.EntropyCodingError(f"lossless: corrupt plane ({e})") from e
+            return _zstd_plane.decompress(data, numel)
         if len(data) != numel:
             raise _frame.EntropyCodingError("lossless: a byte plane has the wrong size")
         return np.frombuffer(data, np.uint8)
