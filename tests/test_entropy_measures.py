@@ -117,3 +117,16 @@ def test_efficiency():
     assert measures.efficiency(90, 80, 10, 10) == pytest.approx(0.9)
     assert measures.efficiency(0, 0) == 1.0
     assert measures.efficiency(5, 0) == 0.0
+
+
+@given(st.binary(min_size=0, max_size=300), st.sampled_from([np.int8, np.uint8, np.bool_]))
+def test_byte_histogram_matches_the_general_kernel(data, dtype):
+    """The 8-bytes-a-load histogram of the ans/eg stages: every tail length, every bin."""
+    from gradzip.codecs.entropy import _kernels
+
+    v = np.frombuffer(data, np.uint8)
+    if dtype is np.bool_:
+        v = v & 1
+    v = v.view(dtype)
+    base = -128 if dtype is np.int8 else 0
+    assert _kernels.byte_hist(v).tolist() == _kernels.hist(v, base, 256).tolist()

