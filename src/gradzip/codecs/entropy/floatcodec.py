@@ -150,9 +150,11 @@ class LosslessFloat(Compressor):
         if exponent and self.params["exponent"] == "ans":
             return ans.encode(t)
         rest = self.params["rest"]
-        if exponent or rest == "auto":
+        if exponent:  # always coded: no estimate needed
+            return _frame.pick(_fast_zstd(plane, acceleration), t)
+        if rest == "auto":
             gain = 1 - measures.entropy_of_counts(counts) / 8  # counts: a sample's
-            if exponent or gain > CODE_GAIN:
+            if gain > CODE_GAIN:
                 return _frame.pick(_fast_zstd(plane, acceleration), t)
             return _raw_plane(plane)
         if rest == "raw":
