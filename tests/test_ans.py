@@ -67,12 +67,12 @@ def test_quantized_frequencies_sum_to_the_scale():
 
 
 @njit(cache=False)
-def _encode_steps(xs, syms, packed, start):
+def _encode_steps(xs, syms, table):
     """The encoder's own step (``_rans._step``) on each (state, symbol) pair."""
     out = np.empty(2, np.uint16)
     res = np.empty(xs.size, np.uint64)
     for i in range(xs.size):
-        res[i], _ = _rans._step(xs[i], packed[syms[i]], start[syms[i]], out, np.uint64(2))
+        res[i], _ = _rans._step(xs[i], table, np.uint64(syms[i]), out, np.uint64(2))
     return res
 
 
@@ -81,7 +81,7 @@ def test_encoder_step_is_exact_for_every_frequency():
     encoder divides, up to x_max = 2**17 * f (up to 2**32). The reciprocal once was
     exact only below 2**31 and gave quotients one too large for f > ~23,300."""
     freq = np.arange(1, _rans.M + 1, dtype=np.int64)  # one "symbol" per frequency
-    tables = _rans.encoder_table(freq)
+    table = _rans.encoder_table(freq)
     x_max = (freq << 17).astype(np.int64)
     k = np.concatenate([np.arange(1, 5), -np.arange(0, 96)])  # low and top multiples of f
     top = x_max[:, None] // freq[:, None]
@@ -90,9 +90,9 @@ def test_encoder_step_is_exact_for_every_frequency():
     syms = np.broadcast_to(np.arange(freq.size)[:, None], xs.shape)
     ok = (xs >= 1) & (xs < x_max[:, None])
     xs, syms = xs[ok].astype(np.uint64), syms[ok].astype(np.int64)
-    f, start = freq[syms].astype(np.uint64), tables[1][syms]
+    f, start = freq[syms].astype(np.uint64), table[syms, _rans.START]
     want = xs // f * np.uint64(_rans.M) + start + xs % f
-    got = _encode_steps(xs, syms, *tables)
+    got = _encode_steps(xs, syms, table)
     bad = np.nonzero(got != want)[0]
     assert bad.size == 0, f"{bad.size} wrong steps, e.g. f={f[bad[0]]} x={xs[bad[0]]}"
 
@@ -106,8 +106,8 @@ def test_encoder_step_property(f, data):
     k = data.draw(st.one_of(st.integers(0, top), st.integers(top - 1000, top)))
     r = data.draw(st.one_of(st.just(f - 1), st.integers(0, f - 1)))
     x = max(1, k * f + r)
-    tables = _rans.encoder_table(np.array([f], np.int64))
-    got = _encode_steps(np.array([x], np.uint64), np.zeros(1, np.int64), *tables)
+    table = _rans.encoder_table(np.array([f], np.int64))
+    got = _encode_steps(np.array([x], np.uint64), np.zeros(1, np.int64), table)
     assert int(got[0]) == x // f * _rans.M + x % f
 
 

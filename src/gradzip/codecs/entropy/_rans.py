@@ -49,9 +49,18 @@ def quantize(counts: np.ndarray) -> np.ndarray:
     return f
 
 
-def encoder_table(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-symbol ``(packed, start)`` for ``encode``: ``packed`` holds the low 32 bits of
-    the reciprocal, ``freq << 32`` and ``shift << 48`` in one word, so a step loads two.
+#: columns of a row of the encoder's table (``encoder_table``), one row per symbol
+XMAX, RCP, SHIFT, START, CMPL = range(5)
+ROW = 8  # words a row: padded to one 64-byte cache line
+
+
+def encoder_table(freq: np.ndarray) -> np.ndarray:
+    """Per-symbol rows for ``encode``: ``x_max = freq << 17``, the low 32 bits of the
+    reciprocal, its shift, the symbol's start and ``2**15 - freq``, one uint64 each
+    (columns ``XMAX`` .. ``CMPL``). A step reads them as memory operands, so no register
+    holds them: packing them into two words took 26% more instructions a symbol (the
+    fields had to be shifted out, and the eight interleaved states then spilled to the
+    stack) and made the encoder 1.1-1.25x slower.
 
     The encoder divides states ``x < x_max = 2**17 * freq <= 2**32`` by ``freq``. Giesen's
     32-bit reciprocal ``ceil(2**(31 + s) / freq)`` (``s = ceil(log2(freq))``) is exact only
@@ -65,41 +74,42 @@ def encoder_table(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     needs no special case for ``freq == 1`` (``m = 2**32``).
     """
     freq = np.asarray(freq, np.int64)
-    start = np.concatenate([[0], np.cumsum(freq)[:-1]])
     shift = [int(f - 1).bit_length() for f in freq.tolist()]
-    rcp = [-(-(1 << (32 + s)) // f) - (1 << 32) for f, s in zip(freq.tolist(), shift, strict=True)]
-    packed = (np.array(rcp, np.uint64) | (freq.astype(np.uint64) << np.uint64(32))
-              | (np.array(shift, np.uint64) << np.uint64(48)))
-    return packed, start.astype(np.uint64)
+    table = np.zeros((freq.size, ROW), np.uint64)
+    table[:, XMAX] = freq.astype(np.uint64) << np.uint64(17)
+    table[:, RCP] = [-(-(1 << (32 + s)) // f) - (1 << 32)
+                     for f, s in zip(freq.tolist(), shift, strict=True)]
+    table[:, SHIFT] = shift
+    table[:, START] = np.concatenate([[0], np.cumsum(freq)[:-1]])
+    table[:, CMPL] = M - freq
+    return table
 
 
 _LOW16 = np.uint64(0xFFFF)
-_LOW32 = np.uint64(0xFFFFFFFF)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _step(x, packed, start, out, pos):
-    """Encode the symbol of table row (``packed``, ``start``) into state ``x``; branch-free
+def _step(x, table, r, out, pos):
+    """Encode the symbol of table row ``r`` into state ``x``; branch-free
     renormalisation: at most one 16-bit word, written speculatively at ``out[pos - 1]``
     and kept (``pos`` moves) only if needed. Returns (state, pos)."""
-    freq = (packed >> np.uint64(32)) & _LOW16
-    big = x >= (freq << np.uint64(17))  # x_max = 2**17 * freq
+    big = x >= table[r, XMAX]
     out[pos - np.uint64(1)] = np.uint16(x & _LOW16)
     pos -= np.uint64(big)
     x = (x >> np.uint64(16)) if big else x
-    q = (x + ((x * (packed & _LOW32)) >> np.uint64(32))) >> (packed >> np.uint64(48))
-    return x + start + q * (np.uint64(M) - freq), pos  # q * M + start + x % freq
+    q = (x + ((x * table[r, RCP]) >> np.uint64(32))) >> table[r, SHIFT]
+    return x + table[r, START] + q * table[r, CMPL], pos  # q * M + start + x % freq
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _put(x, v, i, base, packed, start, out, pos):
+def _put(x, v, i, base, table, out, pos):
     r = np.uint64(np.int64(v[i]) - base)  # unsigned indices: no wrap-around checks
-    return _step(x, packed[r], start[r], out, pos)
+    return _step(x, table, r, out, pos)
 
 
 @njit(cache=True, nogil=True)
-def encode(v, base, packed, start, out, end):
-    """rANS-code ``v`` (tables indexed by ``v - base``) into the 16-bit words
+def encode(v, base, table, out, end):
+    """rANS-code ``v`` (``table`` rows indexed by ``v - base``) into the 16-bit words
     ``out[begin:end]``, written backwards from ``end``; returns ``begin``. ``out`` must
     have room for ``v.size + 2 * STATES`` words before ``end``, so successive calls on a
     stream's chunks, last chunk first, leave the chunks' codes contiguous and in order.
@@ -111,20 +121,20 @@ def encode(v, base, packed, start, out, end):
     b = np.int64(base)
     xs = np.full(STATES, np.uint64(L))
     for j in range(n - 1, n - n % STATES - 1, -1):  # the tail: states 0..n%8-1
-        xs[j % STATES], pos = _put(xs[j % STATES], v, np.uint64(j), b, packed, start, out, pos)
+        xs[j % STATES], pos = _put(xs[j % STATES], v, np.uint64(j), b, table, out, pos)
     x0, x1, x2, x3, x4, x5, x6, x7 = xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]
     i = np.uint64(n - n % STATES)
     eight = np.uint64(STATES)
     while i >= eight:
         i -= eight
-        x7, pos = _put(x7, v, i + np.uint64(7), b, packed, start, out, pos)
-        x6, pos = _put(x6, v, i + np.uint64(6), b, packed, start, out, pos)
-        x5, pos = _put(x5, v, i + np.uint64(5), b, packed, start, out, pos)
-        x4, pos = _put(x4, v, i + np.uint64(4), b, packed, start, out, pos)
-        x3, pos = _put(x3, v, i + np.uint64(3), b, packed, start, out, pos)
-        x2, pos = _put(x2, v, i + np.uint64(2), b, packed, start, out, pos)
-        x1, pos = _put(x1, v, i + np.uint64(1), b, packed, start, out, pos)
-        x0, pos = _put(x0, v, i, b, packed, start, out, pos)
+        x7, pos = _put(x7, v, i + np.uint64(7), b, table, out, pos)
+        x6, pos = _put(x6, v, i + np.uint64(6), b, table, out, pos)
+        x5, pos = _put(x5, v, i + np.uint64(5), b, table, out, pos)
+        x4, pos = _put(x4, v, i + np.uint64(4), b, table, out, pos)
+        x3, pos = _put(x3, v, i + np.uint64(3), b, table, out, pos)
+        x2, pos = _put(x2, v, i + np.uint64(2), b, table, out, pos)
+        x1, pos = _put(x1, v, i + np.uint64(1), b, table, out, pos)
+        x0, pos = _put(x0, v, i, b, table, out, pos)
     for x in (x7, x6, x5, x4, x3, x2, x1, x0):
         out[pos - np.uint64(1)] = np.uint16(x & _LOW16)
         out[pos - np.uint64(2)] = np.uint16(x >> np.uint64(16))

@@ -124,13 +124,13 @@ def _code(v: np.ndarray, t: torch.Tensor, chunk: int, backend: str) -> Payload |
     sizes: list[int] = []
     if backend == "rans":
         freq = _rans.quantize(counts[present])
-        packed, start = (np.zeros(counts.size, np.uint64) for _ in range(2))
-        packed[present], start[present] = _rans.encoder_table(freq)  # indexed by v - base
+        rows = np.zeros((counts.size, _rans.ROW), np.uint64)
+        rows[present] = _rans.encoder_table(freq)  # indexed by v - base
         starts = range(0, v.size, chunk)
         out = np.empty(v.size + 2 * _rans.STATES * len(starts), np.uint16)
         end = out.size
         for first in reversed(starts):  # backwards: the chunks' codes end up in order
-            begin = _rans.encode(v[first:first + chunk], base, packed, start, out, end)
+            begin = _rans.encode(v[first:first + chunk], base, rows, out, end)
             sizes.insert(0, end - begin)
             end = begin
         data = _little_endian_bytes(out[end:])
