@@ -208,3 +208,25 @@ def test_planes_of_different_lengths_are_refused():
     planes = split_planes(grad_like(1000, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="different lengths"):
         join_planes([planes[0], planes[1][:-1]], torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_exponent_plane_search_is_accelerated_for_16_bit_floats_only(dtype):
+    """bf16/fp16 exponent planes take zstd's accelerated match search (half the input,
+    no long runs to find); fp32 keeps the full search, whose matches keep its ratio."""
+    from gradzip.codecs.entropy import _zstd_plane
+    from gradzip.codecs.entropy.floatcodec import _ACCELERATION
+
+    if not _zstd_plane.accelerated():
+        pytest.skip("cffi is not installed: no accelerated search")
+    g = torch.Generator().manual_seed(5)  # runs of 8 values of one magnitude, a zero run
+    scale = torch.randn(7_500, generator=g).mul(1.5).exp().repeat_interleave(8)
+    x = torch.randn(60_000, generator=g) * scale * 1e-3
+    x[20_000:26_000] = 0
+    x = x.to(dtype)
+    plane = split_planes(x)[0]
+    full, fast = _zstd_plane.compress(plane, 0), _zstd_plane.compress(plane, 4)
+    assert full != fast  # the input tells the two searches apart
+    sent = bytes(LosslessFloat().encode(x, None).child("p0").fields["d"])
+    assert sent == (full if dtype == torch.float32 else fast)
+    assert (_ACCELERATION[dtype] > 0) == (dtype != torch.float32)

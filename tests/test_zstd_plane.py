@@ -85,3 +85,16 @@ def test_without_cffi_python_zstandard_writes_the_same_format(monkeypatch):
     assert np.array_equal(_zstd_plane.decompress(accelerated, plane.size), plane)
     with pytest.raises(EntropyCodingError):
         _zstd_plane.decompress(frame, plane.size + 5)
+
+
+@needs_cffi
+def test_the_kept_scratch_buffer_is_bounded(monkeypatch):
+    """Planes above SCRATCH_MAX compress into a buffer of their own, so a thread does not
+    keep the largest bucket it ever saw."""
+    monkeypatch.setattr(_zstd_plane, "SCRATCH_MAX", 1 << 16)
+    monkeypatch.setattr(_zstd_plane, "_local", type(_zstd_plane._local)())
+    small, large = exponent_like(10_000), exponent_like(200_000)
+    for plane in (small, large):
+        frame = _zstd_plane.compress(plane, 4)
+        assert np.array_equal(_zstd_plane.decompress(frame, plane.size), plane)
+    assert _zstd_plane._local.scratch.size < 1 << 16

@@ -32,6 +32,11 @@ from gradzip.codecs.entropy._frame import EntropyCodingError
 #: 2**8 entries (2**6 lost 0.6-1.4% of the ratio on a captured bucket), one probe
 HASH_LOG, MIN_MATCH, SEARCH_LOG, WINDOW_LOG = 8, 7, 1, 17
 
+#: planes up to this size compress into a per-thread scratch buffer kept between calls
+#: (no page faults per call); larger ones get a buffer of their own, so a thread never
+#: holds more than this much
+SCRATCH_MAX = 16 << 20
+
 _STABLE = zstandard.ZstdCompressionParameters.from_level(
     1, strategy=zstandard.STRATEGY_FAST, min_match=MIN_MATCH, search_log=SEARCH_LOG,
     hash_log=HASH_LOG, window_log=WINDOW_LOG, write_content_size=True, write_checksum=False)
@@ -97,7 +102,9 @@ def compress(plane: np.ndarray, acceleration: int = 0) -> bytes:
         return zstandard.ZstdCompressor(compression_params=_STABLE).compress(plane.data)
     bound = _LIB.ZSTD_compressBound(plane.size)
     scratch = getattr(_local, "scratch", None)
-    if scratch is None or scratch.size < bound:  # reused: no page faults per call
+    if bound > SCRATCH_MAX:
+        scratch = np.empty(bound, np.uint8)
+    elif scratch is None or scratch.size < bound:
         scratch = _local.scratch = np.empty(bound, np.uint8)
     n = _check(_LIB.ZSTD_compress2(_cctx(acceleration), _FFI.from_buffer(scratch), bound,
                                    _FFI.from_buffer(plane), plane.size), "zstd compression")
