@@ -92,7 +92,7 @@ def test_encoder_step_is_exact_for_every_frequency():
     xs, syms = xs[ok].astype(np.uint64), syms[ok].astype(np.int64)
     f, start = freq[syms].astype(np.uint64), table[syms, _rans.START]
     want = xs // f * np.uint64(_rans.M) + start + xs % f
-    got = _encode_steps(xs, syms, table)
+    got = _encode_steps(xs, syms, table.ravel())
     bad = np.nonzero(got != want)[0]
     assert bad.size == 0, f"{bad.size} wrong steps, e.g. f={f[bad[0]]} x={xs[bad[0]]}"
 
@@ -107,7 +107,7 @@ def test_encoder_step_property(f, data):
     r = data.draw(st.one_of(st.just(f - 1), st.integers(0, f - 1)))
     x = max(1, k * f + r)
     table = _rans.encoder_table(np.array([f], np.int64))
-    got = _encode_steps(np.array([x], np.uint64), np.zeros(1, np.int64), table)
+    got = _encode_steps(np.array([x], np.uint64), np.zeros(1, np.int64), table.ravel())
     assert int(got[0]) == x // f * _rans.M + x % f
 
 
@@ -233,3 +233,25 @@ def test_ans_after_integer_codecs_is_exact(spec):
     x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
     y = coded.decode(Payload.deserialize(coded.encode(x, "w").serialize()))
     assert torch.equal(y, lossy.decode(lossy.encode(x, "w")))
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1000, 4099])
+def test_byte_indexed_encoder_writes_the_words_of_the_general_one(dtype, n):
+    """One-byte streams index the encoder's table by their raw bytes (``base`` None);
+    the words must be those of the general path, rows indexed by ``v - base``."""
+    rng = np.random.default_rng(n)
+    v = np.clip(np.round(rng.laplace(size=n) * 9), -128, 127).astype(np.int16)
+    v = (v if dtype == np.int8 else v + 128).astype(dtype)
+    base = -128 if dtype == np.int8 else 0
+    counts = np.bincount(v.astype(np.int64) - base, minlength=256)
+    present = np.nonzero(counts)[0]
+    freq = _rans.quantize(counts[present])
+    general = np.zeros((256, _rans.ROW), np.uint64)
+    general[present] = _rans.encoder_table(freq)
+    u, row_base, by_byte = ans._rans_rows(v, base, present, freq, 256)
+    assert row_base is None and u.dtype == np.uint8
+    a, b = np.empty(n + 16, np.uint16), np.empty(n + 16, np.uint16)
+    begin_a = _rans.encode(v, base, general.ravel(), a, a.size)
+    begin_b = _rans.encode(u, None, by_byte, b, b.size)
+    assert begin_a == begin_b and np.array_equal(a[begin_a:], b[begin_b:])

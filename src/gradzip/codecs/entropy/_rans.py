@@ -90,51 +90,62 @@ _LOW16 = np.uint64(0xFFFF)
 
 @njit(cache=True, nogil=True, inline="always")
 def _step(x, table, r, out, pos):
-    """Encode the symbol of table row ``r`` into state ``x``; branch-free
-    renormalisation: at most one 16-bit word, written speculatively at ``out[pos - 1]``
-    and kept (``pos`` moves) only if needed. Returns (state, pos)."""
-    big = x >= table[r, XMAX]
+    """Encode the symbol of row ``r`` of the flattened ``table`` into state ``x``;
+    branch-free renormalisation: at most one 16-bit word, written speculatively at
+    ``out[pos - 1]`` and kept (``pos`` moves) only if needed. Returns (state, pos).
+
+    The table is 1-D so a row's address is ``r * 8`` words, a shift: a 2-D array's row
+    stride is a run-time value, multiplied for every symbol (an ``imul`` and one more
+    register among the eight states; 1.11-1.13x slower)."""
+    r = r * np.uint64(ROW)
+    big = x >= table[r + np.uint64(XMAX)]
     out[pos - np.uint64(1)] = np.uint16(x & _LOW16)
     pos -= np.uint64(big)
     x = (x >> np.uint64(16)) if big else x
-    q = (x + ((x * table[r, RCP]) >> np.uint64(32))) >> table[r, SHIFT]
-    return x + table[r, START] + q * table[r, CMPL], pos  # q * M + start + x % freq
+    q = (x + ((x * table[r + np.uint64(RCP)]) >> np.uint64(32))) >> table[r + np.uint64(SHIFT)]
+    return x + table[r + np.uint64(START)] + q * table[r + np.uint64(CMPL)], pos
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _put(x, v, i, base, table, out, pos):
-    r = np.uint64(np.int64(v[i]) - base)  # unsigned indices: no wrap-around checks
+    """Encode ``v[i]``: its row is ``v[i] - base``, or the byte itself when ``base`` is
+    None (numba then compiles the subtraction away, 1.02-1.09x faster)."""
+    if base is None:
+        r = np.uint64(v[i])
+    else:
+        r = np.uint64(np.int64(v[i]) - base)  # unsigned indices: no wrap-around checks
     return _step(x, table, r, out, pos)
 
 
 @njit(cache=True, nogil=True)
 def encode(v, base, table, out, end):
-    """rANS-code ``v`` (``table`` rows indexed by ``v - base``) into the 16-bit words
-    ``out[begin:end]``, written backwards from ``end``; returns ``begin``. ``out`` must
-    have room for ``v.size + 2 * STATES`` words before ``end``, so successive calls on a
-    stream's chunks, last chunk first, leave the chunks' codes contiguous and in order.
+    """rANS-code ``v`` into the 16-bit words ``out[begin:end]``, written backwards from
+    ``end``; returns ``begin``. ``table`` is ``encoder_table(...).ravel()`` with rows
+    indexed by ``v - base`` (``base`` an int), or by the bytes of ``v`` (a uint8 array,
+    ``base`` None). ``out`` must have room for ``v.size + 2 * STATES`` words before
+    ``end``, so successive calls on a stream's chunks, last chunk first, leave the
+    chunks' codes contiguous and in order.
 
     Eight states interleaved, symbol ``i`` in state ``i % 8``. The encoder runs
     backwards so the decoder reads forwards; the final states lead the code."""
     n = v.size
     pos = np.uint64(end)
-    b = np.int64(base)
     xs = np.full(STATES, np.uint64(L))
     for j in range(n - 1, n - n % STATES - 1, -1):  # the tail: states 0..n%8-1
-        xs[j % STATES], pos = _put(xs[j % STATES], v, np.uint64(j), b, table, out, pos)
+        xs[j % STATES], pos = _put(xs[j % STATES], v, np.uint64(j), base, table, out, pos)
     x0, x1, x2, x3, x4, x5, x6, x7 = xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]
     i = np.uint64(n - n % STATES)
     eight = np.uint64(STATES)
     while i >= eight:
         i -= eight
-        x7, pos = _put(x7, v, i + np.uint64(7), b, table, out, pos)
-        x6, pos = _put(x6, v, i + np.uint64(6), b, table, out, pos)
-        x5, pos = _put(x5, v, i + np.uint64(5), b, table, out, pos)
-        x4, pos = _put(x4, v, i + np.uint64(4), b, table, out, pos)
-        x3, pos = _put(x3, v, i + np.uint64(3), b, table, out, pos)
-        x2, pos = _put(x2, v, i + np.uint64(2), b, table, out, pos)
-        x1, pos = _put(x1, v, i + np.uint64(1), b, table, out, pos)
-        x0, pos = _put(x0, v, i, b, table, out, pos)
+        x7, pos = _put(x7, v, i + np.uint64(7), base, table, out, pos)
+        x6, pos = _put(x6, v, i + np.uint64(6), base, table, out, pos)
+        x5, pos = _put(x5, v, i + np.uint64(5), base, table, out, pos)
+        x4, pos = _put(x4, v, i + np.uint64(4), base, table, out, pos)
+        x3, pos = _put(x3, v, i + np.uint64(3), base, table, out, pos)
+        x2, pos = _put(x2, v, i + np.uint64(2), base, table, out, pos)
+        x1, pos = _put(x1, v, i + np.uint64(1), base, table, out, pos)
+        x0, pos = _put(x0, v, i, base, table, out, pos)
     for x in (x7, x6, x5, x4, x3, x2, x1, x0):
         out[pos - np.uint64(1)] = np.uint16(x & _LOW16)
         out[pos - np.uint64(2)] = np.uint16(x >> np.uint64(16))

@@ -124,13 +124,12 @@ def _code(v: np.ndarray, t: torch.Tensor, chunk: int, backend: str) -> Payload |
     sizes: list[int] = []
     if backend == "rans":
         freq = _rans.quantize(counts[present])
-        rows = np.zeros((counts.size, _rans.ROW), np.uint64)
-        rows[present] = _rans.encoder_table(freq)  # indexed by v - base
+        v, row_base, rows = _rans_rows(v, base, present, freq, counts.size)
         starts = range(0, v.size, chunk)
         out = np.empty(v.size + 2 * _rans.STATES * len(starts), np.uint16)
         end = out.size
         for first in reversed(starts):  # backwards: the chunks' codes end up in order
-            begin = _rans.encode(v[first:first + chunk], base, rows, out, end)
+            begin = _rans.encode(v[first:first + chunk], row_base, rows, out, end)
             sizes.insert(0, end - begin)
             end = begin
         data = _little_endian_bytes(out[end:])
@@ -153,6 +152,19 @@ def _code(v: np.ndarray, t: torch.Tensor, chunk: int, backend: str) -> Payload |
     meta.update({"m": mode, "lo": int(base), "v": int(present.size), "cw": tuple(sizes),
                  "ck": int(chunk)})
     return Payload({"t": table, "d": data}, meta)
+
+
+def _rans_rows(v: np.ndarray, base: int, present: np.ndarray, freq: np.ndarray,
+               span: int) -> tuple[np.ndarray, int | None, np.ndarray]:
+    """The rANS encoder's input, row base and flattened table. One-byte streams index
+    the table by their raw bytes (no subtraction a symbol); wider ones by ``v - base``."""
+    if v.dtype.itemsize == 1:
+        rows = np.zeros((256, _rans.ROW), np.uint64)
+        rows[(present + base) & 0xFF] = _rans.encoder_table(freq)
+        return v.view(np.uint8), None, rows.ravel()
+    rows = np.zeros((span, _rans.ROW), np.uint64)
+    rows[present] = _rans.encoder_table(freq)
+    return v, base, rows.ravel()
 
 
 def _code_planes(v: np.ndarray, t: torch.Tensor, lo: int, hi: int, chunk: int,
