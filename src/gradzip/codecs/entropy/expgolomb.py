@@ -21,7 +21,6 @@ one stream cannot shorten. Payloads of one stream (no ``cw``) decode as before.
 
 from __future__ import annotations
 
-import sys
 from typing import ClassVar
 
 import numpy as np
@@ -159,22 +158,31 @@ def encode(t: torch.Tensor, k: int | str = "auto", mapping: str = "auto") -> Pay
     nbytes = (choice.payload_bits + 7) // 8
     # the table encoder stores byte-swapped 32-bit words: big-endian output on
     # little-endian hosts only; elsewhere the generic encoder writes byte by byte
-    table = _code_table(values, counts, choice, lo, hi) if sys.byteorder == "little" else None
+    table = _code_table(values, counts, choice, lo, hi)
     halves = [v] if v.size < SPLIT_MIN else [v[:(v.size + 1) // 2], v[(v.size + 1) // 2:]]
-    streams, written = [], 0
-    for part in halves:  # nbytes bounds each half's bytes too
-        if table is not None:
-            bits, n = _kernels.eg_encode_lut(part, lo, table[0], table[1], nbytes)
-        else:
+    sizes, written = [], 0
+    if table is not None:  # both halves into one buffer: no copies
+        data = np.empty(nbytes + 8, np.uint8)  # each half rounds up by one byte at most
+        end = 0
+        for part in halves:
+            stop, n = _kernels.eg_encode_lut(part, lo, table[0], table[1], data, end)
+            sizes.append(stop - end)
+            end, written = stop, written + n
+        data = data[:end]
+    else:
+        streams = []
+        for part in halves:  # nbytes bounds each half's bytes too
             bits, n = _kernels.eg_encode(part, _MODES[choice.mapping], choice.k, lo, lut,
                                          nbytes, _kernels._BL8)
-        streams.append(bits)
-        written += n
+            streams.append(bits)
+            sizes.append(bits.size)
+            written += n
+        data = np.concatenate(streams) if len(streams) > 1 else streams[0]
     if written != choice.payload_bits:  # the formula and the bitstream must agree
         raise AssertionError(f"eg wrote {written} bits, expected {choice.payload_bits}")
-    if len(streams) > 1:
-        meta["cw"] = tuple(int(b.size) for b in streams)
-    fields["d"] = _frame.byte_view(np.concatenate(streams) if len(streams) > 1 else streams[0])
+    if len(sizes) > 1:
+        meta["cw"] = tuple(int(n) for n in sizes)
+    fields["d"] = _frame.byte_view(data)
     return _frame.pick(Payload(dict(fields), meta), t)
 
 
