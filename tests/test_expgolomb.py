@@ -226,13 +226,27 @@ def test_bitstream_equals_the_reference_encoder(values, k, mapping):
 
 
 @pytest.mark.parametrize("mapping", ["zigzag", "sign", "rank"])
-def test_table_encoder_and_byte_wise_encoder_write_the_same_stream(mapping, monkeypatch):
-    """The table encoder (both halves written in place into one buffer) and the generic
-    encoder (wide alphabets, codes over 32 bits) write the same big-endian bitstream."""
-    t = laplace_int8(n=expgolomb.SPLIT_MIN + 3)
-    fast = expgolomb.encode(t, "auto", mapping)
+@pytest.mark.parametrize("codes", ["short", "long"])
+@pytest.mark.parametrize("n", [999, expgolomb.SPLIT_MIN + 3])
+def test_table_encoder_and_byte_wise_encoder_write_the_same_stream(mapping, codes, n,
+                                                                    monkeypatch):
+    """The table encoder (both halves written in place into one buffer; codes of at most
+    16 bits two at a time, longer ones one at a time) and the generic encoder (wide
+    alphabets, codes over 32 bits) write the same big-endian bitstream."""
+    if codes == "short":
+        t, k = laplace_int8(n=n), "auto"
+    else:  # k = 0, 40% of the values spread over +-3,000: codes of up to 17-26 bits
+        rng = np.random.default_rng(n)
+        x = np.round(rng.laplace(size=n) * 3)
+        wide = rng.random(n) < 0.4
+        x[wide] = rng.integers(-3000, 3000, int(wide.sum()))
+        t, k = torch.from_numpy(x.astype(np.int16)), 0
+    fast = expgolomb.encode(t, k, mapping)
+    lengths = measures.eg_code_lengths(t, fast.meta["k"], mapping)
+    assert (int(lengths.max()) <= expgolomb.SHORT_CODE) == (codes == "short")
+    assert int(lengths.max()) <= 32  # so the table encoder, not the generic one, ran
     monkeypatch.setattr(expgolomb, "_code_table", lambda *args: None)
-    generic = expgolomb.encode(t, "auto", mapping)
+    generic = expgolomb.encode(t, k, mapping)
     assert bytes(generic.fields["d"]) == bytes(fast.fields["d"])
     assert generic.meta == fast.meta
 

@@ -39,6 +39,8 @@ _RANK_SPAN = 1 << 20
 _TABLE_SPAN = 1 << 16
 #: streams of at least this many symbols are coded as two halves (two bitstreams)
 SPLIT_MIN = 1 << 14
+#: tables whose codes all fit in this many bits are encoded two symbols at a time
+SHORT_CODE = 16
 
 
 def _choose(values: np.ndarray, counts: np.ndarray, k: int | str, mapping: str
@@ -163,9 +165,10 @@ def encode(t: torch.Tensor, k: int | str = "auto", mapping: str = "auto") -> Pay
     sizes, written = [], 0
     if table is not None:  # both halves into one buffer: no copies
         data = np.empty(nbytes + 8, np.uint8)  # each half rounds up by one byte at most
+        short = int(table[1].max()) <= SHORT_CODE
         end = 0
         for part in halves:
-            stop, n = _kernels.eg_encode_lut(part, lo, table[0], table[1], data, end)
+            stop, n = _kernels.eg_encode_lut(part, lo, table[0], table[1], data, end, short)
             sizes.append(stop - end)
             end, written = stop, written + n
         data = data[:end]
