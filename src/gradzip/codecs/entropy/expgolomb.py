@@ -174,8 +174,8 @@ def encode(t: torch.Tensor, k: int | str = "auto", mapping: str = "auto") -> Pay
     if choice.mapping in ("offset", "rank"):
         meta["lo"] = int(lo)
     nbytes = (choice.payload_bits + 7) // 8
-    # the table encoder stores byte-swapped 32-bit words: big-endian output on
-    # little-endian hosts only; elsewhere the generic encoder writes byte by byte
+    # narrow alphabets: every code precomputed (the table encoder); wide ones: the
+    # generic encoder. Both write the same big-endian bitstream (tested)
     table = _code_table(values, counts, choice, lo, hi)
     halves = [v] if v.size < SPLIT_MIN else [v[:(v.size + 1) // 2], v[(v.size + 1) // 2:]]
     sizes, written = [], 0
