@@ -290,7 +290,7 @@ def eg_encode_lut(v, lo, codes, lens, out, start, short):
 def peek_table(codes, lens, values):
     """Decoder lookup: for every PEEK-bit prefix, ``value << 8 | length`` of the code
     that fits in it, one int32 (16 KB in all, so it stays in the L1 cache). 0 when the
-    code is longer, or its value needs more than 24 bits: ``_eg_read`` decodes those."""
+    code is longer, or its value needs more than 24 bits: ``_eg_long`` decodes those."""
     entries = np.zeros(1 << PEEK, np.int32)
     for s in range(codes.size):
         length = lens[s]
@@ -323,92 +323,33 @@ def _has_sign(mode, u):
     return mode == MODE_SIGN_ALWAYS or (mode == MODE_SIGN and u != 0)
 
 
-@njit(cache=True, nogil=True)
-def _eg_read(buf, end, bitbuf, bitcnt, bytepos, mode, k, lo, table, lz8, peek):
-    """One value from the bit reader (``bitbuf`` left-aligned with ``bitcnt`` valid
-    bits, next byte ``bytepos``) of a stream ending at byte ``end``.
-
-    Codes of at most PEEK bits take one table lookup; longer ones that lie in the bit
-    buffer are read from its leading zeros, in registers; the rest (over ~32 bits) from
-    the absolute bit position. Returns (value, bitbuf, bitcnt, bytepos, ok).
-    """
-    c32 = np.uint64(32)
-    if bitcnt < c32:
-        if bytepos + 4 > buf.size:
-            return np.int64(0), bitbuf, bitcnt, bytepos, False
-        w = ((np.uint64(buf[bytepos]) << np.uint64(24))
-             | (np.uint64(buf[bytepos + 1]) << np.uint64(16))
-             | (np.uint64(buf[bytepos + 2]) << np.uint64(8))
-             | np.uint64(buf[bytepos + 3]))
-        bitbuf |= w << (c32 - bitcnt)
-        bytepos += 4
-        bitcnt += c32
-    entry = peek[bitbuf >> np.uint64(64 - PEEK)]
-    length = np.uint64(entry & 0xFF)
-    if length > 0:
-        return np.int64(entry >> 8), bitbuf << length, bitcnt - length, bytepos, True
-    length = np.uint64(2 * leading_zeros(bitbuf) + 1 + k)
-    if length < bitcnt:  # the code, and a sign bit, lie in the buffer
-        u = (bitbuf >> (np.uint64(64) - length)) - (np.uint64(1) << np.uint64(k))
-        bitbuf <<= length
-        bitcnt -= length
-        neg = False
-        if _has_sign(mode, u):
-            neg = (bitbuf >> np.uint64(63)) == np.uint64(1)
-            bitbuf <<= np.uint64(1)
-            bitcnt -= np.uint64(1)
-        x, ok = _unmap(u, neg, mode, lo, table)
-        return x, bitbuf, bitcnt, bytepos, ok
-    x, bitpos = _eg_slow(buf, end, bytepos * 8 - np.int64(bitcnt), mode, k, lo, table, lz8)
-    bytepos = bitpos >> 3  # re-synchronize the bit buffer at the new position
-    if bitpos < 0 or bytepos + 8 > buf.size:
-        return np.int64(0), bitbuf, bitcnt, bytepos, False
-    bitbuf = load_be64(buf, bytepos) << np.uint64(bitpos & 7)
-    return x, bitbuf, np.uint64(64 - (bitpos & 7)), bytepos + 8, True
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _refill(buf, bitbuf, bitcnt, pos):
-    """Top the bit buffer up by 32 bits when it holds fewer (``pos + 4 <= buf.size``
-    is the caller's check). A branch: its branch-free form measured 1.4x slower."""
-    if bitcnt < 32:
-        w = ((np.uint64(buf[pos]) << np.uint64(24)) | (np.uint64(buf[pos + 1]) << np.uint64(16))
-             | (np.uint64(buf[pos + 2]) << np.uint64(8)) | np.uint64(buf[pos + 3]))
-        return bitbuf | (w << np.uint64(32 - bitcnt)), bitcnt + 32, pos + 4
-    return bitbuf, bitcnt, pos
-
-
-@njit(cache=True, nogil=True)
-def eg_decode_lut(buf, nbytes, out, mode, k, lo, table, lz8, peek):
-    """Inverse of ``eg_encode``/``eg_encode_lut`` (one stream) into ``out``. ``buf``
-    carries 16 bytes of zero padding. Returns the bits read, or -1 if the stream ends
-    early or holds a code the encoder never writes."""
-    bitbuf, bitcnt, pos = load_be64(buf, 0), 64, 8
-    shift = np.uint64(64 - PEEK)
-    for i in range(out.size):
-        if pos + 4 > buf.size:
-            return -1
-        bitbuf, bitcnt, pos = _refill(buf, bitbuf, bitcnt, pos)
-        entry = peek[np.int64(bitbuf >> shift)]
-        length = entry & 0xFF
-        if length > 0:  # the table's codes, inline: the hot path
-            out[i] = entry >> 8
-            bitbuf <<= np.uint64(length)
-            bitcnt -= length
-            continue
-        out[i], bitbuf, c, pos, ok = _eg_read(buf, nbytes, bitbuf, np.uint64(bitcnt), pos,
-                                              mode, k, lo, table, lz8, peek)
-        bitcnt = np.int64(c)
-        if not ok:
-            return -1
-    return pos * 8 - bitcnt
-
-
 @njit(cache=True, nogil=True, inline="always")
 def _window(buf, pos):
     """The 64 stream bits from absolute bit ``pos`` on, left-aligned (the top 57 at
     least are the stream's): one unaligned big-endian load."""
     return load_be64(buf, pos >> 3) << np.uint64(pos & 7)
+
+
+@njit(cache=True, nogil=True)
+def _eg_long(buf, end, pos, mode, k, lo, table, lz8):
+    """The code at absolute bit ``pos`` that the PEEK table lacks, of a stream ending at
+    byte ``end``: (value, position after it), the position -1 if the stream is
+    malformed. A code (and its sign bit) within the 57 sure bits of the window is read
+    from the window's leading zeros, in registers; a longer one by ``_eg_slow``."""
+    w = _window(buf, pos)
+    zeros = np.int64(leading_zeros(w)) if w != 0 else np.int64(64)
+    length = 2 * zeros + 1 + k
+    if length + 1 > 57:
+        return _eg_slow(buf, end, pos, mode, k, lo, table, lz8)
+    u = (w >> np.uint64(64 - length)) - (np.uint64(1) << np.uint64(k))
+    neg = False
+    if _has_sign(mode, u):
+        neg = ((w >> np.uint64(63 - length)) & np.uint64(1)) == np.uint64(1)
+        length += 1
+    x, ok = _unmap(u, neg, mode, lo, table)
+    if not ok or pos + length > end * 8:
+        return np.int64(0), np.int64(-1)
+    return x, pos + length
 
 
 @njit(cache=True, nogil=True)
@@ -418,11 +359,47 @@ def _eg_one(buf, end, pos, mode, k, lo, table, lz8, peek):
     entry = peek[np.int64(_window(buf, pos) >> np.uint64(64 - PEEK))]
     if entry & 0xFF:
         return np.int64(entry >> 8), pos + (entry & 0xFF)
-    return _eg_slow(buf, end, pos, mode, k, lo, table, lz8)
+    return _eg_long(buf, end, pos, mode, k, lo, table, lz8)
 
 
 #: symbols a stream decodes from one 64-bit window: 4 codes of <= PEEK bits fit in 57
 GROUP = 4
+
+
+@njit(cache=True, nogil=True)
+def eg_decode_lut(buf, nbytes, out, mode, k, lo, table, lz8, peek):
+    """Inverse of ``eg_encode``/``eg_encode_lut`` (one stream, ``buf[:nbytes]``) into
+    ``out``, one 64-bit window per ``GROUP`` symbols as ``eg_decode_pair`` reads each of
+    its streams. ``buf`` carries 16 bytes of zero padding. Returns the bits read, or -1
+    if the stream ends early or holds a code the encoder never writes."""
+    n = out.size
+    pos = np.int64(0)
+    limit = (buf.size - 8) * 8  # a window at a position below this stays in ``buf``
+    shift = np.uint64(64 - PEEK)
+    groups = n // GROUP
+    for g in range(groups):
+        if pos >= limit:
+            return -1
+        w = _window(buf, pos)
+        for r in range(g * GROUP, (g + 1) * GROUP):
+            e = peek[np.int64(w >> shift)]
+            length = e & 0xFF
+            if length > 0:
+                out[r] = e >> 8
+                w <<= np.uint64(length)
+                pos += length
+            else:
+                out[r], pos = _eg_long(buf, nbytes, pos, mode, k, lo, table, lz8)
+                if pos < 0 or pos >= limit:
+                    return -1
+                w = _window(buf, pos)
+    for r in range(groups * GROUP, n):  # the last symbols, one window each
+        if pos >= limit:
+            return -1
+        out[r], pos = _eg_one(buf, nbytes, pos, mode, k, lo, table, lz8, peek)
+        if pos < 0:
+            return -1
+    return pos
 
 
 @njit(cache=True, nogil=True)
@@ -433,7 +410,7 @@ def eg_decode_pair(buf, split, nbytes, out, mode, k, lo, table, lz8, peek):
     starts). Each reader loads a 64-bit window once per ``GROUP`` symbols, with no
     branch: refilling whenever fewer than 32 bits were left had been a branch taken at
     irregular intervals. Codes the PEEK table lacks (longer than PEEK bits) are read
-    by ``_eg_slow``, and the window reloaded after them. ``buf`` carries 16 bytes of
+    by ``_eg_long``, and the window reloaded after them. ``buf`` carries 16 bytes of
     zero padding. Returns the bits read from each stream, -1 for a malformed one."""
     n = out.size
     h = (n + 1) // 2
@@ -455,7 +432,7 @@ def eg_decode_pair(buf, split, nbytes, out, mode, k, lo, table, lz8, peek):
                 wa <<= np.uint64(la)
                 pa += la
             else:
-                out[r], pa = _eg_slow(buf, split, pa, mode, k, lo, table, lz8)
+                out[r], pa = _eg_long(buf, split, pa, mode, k, lo, table, lz8)
                 if pa < 0 or pa >= limit:
                     return -1, -1
                 wa = _window(buf, pa)
@@ -464,7 +441,7 @@ def eg_decode_pair(buf, split, nbytes, out, mode, k, lo, table, lz8, peek):
                 wb <<= np.uint64(lb)
                 pb += lb
             else:
-                out[h + r], pb = _eg_slow(buf, nbytes, pb, mode, k, lo, table, lz8)
+                out[h + r], pb = _eg_long(buf, nbytes, pb, mode, k, lo, table, lz8)
                 if pb < 0 or pb >= limit:
                     return -1, -1
                 wb = _window(buf, pb)
