@@ -273,3 +273,35 @@ def test_damaged_payloads_fail_cleanly(seed, flips, n):
     except PayloadError:
         return
     assert y.shape == t.shape
+
+
+def test_kept_prefix_tables_match_fresh_ones_and_cannot_be_changed():
+    """The decoder keeps its prefix table per (k, mapping, lo): each kept table is the one
+    a fresh build gives, shared read-only, and offset streams with different minima
+    (different tables under one k) still decode one after the other."""
+    for mapping in ("sign", "sign_always", "zigzag", "offset"):
+        for k, lo in ((0, 0), (3, -7), (5, 100)):
+            kept = expgolomb._peek_table(expgolomb._NO_TABLE, k, mapping, lo)
+            fresh = expgolomb._build_peek_table(expgolomb._NO_TABLE, k, mapping, lo)
+            assert np.array_equal(kept, fresh) and not kept.flags.writeable
+            assert expgolomb._peek_table(expgolomb._NO_TABLE, k, mapping, lo) is kept
+    base = laplace_int8(n=5000).abs().to(torch.int16)
+    for shift in (0, 40, -300):
+        t = base + shift
+        p = expgolomb.encode(t, 2, "offset")
+        assert p.meta["lo"] == int(t.min()) and torch.equal(roundtrip(p), t)
+
+
+@pytest.mark.parametrize("n", [3001, expgolomb.SPLIT_MIN + 7])
+def test_codes_past_the_window_are_read_byte_by_byte(n):
+    """Codes over 56 bits (k = 0 on values near 2**40: ~81 bits) do not fit the decoder's
+    window and are read from the byte position; those between 13 and 56 bits from the
+    window's leading zeros. Both, mixed with table codes, in one stream and in two."""
+    rng = np.random.default_rng(n)
+    x = np.round(rng.laplace(size=n) * 3).astype(np.int64)
+    x[rng.choice(n, 40, replace=False)] = rng.integers(1 << 39, 1 << 40, 40)
+    x[rng.choice(n, 40, replace=False)] = rng.integers(1 << 12, 1 << 20, 40)
+    t = torch.from_numpy(x)
+    p = expgolomb.encode(t, 0, "zigzag")
+    assert int(measures.eg_code_lengths(t, 0, "zigzag").max()) > 56
+    assert torch.equal(roundtrip(p), t)
