@@ -249,7 +249,7 @@ def test_byte_indexed_encoder_writes_the_words_of_the_general_one(dtype, n):
     freq = _rans.quantize(counts[present])
     general = np.zeros((256, _rans.ROW), np.uint64)
     general[present] = _rans.encoder_table(freq)
-    u, row_base, by_byte = ans._rans_rows(v, base, present, freq, 256)
+    u, row_base, by_byte = ans._rans_rows(v, base, present, freq, 256, encoder=_rans)
     assert row_base is None and u.dtype == np.uint8
     a, b = np.empty(n + 16, np.uint16), np.empty(n + 16, np.uint16)
     begin_a = _rans.encode(v, base, general.ravel(), a, a.size)

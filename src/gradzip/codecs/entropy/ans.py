@@ -24,6 +24,7 @@ costs only its header; streams where coding does not pay are stored raw.
 from __future__ import annotations
 
 import sys
+from types import ModuleType
 from typing import ClassVar
 
 import constriction
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from gradzip.codecs.base import LosslessCoder, Slot
-from gradzip.codecs.entropy import _frame, _kernels, _rans
+from gradzip.codecs.entropy import _frame, _kernels, _rans, _rans_vector
 from gradzip.codecs.payload import MetaValue, Payload
 from gradzip.codecs.registry import Param, in_range, register
 
@@ -41,6 +42,9 @@ ALPHABET_SPAN = 1 << 16
 RANS_SYMBOLS = 4096
 DEFAULT_CHUNK = 1 << 20
 BACKENDS = ("rans", "constriction")
+#: the rANS encoder: eight states in one SIMD register where the host has AVX2, else
+#: one after another; both write the same words
+RANS_ENCODER = _rans_vector if _rans_vector.AVAILABLE else _rans
 #: mode of the rans backend's payloads: eight interleaved states (``_rans.encode``);
 #: ``rans`` payloads of the first format (two states) still decode
 RANS = "rans8"
@@ -129,7 +133,7 @@ def _code(v: np.ndarray, t: torch.Tensor, chunk: int, backend: str) -> Payload |
         out = np.empty(v.size + 2 * _rans.STATES * len(starts), np.uint16)
         end = out.size
         for first in reversed(starts):  # backwards: the chunks' codes end up in order
-            begin = _rans.encode(v[first:first + chunk], row_base, rows, out, end)
+            begin = RANS_ENCODER.encode(v[first:first + chunk], row_base, rows, out, end)
             sizes.insert(0, end - begin)
             end = begin
         data = _little_endian_bytes(out[end:])
@@ -155,16 +159,19 @@ def _code(v: np.ndarray, t: torch.Tensor, chunk: int, backend: str) -> Payload |
 
 
 def _rans_rows(v: np.ndarray, base: int, present: np.ndarray, freq: np.ndarray,
-               span: int) -> tuple[np.ndarray, int | None, np.ndarray]:
-    """The rANS encoder's input, row base and flattened table. One-byte streams index
-    the table by their raw bytes (no subtraction a symbol); wider ones by ``v - base``."""
+               span: int, encoder: ModuleType | None = None
+               ) -> tuple[np.ndarray, int | None, np.ndarray]:
+    """The input, row base and flattened table of ``encoder`` (``RANS_ENCODER`` if
+    None). One-byte streams index the table by their raw bytes (no subtraction a
+    symbol); wider ones by ``v - base``."""
+    rows = (encoder or RANS_ENCODER).encoder_table(freq)
     if v.dtype.itemsize == 1:
-        rows = np.zeros((256, _rans.ROW), np.uint64)
-        rows[(present + base) & 0xFF] = _rans.encoder_table(freq)
-        return v.view(np.uint8), None, rows.ravel()
-    rows = np.zeros((span, _rans.ROW), np.uint64)
-    rows[present] = _rans.encoder_table(freq)
-    return v, base, rows.ravel()
+        table = np.zeros((256, rows.shape[1]), rows.dtype)
+        table[(present + base) & 0xFF] = rows
+        return v.view(np.uint8), None, table.ravel()
+    table = np.zeros((span, rows.shape[1]), rows.dtype)
+    table[present] = rows
+    return v, base, table.ravel()
 
 
 def _code_planes(v: np.ndarray, t: torch.Tensor, lo: int, hi: int, chunk: int,
