@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from numba import njit
 from test_expgolomb import int_tensors, skewed_int_tensors
 
-from gradzip.codecs.entropy import _frame, _rans, _rans_vector, ans
+from gradzip.codecs.entropy import _frame, _rans, _rans_vector, _rans_vector_decode, ans
 
 pytestmark = pytest.mark.skipif(not _rans_vector.AVAILABLE,
                                 reason="the vector rANS encoder needs x86-64 with AVX2")
@@ -105,3 +105,76 @@ def test_ans_payloads_do_not_depend_on_the_encoder(monkeypatch):
     vector = ans.encode(t, chunk=100_000).serialize()
     monkeypatch.setattr(ans, "RANS_ENCODER", _rans)
     assert ans.encode(t, chunk=100_000).serialize() == vector
+
+
+def _decoder_inputs(v: np.ndarray, chunk: int):
+    """(words, sizes, table, values) of ``v`` coded in chunks of ``chunk``."""
+    base = int(v.min())
+    counts = np.bincount(v.astype(np.int64) - base)
+    present = np.nonzero(counts)[0]
+    freq = _rans.quantize(counts[present])
+    u, row_base, table = ans._rans_rows(v, base, present, freq, counts.size, _rans)
+    out = np.empty(v.size + 2 * _rans.STATES * -(-v.size // chunk), np.uint16)
+    begin, sizes = _rans.encode_chunks(u, row_base, table, chunk, out)
+    dtable, values = _rans.decoder_table(freq, (present + base).astype(v.dtype))
+    return out[begin:].copy(), tuple(sizes), dtable, values
+
+
+def _both_decoders(words, sizes, chunk, table, values, n, dtype):
+    results = []
+    for decoder in (_rans, _rans_vector_decode):
+        out = np.zeros(n, dtype)
+        results.append((decoder.decode_chunks(words, sizes, chunk, table, values, out), out))
+    return results
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4, 5, 7, 8, 9, 13])
+@pytest.mark.parametrize("last", [0, 1, 7, 8, 9, 500])
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.int32])
+def test_chunk_groups_decode_like_the_scalar_decoder(chunks, last, dtype):
+    """Four, two or one chunk at a time, a short last chunk or none, every dtype."""
+    chunk = 1024
+    n = (chunks - 1) * chunk + (last or chunk)
+    rng = np.random.default_rng(chunks * 1000 + last)
+    v = np.clip(np.round(rng.laplace(size=n) * 9), -100, 100).astype(dtype)
+    words, sizes, table, values = _decoder_inputs(v, chunk)
+    (s_scalar, scalar), (s_vector, vector) = _both_decoders(words, sizes, chunk, table, values,
+                                                            n, dtype)
+    assert s_scalar == s_vector == 0
+    assert np.array_equal(scalar, v) and np.array_equal(vector, v)
+
+
+@settings(max_examples=100)
+@given(seed=st.integers(0, 2**32 - 1), chunks=st.integers(1, 9), data=st.data())
+def test_damaged_words_get_the_scalar_decoders_verdict(seed, chunks, data):
+    """Flipped, dropped or added words: the vector decoder says what the scalar one
+    says (0 or -1) and, when it accepts, writes the same symbols."""
+    chunk = 1024
+    rng = np.random.default_rng(seed)
+    n = chunks * chunk - int(rng.integers(0, chunk))
+    v = np.clip(np.round(rng.laplace(size=n) * 5), -127, 127).astype(np.int8)
+    words, sizes, table, values = _decoder_inputs(v, chunk)
+    kind = data.draw(st.sampled_from(["flip", "drop", "add"]))
+    at = data.draw(st.integers(0, words.size - 1))
+    if kind == "flip":
+        words[at] ^= np.uint16(data.draw(st.integers(1, 0xFFFF)))
+    elif kind == "drop":
+        words = np.delete(words, at)
+        sizes = tuple(s - 1 if i == np.searchsorted(np.cumsum(sizes), at, "right") else s
+                      for i, s in enumerate(sizes))
+    else:
+        words = np.insert(words, at, np.uint16(data.draw(st.integers(0, 0xFFFF))))
+        sizes = (sizes[0] + 1, *sizes[1:])
+    (s_scalar, scalar), (s_vector, vector) = _both_decoders(words, sizes, chunk, table, values,
+                                                            n, np.int8)
+    assert s_scalar == s_vector
+    if s_scalar == 0:
+        assert np.array_equal(scalar, vector)
+
+
+def test_ans_decodes_with_the_vector_decoder():
+    assert ans.RANS_DECODER is _rans_vector_decode
+    t = torch.from_numpy(np.random.default_rng(6).laplace(size=300_001).round().clip(-127, 127)
+                         .astype(np.int8))
+    p = ans.encode(t)
+    assert len(p.meta["cw"]) == 5 and torch.equal(ans.decode(p), t)

@@ -153,6 +153,20 @@ def encode(v, base, table, out, end):
     return np.int64(pos)
 
 
+def encode_chunks(v: np.ndarray, base: int | None, table: np.ndarray, chunk: int,
+                  out: np.ndarray) -> tuple[int, list[int]]:
+    """``encode`` of ``v`` in chunks of ``chunk`` symbols, each with its own eight
+    states, last chunk first, so their codes end ``out`` contiguous and in order.
+    ``out`` needs ``v.size + 2 * STATES`` words for each chunk. Returns where the codes
+    begin and each chunk's word count."""
+    end, sizes = out.size, []
+    for first in reversed(range(0, v.size, chunk)):
+        begin = encode(v[first:first + chunk], base, table, out, end)
+        sizes.append(end - begin)
+        end = begin
+    return end, sizes[::-1]
+
+
 def decoder_table(freq: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-slot ``(freq << 16 | slot - start, value)`` of the symbol owning each of the
     2**15 slots: the decoder's one table lookup per symbol."""
@@ -223,6 +237,19 @@ def decode(words, table, values, out):
         i += np.uint64(1)
     if p != nw or (xs != np.uint32(L)).any():
         return -1
+    return 0
+
+
+def decode_chunks(words: np.ndarray, sizes: tuple[int, ...], chunk: int, table: np.ndarray,
+                  values: np.ndarray, out: np.ndarray) -> int:
+    """``decode`` of each chunk's words (``sizes`` of them) into its ``chunk`` symbols
+    of ``out``; 0, or -1 at the first inconsistent chunk."""
+    offset = 0
+    for i, size in enumerate(sizes):
+        part = out[i * chunk:(i + 1) * chunk]
+        if decode(words[offset:offset + size], table, values, part) < 0:
+            return -1
+        offset += size
     return 0
 
 

@@ -25,29 +25,38 @@ AVX2, and ``ans`` falls back to ``_rans.encode`` elsewhere.
 
 from __future__ import annotations
 
-import platform
 from typing import Any
 
 import numpy as np
-from llvmlite import binding, ir
-from numba import config, njit, types
+from llvmlite import ir
+from numba import njit, types
 from numba.extending import intrinsic
 
 from gradzip.codecs.entropy import _rans
+from gradzip.codecs.entropy._simd import AVAILABLE as AVAILABLE
+from gradzip.codecs.entropy._simd import (
+    I8,
+    I16,
+    I32,
+    I64,
+    V4X32,
+    V4X64,
+    V8X16,
+    V8X32,
+    V16X8,
+    const,
+    contiguous,
+    control_row,
+    data,
+    lane_mask,
+    popcount,
+    pshufb,
+    shuffle,
+    splat,
+)
 
 STATES = _rans.STATES
 FIELDS = 4  # uint32 words a row: x_max - 1, reciprocal, shift, start | cmpl << 16
-
-
-def _host_has_avx2() -> bool:
-    if platform.machine().lower() not in ("x86_64", "amd64") or config.CPU_NAME:
-        return False  # another target (NUMBA_CPU_NAME) may lack the byte shuffle
-    features = binding.get_host_cpu_features()
-    return bool(features.get("avx2")) and bool(features.get("ssse3"))
-
-
-#: whether this host runs the vector encoder (else ``_rans.encode`` codes the streams)
-AVAILABLE = _host_has_avx2()
 
 
 def encoder_table(freq: np.ndarray) -> np.ndarray:
@@ -77,55 +86,42 @@ def _pack_controls() -> np.ndarray:
 
 _CONTROLS = _pack_controls()
 
-_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_V8X32, _V4X64 = ir.VectorType(_I32, 8), ir.VectorType(_I64, 4)
-_V8X16, _V16X8, _V4X32 = ir.VectorType(_I16, 8), ir.VectorType(_I8, 16), ir.VectorType(_I32, 4)
-
-
-def _splat(ty: ir.VectorType, value: int) -> ir.Constant:
-    return ir.Constant(ty, [ir.Constant(ty.element, value)] * ty.count)
-
-
-def _shuffle(builder: ir.IRBuilder, a: Any, b: Any, lanes: list[int]) -> Any:
-    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, len(lanes)), lanes))
-
-
 def _transpose(builder: ir.IRBuilder, rows: list[Any]) -> list[Any]:
     """Eight ``<4 x i32>`` rows into the four ``<8 x i32>`` columns, by in-lane unpacks
     only (rows ``k`` and ``k + 4`` share a register): 4 inserts and 8 unpacks."""
-    t = [_shuffle(builder, rows[k], rows[k + 4], list(range(8))) for k in range(4)]
+    t = [shuffle(builder, rows[k], rows[k + 4], list(range(8))) for k in range(4)]
     lo32, hi32 = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
     lo64, hi64 = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
-    u0, u1 = _shuffle(builder, t[0], t[1], lo32), _shuffle(builder, t[0], t[1], hi32)
-    u2, u3 = _shuffle(builder, t[2], t[3], lo32), _shuffle(builder, t[2], t[3], hi32)
-    return [_shuffle(builder, u0, u2, lo64), _shuffle(builder, u0, u2, hi64),
-            _shuffle(builder, u1, u3, lo64), _shuffle(builder, u1, u3, hi64)]
+    u0, u1 = shuffle(builder, t[0], t[1], lo32), shuffle(builder, t[0], t[1], hi32)
+    u2, u3 = shuffle(builder, t[2], t[3], lo32), shuffle(builder, t[2], t[3], hi32)
+    return [shuffle(builder, u0, u2, lo64), shuffle(builder, u0, u2, hi64),
+            shuffle(builder, u1, u3, lo64), shuffle(builder, u1, u3, hi64)]
 
 
 def _divide(builder: ir.IRBuilder, x: Any, rcp: Any, shift: Any) -> Any:
     """``(x + mulhi(x, rcp)) >> shift`` per 32-bit lane. The sum can take 33 bits, so it
     is formed in 64-bit lanes: the even lanes, then the odd ones (``vpmuludq`` each)."""
-    low, s32 = _splat(_V4X64, 0xFFFFFFFF), _splat(_V4X64, 32)
-    x, rcp, shift = (builder.bitcast(a, _V4X64) for a in (x, rcp, shift))
+    low, s32 = splat(V4X64, 0xFFFFFFFF), splat(V4X64, 32)
+    x, rcp, shift = (builder.bitcast(a, V4X64) for a in (x, rcp, shift))
     halves = []
     for part in (lambda a: builder.and_(a, low), lambda a: builder.lshr(a, s32)):
         xh = part(x)
         hi = builder.lshr(builder.mul(xh, part(rcp)), s32)
         halves.append(builder.lshr(builder.add(xh, hi), part(shift)))
-    return builder.bitcast(builder.or_(halves[0], builder.shl(halves[1], s32)), _V8X32)
+    return builder.bitcast(builder.or_(halves[0], builder.shl(halves[1], s32)), V8X32)
 
 
-def _row_pointers(builder: ir.IRBuilder, symbols: Any, first: Any, base: Any, signed: bool,
-                  table: Any) -> list[Any]:
-    """Addresses of the rows of symbols ``first .. first + 7``: ``table + 4 (v - base)``."""
-    pointers = []
+def _rows(builder: ir.IRBuilder, symbols: Any, first: Any, base: Any, signed: bool,
+          table: Any) -> list[Any]:
+    """The rows of symbols ``first .. first + 7``, at ``table + 4 (v - base)``."""
+    rows = []
     for k in range(STATES):
-        v = builder.load(builder.gep(symbols, [builder.add(first, ir.Constant(_I64, k))]))
-        r = builder.sext(v, _I64) if signed else builder.zext(v, _I64)
+        v = builder.load(builder.gep(symbols, [builder.add(first, const(k))]))
+        r = builder.sext(v, I64) if signed else builder.zext(v, I64)
         r = r if base is None else builder.sub(r, base)
-        row = builder.gep(table, [builder.shl(r, ir.Constant(_I64, 2))])
-        pointers.append(builder.bitcast(row, _V4X32.as_pointer()))
-    return pointers
+        row = builder.gep(table, [builder.shl(r, const(2))])
+        rows.append(builder.load(builder.bitcast(row, V4X32.as_pointer()), align=4))
+    return rows
 
 
 def _block(builder: ir.IRBuilder, x: Any, pos: Any, rows: list[Any], controls: Any,
@@ -133,27 +129,17 @@ def _block(builder: ir.IRBuilder, x: Any, pos: Any, rows: list[Any], controls: A
     """One block of eight symbols: renormalise (write the words), then encode."""
     xm1, rcp, shift, start_cmpl = _transpose(builder, rows)
     big = builder.icmp_unsigned(">", x, xm1)
-    mask = builder.zext(builder.bitcast(big, _I8), _I64)
-    words = builder.bitcast(builder.trunc(x, _V8X16), _V16X8)
-    control = builder.load(builder.bitcast(
-        builder.gep(controls, [builder.shl(mask, ir.Constant(_I64, 4))]), _V16X8.as_pointer()),
-        align=1)
-    pshufb = builder.module.declare_intrinsic(
-        "llvm.x86.ssse3.pshuf.b.128", fnty=ir.FunctionType(_V16X8, [_V16X8, _V16X8]))
-    dst = builder.gep(out, [builder.sub(pos, ir.Constant(_I64, STATES))])
-    builder.store(builder.call(pshufb, [words, control]),
-                  builder.bitcast(dst, _V16X8.as_pointer()), align=1)
-    popcount = builder.module.declare_intrinsic("llvm.ctpop", [_I64])
-    pos = builder.sub(pos, builder.call(popcount, [mask]))
-    x = builder.select(big, builder.lshr(x, _splat(_V8X32, 16)), x)
+    mask = lane_mask(builder, big)
+    words = builder.bitcast(builder.trunc(x, V8X16), V16X8)
+    packed = pshufb(builder, words, control_row(builder, controls, mask, V16X8))
+    dst = builder.gep(out, [builder.sub(pos, const(STATES))])
+    builder.store(packed, builder.bitcast(dst, V16X8.as_pointer()), align=1)
+    pos = builder.sub(pos, popcount(builder, mask))
+    x = builder.select(big, builder.lshr(x, splat(V8X32, 16)), x)
     q = _divide(builder, x, rcp, shift)
-    start = builder.and_(start_cmpl, _splat(_V8X32, 0xFFFF))
-    cmpl = builder.lshr(start_cmpl, _splat(_V8X32, 16))
+    start = builder.and_(start_cmpl, splat(V8X32, 0xFFFF))
+    cmpl = builder.lshr(start_cmpl, splat(V8X32, 16))
     return builder.add(builder.add(x, start), builder.mul(q, cmpl)), pos
-
-
-def _contiguous(*arrays: Any) -> bool:
-    return all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in arrays)
 
 
 @intrinsic
@@ -162,19 +148,17 @@ def _encode_blocks(typingctx: Any, v: Any, base: Any, blocks: Any, table: Any, c
     """Encode blocks ``blocks - 1`` down to 0 of ``v`` (symbols ``8b .. 8b + 7``) into
     the eight uint32 states ``xs`` (updated), writing words below ``out[pos]``; returns
     the new ``pos``. ``base`` None: ``v`` is uint8 and indexes ``table`` directly."""
-    if not (_contiguous(v, table, controls, out, xs) and isinstance(v.dtype, types.Integer)
+    if not (contiguous(v, table, controls, out, xs) and isinstance(v.dtype, types.Integer)
             and isinstance(base, (types.NoneType, types.Integer))):
         return None
     sig = types.uint64(v, base, blocks, table, controls, out, pos, xs)
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
-        data = [context.make_array(sig.args[k])(context, builder, args[k]).data
-                for k in (0, 3, 4, 5, 7)]
-        symbols, table_p, controls_p, out_p, xs_p = data
-        table_p = builder.bitcast(table_p, _I32.as_pointer())
-        controls_p = builder.bitcast(controls_p, _I8.as_pointer())
-        out_p = builder.bitcast(out_p, _I16.as_pointer())
-        xs_p = builder.bitcast(xs_p, _V8X32.as_pointer())
+        symbols = data(context, builder, sig.args[0], args[0], context.get_value_type(v.dtype))
+        table_p = data(context, builder, sig.args[3], args[3], I32)
+        controls_p = data(context, builder, sig.args[4], args[4], I8)
+        out_p = data(context, builder, sig.args[5], args[5], I16)
+        xs_p = data(context, builder, sig.args[7], args[7], V8X32)
         base_v = (None if isinstance(sig.args[1], types.NoneType)
                   else context.cast(builder, args[1], sig.args[1], types.int64))
         count = context.cast(builder, args[2], sig.args[2], types.uint64)
@@ -185,16 +169,14 @@ def _encode_blocks(typingctx: Any, v: Any, base: Any, blocks: Any, table: Any, c
         done = builder.append_basic_block("rans_done")
         builder.branch(head)
         builder.position_at_end(head)
-        b, x, pos = builder.phi(_I64), builder.phi(_V8X32), builder.phi(_I64)
+        b, x, pos = builder.phi(I64), builder.phi(V8X32), builder.phi(I64)
         for phi, value in ((b, count), (x, x0), (pos, pos0)):
             phi.add_incoming(value, entry)
-        builder.cbranch(builder.icmp_unsigned("!=", b, ir.Constant(_I64, 0)), body, done)
+        builder.cbranch(builder.icmp_unsigned("!=", b, const(0)), body, done)
         builder.position_at_end(body)
-        b_next = builder.sub(b, ir.Constant(_I64, 1))
-        first = builder.shl(b_next, ir.Constant(_I64, 3))
-        pointers = _row_pointers(builder, symbols, first, base_v, sig.args[0].dtype.signed,
-                                 table_p)
-        rows = [builder.load(p, align=4) for p in pointers]
+        b_next = builder.sub(b, const(1))
+        rows = _rows(builder, symbols, builder.shl(b_next, const(3)), base_v,
+                     v.dtype.signed, table_p)
         x_next, pos_next = _block(builder, x, pos, rows, controls_p, out_p)
         for phi, value in ((b, b_next), (x, x_next), (pos, pos_next)):
             phi.add_incoming(value, builder.block)
@@ -251,3 +233,21 @@ def encode(v: np.ndarray, base: int | None, table: np.ndarray, out: np.ndarray,
     ``out[begin:end]``: a block's 16-byte store ends at the write position, and the
     final states cover the last one's spare bytes."""
     return _encode(np.ascontiguousarray(v), base, table, _CONTROLS, out, end)
+
+
+@njit(cache=True, nogil=True)
+def _encode_chunks(v, base, table, controls, chunk, out):
+    sizes = np.empty(-(-v.size // chunk), np.int64)
+    end = out.size
+    for c in range(sizes.size - 1, -1, -1):  # backwards: the chunks' codes end up in order
+        begin = _encode(v[c * chunk:(c + 1) * chunk], base, table, controls, out, end)
+        sizes[c] = end - begin
+        end = begin
+    return end, sizes
+
+
+def encode_chunks(v: np.ndarray, base: int | None, table: np.ndarray, chunk: int,
+                  out: np.ndarray) -> tuple[int, list[int]]:
+    """``_rans.encode_chunks`` with the vector kernel, the chunk loop compiled too."""
+    begin, sizes = _encode_chunks(np.ascontiguousarray(v), base, table, _CONTROLS, chunk, out)
+    return int(begin), sizes.tolist()
