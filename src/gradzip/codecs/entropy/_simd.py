@@ -22,7 +22,7 @@ V8X16, V16X8, V32X8 = ir.VectorType(I16, 8), ir.VectorType(I8, 16), ir.VectorTyp
 
 
 def _host_has_avx2() -> bool:
-    if platform.machine().lower() not in ("x86_64", "amd64") or config.CPU_NAME:
+    if platform.machine().lower() not in ("x86_64", "amd64") or getattr(config, "CPU_NAME", None):
         return False  # another target (NUMBA_CPU_NAME) may lack the byte shuffle
     features = binding.get_host_cpu_features()
     return bool(features.get("avx2")) and bool(features.get("ssse3"))
