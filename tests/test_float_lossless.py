@@ -12,7 +12,7 @@ from test_expgolomb import skewed_int_tensors
 
 import gradzip
 from gradzip.codecs import Payload, PayloadError
-from gradzip.codecs.entropy import ans, bytecoders
+from gradzip.codecs.entropy import _frame, _kernels, ans, bytecoders, measures
 from gradzip.codecs.entropy.floatcodec import LosslessFloat, join_planes, split_planes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -230,3 +230,24 @@ def test_exponent_plane_search_is_accelerated_for_16_bit_floats_only(dtype):
     sent = bytes(LosslessFloat().encode(x, None).child("p0").fields["d"])
     assert sent == (full if dtype == torch.float32 else fast)
     assert (_ACCELERATION[dtype] > 0) == (dtype != torch.float32)
+
+
+@settings(max_examples=200)
+@given(counts=st.lists(st.integers(0, 10**9), min_size=0, max_size=300))
+def test_entropy_kernel_matches_the_numpy_measure(counts):
+    c = np.array(counts, np.int64)
+    assert _kernels.entropy_bits(c) == pytest.approx(measures.entropy_of_counts(c), abs=1e-9)
+
+
+@pytest.mark.parametrize("size", [200, 5000])
+def test_exponent_planes_that_do_not_shrink_are_stored(size):
+    """Uniform exponent bytes: zstd cannot shrink them, so the plane is stored, as
+    ``_frame.pick`` decides when the coded data is not clearly smaller."""
+    rng = np.random.default_rng(size)
+    words = rng.integers(0, 1 << 16, size, dtype=np.uint16)
+    words[(words & 0x7F80) == 0x7F80] = 0x3F80  # no inf/NaN: any bits round-trip anyway
+    x = torch.from_numpy(words.view(np.int16)).view(torch.bfloat16)
+    p = LosslessFloat().encode(x, None)
+    assert p.child("p0").meta["m"] == _frame.STORED
+    assert torch.equal(LosslessFloat().decode(p, x.shape, None).view(torch.int16),
+                       x.view(torch.int16))

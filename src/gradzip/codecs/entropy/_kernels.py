@@ -93,6 +93,22 @@ def _byte_hist(u, flip):
 
 
 @njit(cache=True, nogil=True)
+def entropy_bits(counts):
+    """Order-0 entropy in bits a symbol of a histogram (0 for an empty one): what
+    ``measures.entropy_of_counts`` computes, without its numpy temporaries (~40 us of
+    small-array overhead there, ~1 us here)."""
+    n = 0.0
+    for c in counts:
+        n += c
+    h = 0.0
+    for c in counts:
+        if c > 0:
+            p = c / n
+            h -= p * np.log2(p)
+    return h
+
+
+@njit(cache=True, nogil=True)
 def apply_lut(v, lo, lut, out):
     """out[i] = lut[v[i] - lo] (dense symbol numbers for the entropy coder)."""
     for i in range(v.size):

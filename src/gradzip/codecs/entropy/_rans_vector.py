@@ -32,29 +32,10 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from gradzip.codecs.entropy import _rans
-from gradzip.codecs.entropy._simd import AVAILABLE as AVAILABLE
-from gradzip.codecs.entropy._simd import (
-    I8,
-    I16,
-    I32,
-    I64,
-    V4X32,
-    V4X64,
-    V8X16,
-    V8X32,
-    V16X8,
-    const,
-    contiguous,
-    control_row,
-    data,
-    lane_mask,
-    popcount,
-    pshufb,
-    shuffle,
-    splat,
-)
+from gradzip.codecs.entropy import _rans, _simd
 
+#: whether this host runs this vector kernel (else ``ans`` uses ``_rans``'s)
+AVAILABLE = _simd.AVAILABLE
 STATES = _rans.STATES
 FIELDS = 4  # uint32 words a row: x_max - 1, reciprocal, shift, start | cmpl << 16
 
@@ -74,7 +55,7 @@ def encoder_table(freq: np.ndarray) -> np.ndarray:
 
 
 def _pack_controls() -> np.ndarray:
-    """``pshufb`` controls, 16 bytes for each 8-bit mask of renormalising lanes: the
+    """``_simd.pshufb`` controls, 16 bytes for each 8-bit mask of renormalising lanes: the
     16-bit words of those lanes, in lane order, moved to the top of the register."""
     controls = np.full((256, 16), 0x80, np.uint8)  # 0x80: a zero byte (never kept)
     for mask in range(256):
@@ -89,26 +70,26 @@ _CONTROLS = _pack_controls()
 def _transpose(builder: ir.IRBuilder, rows: list[Any]) -> list[Any]:
     """Eight ``<4 x i32>`` rows into the four ``<8 x i32>`` columns, by in-lane unpacks
     only (rows ``k`` and ``k + 4`` share a register): 4 inserts and 8 unpacks."""
-    t = [shuffle(builder, rows[k], rows[k + 4], list(range(8))) for k in range(4)]
+    t = [_simd.shuffle(builder, rows[k], rows[k + 4], list(range(8))) for k in range(4)]
     lo32, hi32 = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
     lo64, hi64 = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
-    u0, u1 = shuffle(builder, t[0], t[1], lo32), shuffle(builder, t[0], t[1], hi32)
-    u2, u3 = shuffle(builder, t[2], t[3], lo32), shuffle(builder, t[2], t[3], hi32)
-    return [shuffle(builder, u0, u2, lo64), shuffle(builder, u0, u2, hi64),
-            shuffle(builder, u1, u3, lo64), shuffle(builder, u1, u3, hi64)]
+    u0, u1 = _simd.shuffle(builder, t[0], t[1], lo32), _simd.shuffle(builder, t[0], t[1], hi32)
+    u2, u3 = _simd.shuffle(builder, t[2], t[3], lo32), _simd.shuffle(builder, t[2], t[3], hi32)
+    return [_simd.shuffle(builder, u0, u2, lo64), _simd.shuffle(builder, u0, u2, hi64),
+            _simd.shuffle(builder, u1, u3, lo64), _simd.shuffle(builder, u1, u3, hi64)]
 
 
 def _divide(builder: ir.IRBuilder, x: Any, rcp: Any, shift: Any) -> Any:
     """``(x + mulhi(x, rcp)) >> shift`` per 32-bit lane. The sum can take 33 bits, so it
     is formed in 64-bit lanes: the even lanes, then the odd ones (``vpmuludq`` each)."""
-    low, s32 = splat(V4X64, 0xFFFFFFFF), splat(V4X64, 32)
-    x, rcp, shift = (builder.bitcast(a, V4X64) for a in (x, rcp, shift))
+    low, s32 = _simd.splat(_simd.V4X64, 0xFFFFFFFF), _simd.splat(_simd.V4X64, 32)
+    x, rcp, shift = (builder.bitcast(a, _simd.V4X64) for a in (x, rcp, shift))
     halves = []
     for part in (lambda a: builder.and_(a, low), lambda a: builder.lshr(a, s32)):
         xh = part(x)
         hi = builder.lshr(builder.mul(xh, part(rcp)), s32)
         halves.append(builder.lshr(builder.add(xh, hi), part(shift)))
-    return builder.bitcast(builder.or_(halves[0], builder.shl(halves[1], s32)), V8X32)
+    return builder.bitcast(builder.or_(halves[0], builder.shl(halves[1], s32)), _simd.V8X32)
 
 
 def _rows(builder: ir.IRBuilder, symbols: Any, first: Any, base: Any, signed: bool,
@@ -116,11 +97,11 @@ def _rows(builder: ir.IRBuilder, symbols: Any, first: Any, base: Any, signed: bo
     """The rows of symbols ``first .. first + 7``, at ``table + 4 (v - base)``."""
     rows = []
     for k in range(STATES):
-        v = builder.load(builder.gep(symbols, [builder.add(first, const(k))]))
-        r = builder.sext(v, I64) if signed else builder.zext(v, I64)
+        v = builder.load(builder.gep(symbols, [builder.add(first, _simd.const(k))]))
+        r = builder.sext(v, _simd.I64) if signed else builder.zext(v, _simd.I64)
         r = r if base is None else builder.sub(r, base)
-        row = builder.gep(table, [builder.shl(r, const(2))])
-        rows.append(builder.load(builder.bitcast(row, V4X32.as_pointer()), align=4))
+        row = builder.gep(table, [builder.shl(r, _simd.const(2))])
+        rows.append(builder.load(builder.bitcast(row, _simd.V4X32.as_pointer()), align=4))
     return rows
 
 
@@ -129,16 +110,16 @@ def _block(builder: ir.IRBuilder, x: Any, pos: Any, rows: list[Any], controls: A
     """One block of eight symbols: renormalise (write the words), then encode."""
     xm1, rcp, shift, start_cmpl = _transpose(builder, rows)
     big = builder.icmp_unsigned(">", x, xm1)
-    mask = lane_mask(builder, big)
-    words = builder.bitcast(builder.trunc(x, V8X16), V16X8)
-    packed = pshufb(builder, words, control_row(builder, controls, mask, V16X8))
-    dst = builder.gep(out, [builder.sub(pos, const(STATES))])
-    builder.store(packed, builder.bitcast(dst, V16X8.as_pointer()), align=1)
-    pos = builder.sub(pos, popcount(builder, mask))
-    x = builder.select(big, builder.lshr(x, splat(V8X32, 16)), x)
+    mask = _simd.lane_mask(builder, big)
+    words = builder.bitcast(builder.trunc(x, _simd.V8X16), _simd.V16X8)
+    packed = _simd.pshufb(builder, words, _simd.control_row(builder, controls, mask, _simd.V16X8))
+    dst = builder.gep(out, [builder.sub(pos, _simd.const(STATES))])
+    builder.store(packed, builder.bitcast(dst, _simd.V16X8.as_pointer()), align=1)
+    pos = builder.sub(pos, _simd.popcount(builder, mask))
+    x = builder.select(big, builder.lshr(x, _simd.splat(_simd.V8X32, 16)), x)
     q = _divide(builder, x, rcp, shift)
-    start = builder.and_(start_cmpl, splat(V8X32, 0xFFFF))
-    cmpl = builder.lshr(start_cmpl, splat(V8X32, 16))
+    start = builder.and_(start_cmpl, _simd.splat(_simd.V8X32, 0xFFFF))
+    cmpl = builder.lshr(start_cmpl, _simd.splat(_simd.V8X32, 16))
     return builder.add(builder.add(x, start), builder.mul(q, cmpl)), pos
 
 
@@ -148,17 +129,18 @@ def _encode_blocks(typingctx: Any, v: Any, base: Any, blocks: Any, table: Any, c
     """Encode blocks ``blocks - 1`` down to 0 of ``v`` (symbols ``8b .. 8b + 7``) into
     the eight uint32 states ``xs`` (updated), writing words below ``out[pos]``; returns
     the new ``pos``. ``base`` None: ``v`` is uint8 and indexes ``table`` directly."""
-    if not (contiguous(v, table, controls, out, xs) and isinstance(v.dtype, types.Integer)
+    if not (_simd.contiguous(v, table, controls, out, xs) and isinstance(v.dtype, types.Integer)
             and isinstance(base, (types.NoneType, types.Integer))):
         return None
     sig = types.uint64(v, base, blocks, table, controls, out, pos, xs)
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
-        symbols = data(context, builder, sig.args[0], args[0], context.get_value_type(v.dtype))
-        table_p = data(context, builder, sig.args[3], args[3], I32)
-        controls_p = data(context, builder, sig.args[4], args[4], I8)
-        out_p = data(context, builder, sig.args[5], args[5], I16)
-        xs_p = data(context, builder, sig.args[7], args[7], V8X32)
+        def pointer(k: int, element: Any) -> Any:
+            return _simd.data(context, builder, sig.args[k], args[k], element)
+
+        symbols = pointer(0, context.get_value_type(v.dtype))
+        table_p, controls_p = pointer(3, _simd.I32), pointer(4, _simd.I8)
+        out_p, xs_p = pointer(5, _simd.I16), pointer(7, _simd.V8X32)
         base_v = (None if isinstance(sig.args[1], types.NoneType)
                   else context.cast(builder, args[1], sig.args[1], types.int64))
         count = context.cast(builder, args[2], sig.args[2], types.uint64)
@@ -169,13 +151,13 @@ def _encode_blocks(typingctx: Any, v: Any, base: Any, blocks: Any, table: Any, c
         done = builder.append_basic_block("rans_done")
         builder.branch(head)
         builder.position_at_end(head)
-        b, x, pos = builder.phi(I64), builder.phi(V8X32), builder.phi(I64)
+        b, x, pos = builder.phi(_simd.I64), builder.phi(_simd.V8X32), builder.phi(_simd.I64)
         for phi, value in ((b, count), (x, x0), (pos, pos0)):
             phi.add_incoming(value, entry)
-        builder.cbranch(builder.icmp_unsigned("!=", b, const(0)), body, done)
+        builder.cbranch(builder.icmp_unsigned("!=", b, _simd.const(0)), body, done)
         builder.position_at_end(body)
-        b_next = builder.sub(b, const(1))
-        rows = _rows(builder, symbols, builder.shl(b_next, const(3)), base_v,
+        b_next = builder.sub(b, _simd.const(1))
+        rows = _rows(builder, symbols, builder.shl(b_next, _simd.const(3)), base_v,
                      v.dtype.signed, table_p)
         x_next, pos_next = _block(builder, x, pos, rows, controls_p, out_p)
         for phi, value in ((b, b_next), (x, x_next), (pos, pos_next)):

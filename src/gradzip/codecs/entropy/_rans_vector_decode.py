@@ -33,34 +33,15 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from gradzip.codecs.entropy import _rans
-from gradzip.codecs.entropy._simd import (
-    AVAILABLE,
-    I8,
-    I16,
-    I32,
-    I64,
-    V8X32,
-    V16X8,
-    V32X8,
-    const,
-    contiguous,
-    control_row,
-    data,
-    lane_mask,
-    popcount,
-    pshufb,
-    shuffle,
-    splat,
-)
+from gradzip.codecs.entropy import _rans, _simd
 
-__all__ = ["AVAILABLE", "decode_chunks"]
-
+#: whether this host runs this vector kernel (else ``ans`` uses ``_rans``'s)
+AVAILABLE = _simd.AVAILABLE
 STATES = _rans.STATES
 
 
 def _spread_controls() -> np.ndarray:
-    """``pshufb`` controls, 32 bytes for each 8-bit mask of refilling lanes: lane ``k``
+    """``_simd.pshufb`` controls, 32 bytes for each 8-bit mask of refilling lanes: lane ``k``
     (a 32-bit lane) takes the j-th of the next words if it is the j-th refilling lane,
     zero-extended; other lanes get zero. Both 16-byte halves hold the same eight words."""
     controls = np.full((256, 32), 0x80, np.uint8)  # 0x80: a zero byte
@@ -87,17 +68,17 @@ def _lookups(builder: ir.IRBuilder, x: Any, first: Any, at: _Pointers) -> Any:
     """Each lane's table entry, gathered by scalar loads; its value stored to
     ``out[first + k]``. The slots go through a stack slot (volatile, so LLVM keeps the
     one vector store and eight scalar loads rather than lane extracts)."""
-    builder.store(builder.and_(x, splat(V8X32, _rans.M - 1)), at.slots).volatile = True
-    lanes = builder.bitcast(at.slots, I32.as_pointer())
-    entries = ir.Constant(V8X32, ir.Undefined)
+    builder.store(builder.and_(x, _simd.splat(_simd.V8X32, _rans.M - 1)), at.slots).volatile = True
+    lanes = builder.bitcast(at.slots, _simd.I32.as_pointer())
+    entries = ir.Constant(_simd.V8X32, ir.Undefined)
     for k in range(STATES):
-        slot = builder.load(builder.gep(lanes, [const(k)]))
+        slot = builder.load(builder.gep(lanes, [_simd.const(k)]))
         slot.volatile = True
-        s = builder.zext(slot, I64)
+        s = builder.zext(slot, _simd.I64)
         entry = builder.load(builder.gep(at.table, [s]))
-        entries = builder.insert_element(entries, entry, ir.Constant(I32, k))
+        entries = builder.insert_element(entries, entry, ir.Constant(_simd.I32, k))
         value = builder.load(builder.gep(at.values, [s]))
-        builder.store(value, builder.gep(at.out, [builder.add(first, const(k))]))
+        builder.store(value, builder.gep(at.out, [builder.add(first, _simd.const(k))]))
     return entries
 
 
@@ -106,18 +87,18 @@ def _step(builder: ir.IRBuilder, x: Any, p: Any, first: Any, at: _Pointers
     """Decode one chunk's symbols ``first .. first + 7`` (its states ``x``, its next word
     at ``p``); returns the new states and word position."""
     e = _lookups(builder, x, first, at)
-    x = builder.add(builder.mul(builder.lshr(e, splat(V8X32, 16)),
-                                builder.lshr(x, splat(V8X32, _rans.SCALE_BITS))),
-                    builder.and_(e, splat(V8X32, 0xFFFF)))
-    need = builder.icmp_unsigned("<", x, splat(V8X32, _rans.L))
-    mask = lane_mask(builder, need)
-    words = builder.load(builder.bitcast(builder.gep(at.words, [p]), V16X8.as_pointer()),
+    x = builder.add(builder.mul(builder.lshr(e, _simd.splat(_simd.V8X32, 16)),
+                                builder.lshr(x, _simd.splat(_simd.V8X32, _rans.SCALE_BITS))),
+                    builder.and_(e, _simd.splat(_simd.V8X32, 0xFFFF)))
+    need = builder.icmp_unsigned("<", x, _simd.splat(_simd.V8X32, _rans.L))
+    mask = _simd.lane_mask(builder, need)
+    words = builder.load(builder.bitcast(builder.gep(at.words, [p]), _simd.V16X8.as_pointer()),
                          align=1)
-    both = shuffle(builder, words, words, list(range(16)) * 2)
-    spread = builder.bitcast(pshufb(builder, both, control_row(builder, at.controls, mask,
-                                                               V32X8)), V8X32)
-    refilled = builder.or_(builder.shl(x, splat(V8X32, 16)), spread)
-    return builder.select(need, refilled, x), builder.add(p, popcount(builder, mask))
+    both = _simd.shuffle(builder, words, words, list(range(16)) * 2)
+    control = _simd.control_row(builder, at.controls, mask, _simd.V32X8)
+    spread = builder.bitcast(_simd.pshufb(builder, both, control), _simd.V8X32)
+    refilled = builder.or_(builder.shl(x, _simd.splat(_simd.V8X32, 16)), spread)
+    return builder.select(need, refilled, x), builder.add(p, _simd.popcount(builder, mask))
 
 
 @cache
@@ -131,25 +112,25 @@ def _blocks(group: int) -> Any:
         word ``ps[c]``, words up to ``ends[c]``, symbols to ``out[offsets[c]:]``) while
         every chunk has eight symbols (of ``n``) and eight words left. Updates ``xs`` and
         ``ps``; returns the symbols decoded in each chunk."""
-        if not (contiguous(words, ps, ends, table, values, out, offsets, xs, controls)
+        if not (_simd.contiguous(words, ps, ends, table, values, out, offsets, xs, controls)
                 and values.dtype == out.dtype):
             return None
         sig = types.uint64(words, ps, ends, table, values, out, offsets, n, xs, controls)
 
         def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
             def pointer(k: int, element: Any) -> Any:
-                return data(context, builder, sig.args[k], args[k], element)
+                return _simd.data(context, builder, sig.args[k], args[k], element)
 
             element = context.get_value_type(out.dtype)
-            slots = cgutils.alloca_once(builder, V8X32)  # in the entry block
-            at = _Pointers(pointer(0, I16), pointer(3, I32), pointer(4, element),
-                           pointer(5, element), pointer(9, I8), slots)
-            ps_p, ends_p, offsets_p, xs_p = (pointer(1, I64), pointer(2, I64),
-                                             pointer(6, I64), pointer(8, V8X32))
+            slots = cgutils.alloca_once(builder, _simd.V8X32)  # in the entry block
+            at = _Pointers(pointer(0, _simd.I16), pointer(3, _simd.I32), pointer(4, element),
+                           pointer(5, element), pointer(9, _simd.I8), slots)
+            ps_p, ends_p, offsets_p, xs_p = (pointer(1, _simd.I64), pointer(2, _simd.I64),
+                                             pointer(6, _simd.I64), pointer(8, _simd.V8X32))
             n_v = context.cast(builder, args[7], sig.args[7], types.uint64)
 
             def loads(p: Any, **kw: Any) -> list[Any]:
-                return [builder.load(builder.gep(p, [const(c)]), **kw) for c in range(group)]
+                return [builder.load(builder.gep(p, [_simd.const(c)]), **kw) for c in range(group)]
 
             ends_v, offsets_v = loads(ends_p), loads(offsets_p)
             x0, p0 = loads(xs_p, align=4), loads(ps_p)
@@ -159,14 +140,14 @@ def _blocks(group: int) -> Any:
             done = builder.append_basic_block("rans_done")
             builder.branch(head)
             builder.position_at_end(head)
-            xs_v = [builder.phi(V8X32) for _ in range(group)]
-            ps_v = [builder.phi(I64) for _ in range(group)]
-            i = builder.phi(I64)
-            for phi, value in zip([*xs_v, *ps_v, i], [*x0, *p0, const(0)], strict=True):
+            xs_v = [builder.phi(_simd.V8X32) for _ in range(group)]
+            ps_v = [builder.phi(_simd.I64) for _ in range(group)]
+            i = builder.phi(_simd.I64)
+            for phi, value in zip([*xs_v, *ps_v, i], [*x0, *p0, _simd.const(0)], strict=True):
                 phi.add_incoming(value, entry)
-            more = builder.icmp_unsigned("<=", builder.add(i, const(STATES)), n_v)
+            more = builder.icmp_unsigned("<=", builder.add(i, _simd.const(STATES)), n_v)
             for p, end in zip(ps_v, ends_v, strict=True):
-                room = builder.icmp_unsigned("<=", builder.add(p, const(STATES)), end)
+                room = builder.icmp_unsigned("<=", builder.add(p, _simd.const(STATES)), end)
                 more = builder.and_(more, room)
             builder.cbranch(more, body, done)
             builder.position_at_end(body)
@@ -175,12 +156,12 @@ def _blocks(group: int) -> Any:
             for c, (x_next, p_next) in enumerate(steps):
                 xs_v[c].add_incoming(x_next, builder.block)
                 ps_v[c].add_incoming(p_next, builder.block)
-            i.add_incoming(builder.add(i, const(STATES)), builder.block)
+            i.add_incoming(builder.add(i, _simd.const(STATES)), builder.block)
             builder.branch(head)
             builder.position_at_end(done)
             for c in range(group):
-                builder.store(xs_v[c], builder.gep(xs_p, [const(c)]), align=4)
-                builder.store(ps_v[c], builder.gep(ps_p, [const(c)]))
+                builder.store(xs_v[c], builder.gep(xs_p, [_simd.const(c)]), align=4)
+                builder.store(ps_v[c], builder.gep(ps_p, [_simd.const(c)]))
             return i
         return sig, codegen
     return decode_blocks

@@ -33,7 +33,14 @@ import numpy as np
 import torch
 
 from gradzip.codecs.base import Compressor, Slot
-from gradzip.codecs.entropy import _frame, _planes, _zstd_plane, ans, bytecoders, measures
+from gradzip.codecs.entropy import (
+    _frame,
+    _kernels,
+    _planes,
+    _zstd_plane,
+    ans,
+    bytecoders,
+)
 from gradzip.codecs.payload import _DTYPE_CODE, _DTYPES, MetaValue, Payload, PayloadError
 from gradzip.codecs.registry import Param, in_range, register
 
@@ -151,11 +158,11 @@ class LosslessFloat(Compressor):
             return ans.encode(t)
         rest = self.params["rest"]
         if exponent:  # always coded: no estimate needed
-            return _frame.pick(_fast_zstd(plane, acceleration), t)
+            return _smaller_of(_fast_zstd(plane, acceleration), plane)
         if rest == "auto":
-            gain = 1 - measures.entropy_of_counts(counts) / 8  # counts: a sample's
+            gain = 1 - _kernels.entropy_bits(counts) / 8  # counts: a sample's
             if gain > CODE_GAIN:
-                return _frame.pick(_fast_zstd(plane, acceleration), t)
+                return _smaller_of(_fast_zstd(plane, acceleration), plane)
             return _raw_plane(plane)
         if rest == "raw":
             return _raw_plane(plane)
@@ -193,6 +200,19 @@ def _fast_zstd(plane: np.ndarray, acceleration: int) -> Payload:
     data = _zstd_plane.compress(plane, acceleration)
     return Payload({"d": data}, {"m": "zstd", "dt": _UINT8, "sh": (plane.size,),
                                  "lvl": _FAST_LEVEL})
+
+
+#: stored and zstd plane headers differ by a few bytes; data this much smaller than the
+#: plane is smaller on the wire whatever the headers
+_HEADER_SLACK = 64
+
+
+def _smaller_of(coded: Payload, plane: np.ndarray) -> Payload:
+    """``_frame.pick`` of a coded plane and the stored form, without sizing both headers
+    when the coded data alone is clearly the smaller (it was ~5% of a ResNet's encode)."""
+    if len(coded.fields["d"]) + _HEADER_SLACK < plane.size:
+        return _frame.seal(coded)
+    return _frame.pick(coded, torch.from_numpy(plane))
 
 
 def _raw_plane(plane: np.ndarray) -> Payload:
