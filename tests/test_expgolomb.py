@@ -305,3 +305,34 @@ def test_codes_past_the_window_are_read_byte_by_byte(n):
     p = expgolomb.encode(t, 0, "zigzag")
     assert int(measures.eg_code_lengths(t, 0, "zigzag").max()) > 56
     assert torch.equal(roundtrip(p), t)
+
+
+def _reference_choice(values, counts, k, mapping):
+    """The choice the way ``eg`` made it before ``_eg_choice``: ``measures.best_k`` for
+    each mapping whose span fits, the first of the fewest total bits."""
+    lo, hi = int(values[0]), int(values[-1])
+    fits = {"sign": max(-lo, hi) < measures.MAX_MAPPED,
+            "sign_always": max(-lo, hi) < measures.MAX_MAPPED,
+            "zigzag": max(-lo, hi) < measures.MAX_MAPPED // 2,
+            "offset": hi - lo < measures.MAX_MAPPED, "rank": hi - lo < expgolomb._RANK_SPAN}
+    best = None
+    for m in measures.MAPPINGS if mapping == "auto" else (mapping,):
+        if fits[m]:
+            ks = None if k == "auto" else range(k, k + 1)
+            choice = measures.best_k(values, counts, m, ks)
+            if best is None or choice.total_bits < best.total_bits:
+                best = choice
+    return best
+
+
+@settings(max_examples=300)
+@given(t=st.one_of(int_tensors(), skewed_int_tensors()),
+       k=st.one_of(st.just("auto"), st.integers(0, 12)),
+       mapping=st.sampled_from(["auto", *measures.MAPPINGS]))
+def test_compiled_choice_is_the_reference_choice(t, k, mapping):
+    v = _frame.to_numpy(t).ravel()
+    if v.size == 0:
+        return
+    values, counts = expgolomb._histogram(v)
+    assert expgolomb._choose(values, counts, k, mapping) == _reference_choice(values, counts, k,
+                                                                             mapping)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from gradzip.codecs.base import LosslessCoder, Slot
-from gradzip.codecs.entropy import _frame, _kernels, measures
+from gradzip.codecs.entropy import _eg_choice, _frame, _kernels, measures
 from gradzip.codecs.payload import MetaValue, Payload
 from gradzip.codecs.registry import Param, in_range, register
 
@@ -47,24 +47,16 @@ SHORT_CODE = 16
 def _choose(values: np.ndarray, counts: np.ndarray, k: int | str, mapping: str
             ) -> measures.EgChoice | None:
     """The cheapest allowed (mapping, k) by exact bits, or None if no mapping applies."""
-    mappings = measures.MAPPINGS if mapping == "auto" else (mapping,)
     lo, hi = int(values[0]), int(values[-1])
-    best: measures.EgChoice | None = None
-    for m in mappings:
-        span_ok = {
-            "sign": max(-lo, hi) < measures.MAX_MAPPED,
-            "sign_always": max(-lo, hi) < measures.MAX_MAPPED,
-            "zigzag": max(-lo, hi) < measures.MAX_MAPPED // 2,
-            "offset": hi - lo < measures.MAX_MAPPED,
-            "rank": hi - lo < _RANK_SPAN,
-        }[m]
-        if not span_ok:
-            continue
-        ks = None if k == "auto" else range(int(k), int(k) + 1)
-        choice = measures.best_k(values, counts, m, ks)
-        if best is None or choice.total_bits < best.total_bits:
-            best = choice
-    return best
+    fits = {
+        "sign": max(-lo, hi) < measures.MAX_MAPPED,
+        "sign_always": max(-lo, hi) < measures.MAX_MAPPED,
+        "zigzag": max(-lo, hi) < measures.MAX_MAPPED // 2,
+        "offset": hi - lo < measures.MAX_MAPPED,
+        "rank": hi - lo < _RANK_SPAN,
+    }
+    allowed = [fits[m] and mapping in ("auto", m) for m in measures.MAPPINGS]
+    return _eg_choice.choose(values, counts, allowed, None if k == "auto" else int(k))
 
 
 @register("eg")
