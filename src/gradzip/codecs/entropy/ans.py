@@ -245,19 +245,18 @@ def _decode_rans(mode: str, words: np.ndarray, freq: np.ndarray, values: np.ndar
     """Decode every chunk of a rans-backend stream into ``out`` (either format)."""
     if mode == RANS:
         table, slot_values = _rans.decoder_table(freq, values)
-        status = RANS_DECODER.decode_chunks(words, sizes, chunk, table, slot_values, out)
-    else:
-        freq64 = freq.astype(np.uint64)
-        cum = np.concatenate([[0], np.cumsum(freq)[:-1]]).astype(np.uint64)
-        slot_sym = np.repeat(np.arange(freq.size, dtype=np.int32), freq)
-        status, offset = 0, 0
-        for i, size in enumerate(sizes):
-            part, stream = out[i * chunk:(i + 1) * chunk], words[offset:offset + size]
-            status = min(status, _rans.decode_v1(stream.astype(np.uint16), freq64, cum,
-                                                 slot_sym, values, part))
-            offset += size
-    if status < 0:
-        raise _frame.EntropyCodingError("ans: rANS stream is corrupt or truncated")
+        if RANS_DECODER.decode_chunks(words, sizes, chunk, table, slot_values, out) < 0:
+            raise _frame.EntropyCodingError("ans: rANS stream is corrupt or truncated")
+        return
+    freq64 = freq.astype(np.uint64)
+    cum = np.concatenate([[0], np.cumsum(freq)[:-1]]).astype(np.uint64)
+    slot_sym = np.repeat(np.arange(freq.size, dtype=np.int32), freq)
+    offset = 0
+    for i, size in enumerate(sizes):
+        part, stream = out[i * chunk:(i + 1) * chunk], words[offset:offset + size]
+        if _rans.decode_v1(stream.astype(np.uint16), freq64, cum, slot_sym, values, part) < 0:
+            raise _frame.EntropyCodingError("ans: rANS stream is corrupt or truncated")
+        offset += size
 
 
 def decode(p: Payload) -> torch.Tensor:
