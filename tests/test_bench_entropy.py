@@ -123,8 +123,10 @@ def test_exponent_table_study_rows(monkeypatch):
         monkeypatch.setattr(samples, fn, lambda seed=0: {"a": samples.heavy_tailed(3000),
                                                          "b": samples.heavy_tailed(500, 1)})
     rows = bench.bench_exponent_tables(seed=0, repeat=1)
-    assert len(rows) == 2 * 2 * 2  # sources x (bf16, fp16) x (per bucket, per tensor)
-    for one, per in zip(rows[::2], rows[1::2], strict=True):
-        assert (one["tables"], per["tables"]) == ("one per bucket", "one per tensor")
-        assert one["mutual_bits"] == per["mutual_bits"] >= 0
-        assert 0 < one["share_of_raw"] < 1 and one["exponent_bytes"] > 0
+    assert len(rows) == 2 * 2 * 3  # sources x (bf16, fp16) x the three table strategies
+    for group in zip(rows[::3], rows[1::3], rows[2::3], strict=True):
+        assert [r["tables"] for r in group] == ["zstd, one per 128 KB", "zstd, one per tensor",
+                                                "huff, fitted to blocks"]
+        assert len({r["mutual_bits"] for r in group}) == 1 and group[0]["mutual_bits"] >= 0
+        for r in group:
+            assert 0 < r["share_of_raw"] < 1 and r["exponent_bytes"] > 0

@@ -151,7 +151,8 @@ def test_every_flipped_bit_is_caught(n):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("params", [{"exponent": "ans"}, {"rest": "zstd"}, {"rest": "raw"}])
+@pytest.mark.parametrize("params", [{"exponent": "ans"}, {"exponent": "zstd"},
+                                    {"exponent": "huff"}, {"rest": "zstd"}, {"rest": "raw"}])
 def test_payloads_of_every_plane_coding_decode_with_the_default_codec(dtype, params):
     """Earlier payloads (ANS exponent planes, checksummed zstd planes) stay decodable:
     the decoder follows each plane's own mode, whatever the encoder's settings were."""
@@ -164,10 +165,10 @@ def test_payloads_of_every_plane_coding_decode_with_the_default_codec(dtype, par
 
 def test_fast_zstd_exponent_plane_beats_ans_on_runs():
     """Runs of equal exponents (zeroed rows, as in embeddings of unseen tokens) are what
-    the default zstd plane coder finds and an order-0 coder cannot."""
+    the zstd plane coder finds and an order-0 coder cannot."""
     x = grad_like(40_000, seed=4)
     x[5_000:25_000] = 0.0
-    fast = LosslessFloat().encode(x, None).wire_bytes
+    fast = LosslessFloat(exponent="zstd").encode(x, None).wire_bytes
     order0 = LosslessFloat(exponent="ans").encode(x, None).wire_bytes
     assert fast < order0
 
@@ -227,9 +228,31 @@ def test_exponent_plane_search_is_accelerated_for_16_bit_floats_only(dtype):
     plane = split_planes(x)[0]
     full, fast = _zstd_plane.compress(plane, 0), _zstd_plane.compress(plane, 4)
     assert full != fast  # the input tells the two searches apart
-    sent = bytes(LosslessFloat().encode(x, None).child("p0").fields["d"])
+    sent = bytes(LosslessFloat(exponent="zstd").encode(x, None).child("p0").fields["d"])
     assert sent == (full if dtype == torch.float32 else fast)
     assert (_ACCELERATION[dtype] > 0) == (dtype != torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_auto_codes_exponents_by_huffman_but_for_fp16(dtype):
+    """``exponent=auto`` (the default) sends bf16 and fp32 exponent planes Huffman-coded
+    and fp16's wider first plane through zstd, the faster of the two on each."""
+    x = grad_like(50_000, seed=6, dtype=dtype)
+    p = LosslessFloat().encode(x, None)
+    assert p.child("p0").meta["m"] == ("zstd" if dtype == torch.float16 else "huf1")
+    assert torch.equal(bits(LosslessFloat().decode(p, x.shape, None)), bits(x))
+
+
+def test_huffman_exponents_follow_each_tensors_scale():
+    """A bucket of tensors of different scales: the Huffman plane's tables fit groups
+    of blocks, so it is smaller than zstd's (one table per 128 KB block) and than one
+    table for the whole plane (``ans``)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.cat([torch.randn(33_000, generator=g) * 10.0 ** -k for k in range(2, 8)])
+    x = x.to(torch.bfloat16)
+    sizes = {c: LosslessFloat(exponent=c).encode(x, None).child("p0").wire_bytes
+             for c in ("huff", "zstd", "ans")}
+    assert sizes["huff"] < sizes["zstd"] and sizes["huff"] < sizes["ans"], sizes
 
 
 @settings(max_examples=200)

@@ -239,14 +239,16 @@ def bench_exponent_tables(seed: int, repeat: int) -> list[dict[str, Any]]:
     """The two questions beyond ZipNN, on bf16 and fp16 gradients of both sources.
 
     Tables: the exponent plane as one zstd frame (one Huffman table per 128 KB block,
-    what ``lossless`` sends) against one frame per tensor (a table each; the hooks know
-    the tensors' boundaries): bytes and encode/decode time of that plane. Splits: the
-    mutual information between the exponent byte and the next plane's byte, in bits a
-    value: what any coder of the two planes together (or of one conditioned on the
-    other) could save over coding them apart, as ``lossless`` and ZipNN do.
+    what ``lossless(exponent=zstd)`` sends), as one zstd frame per tensor (a table each;
+    the hooks know the tensors' boundaries), and Huffman-coded with up to eight tables
+    fitted to its 16K-symbol blocks (``_huffman``, what ``lossless`` sends for bf16):
+    bytes and encode/decode time of that plane. Splits: the mutual information between
+    the exponent byte and the next plane's byte, in bits a value: what any coder of the
+    two planes together (or of one conditioned on the other) could save over coding them
+    apart, as ``lossless`` and ZipNN do.
     """
     from gradzip.bench import samples
-    from gradzip.codecs.entropy import _zstd_plane, measures
+    from gradzip.codecs.entropy import _huffman, _zstd_plane, measures
     from gradzip.codecs.entropy.floatcodec import _ACCELERATION, split_with_counts
 
     rows = []
@@ -258,13 +260,16 @@ def bench_exponent_tables(seed: int, repeat: int) -> list[dict[str, Any]]:
             bounds = np.cumsum([0] + [t.numel() for t in parts])
             pieces = [planes[0][a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
             raw = int(bounds[-1]) * parts[0].element_size()
-            for tables, blobs in (("one per bucket", [planes[0]]), ("one per tensor", pieces)):
-                te, coded = _best_time(
-                    lambda b=blobs, a=_ACCELERATION[dtype]: [_zstd_plane.compress(x, a)
-                                                             for x in b], repeat)
-                td, _ = _best_time(lambda c=coded, b=blobs: [
-                    _zstd_plane.decompress(x, y.size) for x, y in zip(c, b, strict=True)],
-                    repeat)
+            zstd = (partial(_zstd_plane.compress, acceleration=_ACCELERATION[dtype]),
+                    _zstd_plane.decompress)
+            huff = (_huffman.compress, _huffman.decompress)
+            for tables, blobs, (enc, dec) in (
+                    ("zstd, one per 128 KB", [planes[0]], zstd),
+                    ("zstd, one per tensor", pieces, zstd),
+                    ("huff, fitted to blocks", [planes[0]], huff)):
+                te, coded = _best_time(lambda b=blobs, e=enc: [e(x) for x in b], repeat)
+                td, _ = _best_time(lambda c=coded, b=blobs, d=dec: [
+                    d(x, y.size) for x, y in zip(c, b, strict=True)], repeat)
                 size = sum(len(c) for c in coded)
                 rows.append({"input": f"{source} {str(dtype)[6:]}", "tables": tables,
                              "exponent_bytes": size, "share_of_raw": size / raw,
@@ -272,7 +277,8 @@ def bench_exponent_tables(seed: int, repeat: int) -> list[dict[str, Any]]:
             joint = planes[0].astype(np.int64) * 256 + planes[1]
             mutual = (measures.entropy_bits(planes[0]) + measures.entropy_bits(planes[1])
                       - measures.entropy_bits(joint)) / joint.size
-            rows[-1]["mutual_bits"] = rows[-2]["mutual_bits"] = mutual
+            for row in rows[-3:]:
+                row["mutual_bits"] = mutual
     return rows
 
 

@@ -12,11 +12,16 @@ rotated into a byte of its own (the sign moves to the mantissa side):
 * fp32: ``[exponent] [sign + 7 mantissa bits] [mantissa 8] [mantissa 8]``
 * fp64: the eight little-endian byte planes, most significant first
 
-The exponent plane is coded with zstd set for one byte plane (``_zstd_plane``: Huffman
-literals behind an accelerated match search; its matches catch runs, such as the zero
-rows of unused embeddings, that an order-0 coder cannot) or, with ``exponent=ans``, with the ``ans``
-stage. Every other plane takes the same zstd when the histogram of a 1-in-8 sample of its
-bytes promises a saving of 0.5%, else travels raw (a view, not a copy). The payload
+The exponent plane of bf16 and fp32 is coded by ``_huffman``: blocks of 16K symbols,
+each coded with one of up to eight Huffman tables fitted to the plane's blocks (a
+bucket's tensors differ in scale, so their exponents differ in distribution), decoded
+several symbols a lookup. fp16's first plane also holds the sign and two mantissa bits
+(~5.6 bits of entropy against bf16's ~2.8), so a lookup decodes fewer symbols, and zstd
+set for one byte plane (``_zstd_plane``: Huffman literals behind an accelerated match
+search) is faster on it; ``exponent=huff`` or ``exponent=zstd`` picks one coder for
+every dtype, and ``exponent=ans`` the ``ans`` stage. Every other plane takes that zstd when the
+histogram of a 1-in-8 sample of its bytes promises a saving of 0.5%, else travels raw
+(a view, not a copy). The payload
 format is the per-plane one of earlier versions (each plane names its coder), so their
 payloads still decode. Every plane is exact and checksummed, and so is the whole
 payload (dtype code, raw bytes of small tensors, the planes' checksums), so the codec is
@@ -35,6 +40,7 @@ import torch
 from gradzip.codecs.base import Compressor, Slot
 from gradzip.codecs.entropy import (
     _frame,
+    _huffman,
     _kernels,
     _planes,
     _zstd_plane,
@@ -117,16 +123,18 @@ _UINT8 = _DTYPE_CODE[torch.uint8]
 
 @register("lossless")
 class LosslessFloat(Compressor):
-    """Exact float compression by byte planes: zstd (or ANS) on the exponent plane."""
+    """Exact float compression by byte planes: Huffman, zstd or ANS on the exponent plane."""
 
-    summary = "exact: exponent byte plane zstd- or ANS-coded, mantissa planes raw (ZipNN-style)"
+    summary = "exact: exponent byte plane Huffman-coded, mantissa planes raw (ZipNN-style)"
     unbiased = True
     keeps_dtype = True
     PARAMS: ClassVar[tuple[Param, ...]] = (
-        Param("exponent", str, "zstd",
-              "coder of the exponent plane: zstd (fast settings: Huffman literals and "
-              "long runs) or ans (order-0 rANS, closer to the entropy on i.i.d. planes)",
-              choices=("zstd", "ans")),
+        Param("exponent", str, "auto",
+              "coder of the exponent plane: huff (Huffman, up to 8 tables fitted to its "
+              "16K-symbol blocks), zstd (fast settings: Huffman literals and long runs), "
+              "ans (order-0 rANS, closer to the entropy on i.i.d. planes), or auto (huff "
+              "for bf16 and fp32, zstd for fp16's wider first plane)",
+              choices=("auto", "huff", "zstd", "ans")),
         Param("rest", str, "auto",
               "coding of the other planes: auto (fast zstd where the histogram promises a "
               "saving of 0.5%, else raw), zstd (at --level), or raw",
@@ -144,21 +152,27 @@ class LosslessFloat(Compressor):
             return _frame.seal(Payload({"raw": _frame.stored(flat)["d"]}, meta))
         planes, counts = split_with_counts(flat)
         fields: dict[str, Payload] = {}
+        coder = self.params["exponent"]
+        if coder == "auto":
+            coder = "zstd" if x.dtype == torch.float16 else "huff"
         for i, plane in enumerate(planes):
-            exponent = i == 0 and x.dtype != torch.float64
+            exponent = coder if i == 0 and x.dtype != torch.float64 else None
             fields[f"p{i}"] = self._code_plane(plane, counts[i], exponent,
                                                _ACCELERATION[x.dtype])
         # the checksum covers the dtype code, raw bytes and each plane's own checksum
         return _frame.seal(Payload(dict(fields), meta))
 
-    def _code_plane(self, plane: np.ndarray, counts: np.ndarray, exponent: bool,
+    def _code_plane(self, plane: np.ndarray, counts: np.ndarray, exponent: str | None,
                     acceleration: int) -> Payload:
+        """One plane's payload; ``exponent`` names the exponent plane's coder (None for
+        the other planes)."""
         t = torch.from_numpy(plane)
-        if exponent and self.params["exponent"] == "ans":
+        if exponent == "ans":
             return ans.encode(t)
         rest = self.params["rest"]
         if exponent:  # always coded: no estimate needed
-            return _smaller_of(_fast_zstd(plane, acceleration), plane)
+            coded = _huff(plane) if exponent == "huff" else _fast_zstd(plane, acceleration)
+            return _smaller_of(coded, plane)
         if rest == "auto":
             gain = 1 - _kernels.entropy_bits(counts) / 8  # counts: a sample's
             if gain > CODE_GAIN:
@@ -196,6 +210,15 @@ class LosslessFloat(Compressor):
         return _frame.from_numpy(join_planes(planes, dtype), dtype, shape, owned=True)
 
 
+#: a Huffman-coded plane's mode: the layout of ``_huffman`` (the 1 versions it)
+_HUFF = "huf1"
+
+
+def _huff(plane: np.ndarray) -> Payload:
+    return Payload({"d": _huffman.compress(plane)},
+                   {"m": _HUFF, "dt": _UINT8, "sh": (plane.size,)})
+
+
 def _fast_zstd(plane: np.ndarray, acceleration: int) -> Payload:
     data = _zstd_plane.compress(plane, acceleration)
     return Payload({"d": data}, {"m": "zstd", "dt": _UINT8, "sh": (plane.size,),
@@ -223,11 +246,13 @@ def _raw_plane(plane: np.ndarray) -> Payload:
 
 def _decode_plane(p: Payload, numel: int) -> np.ndarray:
     mode = p.meta.get("m")
-    if mode in ("zstd", _frame.STORED) and p.meta.get("dt") == _UINT8:
+    if mode in ("zstd", _HUFF, _frame.STORED) and p.meta.get("dt") == _UINT8:
         _frame.check(p, "lossless")
         data = _frame.blob(p, "d", "lossless")
         if mode == "zstd":
             return _zstd_plane.decompress(data, numel)
+        if mode == _HUFF:
+            return _huffman.decompress(data, numel)
         if len(data) != numel:
             raise _frame.EntropyCodingError("lossless: a byte plane has the wrong size")
         return np.frombuffer(data, np.uint8)
