@@ -237,10 +237,27 @@ def test_exponent_plane_search_is_accelerated_for_16_bit_floats_only(dtype):
 def test_auto_codes_exponents_by_huffman_but_for_fp16(dtype):
     """``exponent=auto`` (the default) sends bf16 and fp32 exponent planes Huffman-coded
     and fp16's wider first plane through zstd, the faster of the two on each."""
-    x = grad_like(50_000, seed=6, dtype=dtype)
+    x = grad_like(100_000, seed=6, dtype=dtype)
     p = LosslessFloat().encode(x, None)
     assert p.child("p0").meta["m"] == ("zstd" if dtype == torch.float16 else "huf1")
     assert torch.equal(bits(LosslessFloat().decode(p, x.shape, None)), bits(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_auto_sends_planes_of_repeated_rows_through_zstd(dtype):
+    """Rows that are scalar multiples of one vector (a tied embedding's gradient rows for
+    tokens a batch did not contain) repeat one exponent pattern: zstd's matches take
+    them and an order-0 coder cannot, so ``auto`` picks zstd there, and the payload is
+    as small as ``exponent=zstd``'s."""
+    g = torch.Generator().manual_seed(8)
+    row = torch.randn(256, generator=g)
+    scales = 2.0 ** torch.randint(-30, -10, (600, 1), generator=g).float()
+    x = torch.cat([torch.randn(60_000, generator=g) * 1e-3, (scales * row).reshape(-1)])
+    x = x.to(dtype)
+    auto = LosslessFloat().encode(x, None)
+    assert auto.child("p0").meta["m"] == "zstd"
+    assert auto.wire_bytes < LosslessFloat(exponent="huff").encode(x, None).wire_bytes
+    assert torch.equal(bits(LosslessFloat().decode(auto, x.shape, None)), bits(x))
 
 
 def test_huffman_exponents_follow_each_tensors_scale():

@@ -619,3 +619,19 @@ def decompress(data: bytes | bytearray | memoryview, size: int) -> np.ndarray:
     if decode(np.frombuffer(data, np.uint8), out) != OK:
         raise EntropyCodingError("lossless: a Huffman-coded byte plane is damaged")
     return out
+
+
+@njit(cache=True, nogil=True)
+def _estimate(symbols):
+    counts = np.zeros(256, np.int64)
+    if _histogram(symbols, counts) < 2:
+        return 0
+    lengths = np.zeros(256, np.int64)
+    code_lengths(counts, lengths)
+    return (_bits(counts.reshape(1, 256), 0, lengths.reshape(1, 256), 0, 0, 255) + 7) // 8
+
+
+def estimate(plane: np.ndarray) -> int:
+    """Bytes of ``plane``'s streams under its own optimal table (no headers): what this
+    coder's order-0 model makes of it, for comparing with a coder that finds repeats."""
+    return int(_estimate(np.ascontiguousarray(plane, np.uint8)))
