@@ -61,7 +61,7 @@ def planes(draw):
     return np.concatenate(parts)[:n]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(plane=planes())
 def test_roundtrip_is_exact_on_any_bytes(plane):
     data = encode(plane)

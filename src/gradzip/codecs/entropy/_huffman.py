@@ -188,10 +188,11 @@ def decoder_tables(lengths: np.ndarray, single: np.ndarray, multi: np.ndarray) -
 
 @njit(cache=True, nogil=True)
 def _first_entry(single: np.ndarray) -> int:
-    """``multi[0]``, the one entry whose rest is itself, symbol by symbol."""
+    """``multi[0]``, the one entry whose rest is itself, symbol by symbol: its bits are
+    all zero, so every symbol is ``single[0]``'s, while it fits."""
     syms = used = count = mask = 0
+    e = single[0]
     while count < PER_LOOKUP:
-        e = single[(0 >> used) & MASK]
         length = e >> 8
         if length == 0 or used + length > MAX_BITS:
             break
