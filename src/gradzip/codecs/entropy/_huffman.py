@@ -33,8 +33,8 @@ import threading
 import numpy as np
 from numba import njit
 
+from gradzip.codecs.entropy._bytes import leading_zeros, load64, popcount, store32, store64
 from gradzip.codecs.entropy._frame import EntropyCodingError
-from gradzip.codecs.entropy._words import leading_zeros, load64, popcount, store32, store64
 
 MAX_BITS = 11
 TABLE = 1 << MAX_BITS

@@ -20,11 +20,10 @@ matches take (``_repeats_pay``: a tied embedding's rows for unseen tokens repeat
 exponent pattern), the plane goes to zstd set for one byte plane (``_zstd_plane``:
 Huffman literals behind an accelerated match search) instead. fp16's first plane also
 holds the sign and two mantissa bits (~5.6 bits of entropy against bf16's ~2.8), so a
-lookup decodes fewer symbols, and zstd is faster on it; ``exponent=huff`` or
-``exponent=zstd`` picks one coder for
-every dtype, and ``exponent=ans`` the ``ans`` stage. Every other plane takes that zstd when the
-histogram of a 1-in-8 sample of its bytes promises a saving of 0.5%, else travels raw
-(a view, not a copy). The payload
+lookup decodes fewer symbols, and zstd is faster on it. ``exponent=huff`` or
+``exponent=zstd`` picks one coder for every dtype, and ``exponent=ans`` the ``ans``
+stage. Every other plane takes that zstd when the histogram of a 1-in-8 sample of its
+bytes promises a saving of 0.5%, else travels raw (a view, not a copy). The payload
 format is the per-plane one of earlier versions (each plane names its coder), so their
 payloads still decode. Every plane is exact and checksummed, and so is the whole
 payload (dtype code, raw bytes of small tensors, the planes' checksums), so the codec is
@@ -222,7 +221,7 @@ class LosslessFloat(Compressor):
 #: them: zstd's matches take repeats an order-0 coder cannot, such as the rows of a tied
 #: embedding's gradient for tokens a batch did not contain (scalar multiples of one
 #: vector, one exponent pattern). On a captured LM bucket late in training zstd's plane
-#: was 10% smaller. The probe takes ~80 us (~10% of a ResNet bf16 encode).
+#: was 10% smaller. The probe takes ~110-140 us (~10-15% of a ResNet bf16 encode).
 PROBES, PROBE, PROBE_MIN, PROBE_MARGIN = 3, 8192, 1 << 16, 0.03
 #: the probe's zstd search: accelerated (long repeats are what it looks for), 2.4x faster
 PROBE_ACCELERATION = 4
