@@ -108,7 +108,9 @@ def test_majority_vote(world):
     for rank, (mean, local, nbytes) in enumerate(out):
         assert torch.equal(mean, expected)
         assert torch.equal(local, signs[rank])
-        assert nbytes == one_payload  # the packed bits and a header: nothing else
+        # the packed bits and a header, and one byte: the non-finite flag every rank
+        # reads (carried on the vote's all-gather, Communicator.carry_flag)
+        assert nbytes == one_payload + 1
 
 
 def test_majority_vote_l1_scale_is_mean_of_scales():

@@ -34,6 +34,7 @@ import torch
 from gradzip.codecs.base import Shapes
 from gradzip.codecs.communicator import Communicator
 from gradzip.codecs.linkmodel import link_bytes
+from gradzip.codecs.nonfinite import agreed_nonfinite_error
 from gradzip.codecs.payload import Payload
 
 if TYPE_CHECKING:
@@ -89,23 +90,62 @@ def _to_bytes(p: Payload, x: torch.Tensor) -> torch.Tensor:
     return p.to_tensor(device=x.device)
 
 
+# ---------------------------------------------------------------- non-finite input
+# Under ``nonfinite='error'`` a rank whose input was NaN/Inf must not simply raise: its
+# peers would wait in the collective it skipped (a hang on NCCL). Each way below folds
+# the news into a collective it runs anyway, and every rank raises the same error:
+# a summed payload carries a NaN in its first value; a size exchange carries "none".
+def _checks(codec: Codec, comm: Communicator) -> bool:
+    """Whether this reduction must agree on finiteness (``'propagate'`` agreed already)."""
+    return codec.nonfinite == "error" and comm.world_size > 1
+
+
+def poison(leaves: list[torch.Tensor], finite: bool) -> None:
+    """Put NaN in the first value of every floating leaf of a non-finite rank's payload
+    (in place, on the device), so the all-reduced sums carry the news to every rank."""
+    if not finite:
+        for t in leaves:
+            if t.numel() and t.dtype.is_floating_point:
+                t.view(-1)[:1] = float("nan")
+
+
+def raise_if_poisoned(leaves: list[torch.Tensor], key: str) -> None:
+    """After the all-reduce: every rank sees the same sums, so every rank raises here
+    together if any rank poisoned them (one host read of one value)."""
+    heads = [t.reshape(-1)[:1].float() for t in leaves if t.numel() and t.dtype.is_floating_point]
+    if heads and not bool(torch.isfinite(torch.cat(heads)).all()):
+        raise agreed_nonfinite_error(key)
+
+
 # ---------------------------------------------------------------- the four ways
 def all_reduce_mean(codec: Codec, x: torch.Tensor, key: str, comm: Communicator,
-                    want_local: bool, shapes: Shapes | None) -> Result:
+                    want_local: bool, shapes: Shapes | None, finite: bool = True) -> Result:
     """Summable payloads: encode x / W, all-reduce the payload tensors, decode the sum."""
     world = comm.world_size
     p = codec._encode_body(x / world if world > 1 else x, key, shapes)
-    summed = comm.all_reduce([t for _, t in p.leaves()], op="sum")
+    leaves = [t for _, t in p.leaves()]
+    if _checks(codec, comm):
+        sent = [t.clone() for t in leaves] if want_local and not finite else leaves
+        poison(sent, finite)
+        summed = comm.all_reduce(sent, op="sum")
+        raise_if_poisoned(summed, key)
+    else:
+        summed = comm.all_reduce(leaves, op="sum")
     mean = codec._decode_body(p.with_leaves(summed), None, x.shape, shapes)
     local = codec._decode_body(p, None, x.shape, shapes) * world if want_local else None
     return mean, local
 
 
 def gather_mean(codec: Codec, x: torch.Tensor, key: str, comm: Communicator,
-                want_local: bool, shapes: Shapes | None) -> Result:
+                want_local: bool, shapes: Shapes | None, finite: bool = True) -> Result:
     """Any payload: all-gather every rank's payload, decode each, average in fp32."""
+    if not finite and _checks(codec, comm):  # say so in the size exchange, then raise
+        comm.all_gather_bytes(None, device=x.device)
+        raise agreed_nonfinite_error(key)
     p = codec._encode_body(x, key, shapes)
     blobs = comm.all_gather_bytes(_to_bytes(p, x))
+    if blobs is None:
+        raise agreed_nonfinite_error(key)
     local = None
     if want_local:
         local = codec._decode_body(p, None, x.shape, shapes).to(x.device)
@@ -114,19 +154,25 @@ def gather_mean(codec: Codec, x: torch.Tensor, key: str, comm: Communicator,
 
 
 def two_phase_mean(codec: Codec, x: torch.Tensor, key: str, comm: Communicator,
-                   want_local: bool, shapes: Shapes | None) -> Result:
+                   want_local: bool, shapes: Shapes | None, finite: bool = True) -> Result:
     """Compressed reduce-scatter to chunk owners, fp32 sum, compressed all-gather."""
     world, rank, flat = comm.world_size, comm.rank, x.reshape(-1)
+    if not finite and _checks(codec, comm):  # say so in phase 1's size exchange
+        comm.all_to_all_bytes(None, device=x.device)
+        raise agreed_nonfinite_error(key)
     bounds = chunk_bounds(flat.numel(), world)
     pieces = [piece_shapes(shapes, bounds[j], bounds[j + 1]) for j in range(world)]
     sent = [codec._encode_body(flat[bounds[j]:bounds[j + 1]], f"{key}/to{j}", pieces[j])
             for j in range(world)]
     received = comm.all_to_all_bytes([_to_bytes(p, flat[bounds[j]:bounds[j + 1]])
                                       for j, p in enumerate(sent)])
+    if received is None:
+        raise agreed_nonfinite_error(key)
     n_mine = bounds[rank + 1] - bounds[rank]
     mine = _decode_sum(codec, received, n_mine, pieces[rank], x.device).div_(world)
     owner = codec._encode_with_feedback(mine, f"{key}/owner", pieces[rank])
     gathered = comm.all_gather_bytes(_to_bytes(owner, mine))
+    assert gathered is not None  # every rank sends its owner payload
     parts = [codec._decode_body(Payload.deserialize(b), None,
                                 torch.Size((bounds[j + 1] - bounds[j],)), pieces[j])
              for j, b in enumerate(gathered)]
@@ -140,23 +186,33 @@ def two_phase_mean(codec: Codec, x: torch.Tensor, key: str, comm: Communicator,
 
 
 def reduce_scatter_sum(codec: Codec, chunks: torch.Tensor, key: str, comm: Communicator,
-                       shapes: Shapes | None = None) -> torch.Tensor:
+                       shapes: Shapes | None = None, finite: bool = True) -> torch.Tensor:
     """Row ``rank`` of sum over ranks of ``chunks`` (``[W, n]``): FSDP's reduce-scatter.
 
     Chunk j is encoded for rank j with its own codec state (key ``{key}/to{j}``, error
     feedback included); ``shapes`` are the tensors inside each chunk (the same in all).
     """
-    world = comm.world_size
+    world, checks = comm.world_size, _checks(codec, comm)
+    n = chunks.shape[1]
+    if not finite and checks and not codec.summable:
+        comm.all_to_all_bytes(None, device=chunks.device)
+        raise agreed_nonfinite_error(key)
     payloads = [codec._encode_with_feedback(chunks[j], f"{key}/to{j}", shapes)
                 for j in range(world)]
-    n = chunks.shape[1]
     if codec.summable:
         per_chunk = [[t for _, t in p.leaves()] for p in payloads]
-        summed = [comm.reduce_scatter_sum(torch.stack([leaves[i] for leaves in per_chunk]))
-                  for i in range(len(per_chunk[0]))]
+        stacked = [torch.stack([leaves[i] for leaves in per_chunk])
+                   for i in range(len(per_chunk[0]))]
+        if checks:  # every chunk's first value: each owner learns it from its own row
+            poison([row for t in stacked for row in t], finite)
+        summed = [comm.reduce_scatter_sum(t) for t in stacked]
+        if checks:
+            raise_if_poisoned(summed, key)
         mine = payloads[comm.rank].with_leaves(summed)
         return codec._decode_body(mine, None, torch.Size((n,)), shapes).reshape(-1)
     blobs = comm.all_to_all_bytes([_to_bytes(p, chunks[j]) for j, p in enumerate(payloads)])
+    if blobs is None:
+        raise agreed_nonfinite_error(key)
     return _decode_sum(codec, blobs, n, shapes, chunks.device)
 
 
@@ -172,9 +228,16 @@ def modeled_bytes(path: str, full: int, chunk: int, world: int, backend: str = "
 
 
 def choose(codec: Codec, x: torch.Tensor, world: int, shapes: Shapes | None,
-           backend: str = "ideal") -> str:
+           backend: str = "ideal", comm: Communicator | None = None) -> str:
     """``gather`` or ``two_phase``, whichever the link model (of ``backend``: gloo's
-    per-call cost makes two-phase's extra calls dearer) says sends fewer bytes."""
+    per-call cost makes two-phase's extra calls dearer) says sends fewer bytes.
+
+    The payload sizes depend on each rank's data (a threshold keeps what it finds, an
+    entropy coder codes what it gets). With ``comm`` they are agreed first, one max
+    all-reduce of two numbers, once per tensor size and world size: both paths pad to
+    the largest payload, so the maximum is the figure that decides, and every rank
+    then issues the same collectives (ranks that chose apart would hang NCCL).
+    """
     if world <= 2:
         return "gather"
     probe = codec.probe()  # a stateless copy: measuring must not touch real state
@@ -183,6 +246,9 @@ def choose(codec: Codec, x: torch.Tensor, world: int, shapes: Shapes | None,
     full = probe._encode_body(flat, "probe", shapes).wire_bytes
     chunk = probe._encode_body(flat[:bounds[1]], "probe/c",
                                piece_shapes(shapes, 0, bounds[1])).wire_bytes
+    if comm is not None and comm.world_size > 1:
+        sizes = torch.tensor([full, chunk], dtype=torch.int64, device=x.device)
+        full, chunk = (int(v) for v in comm.all_reduce([sizes], op="max")[0].tolist())
     gather = modeled_bytes("gather", full, chunk, world, backend)
     two = modeled_bytes("two_phase", full, chunk, world, backend)
     return "two_phase" if two < gather else "gather"

@@ -37,16 +37,13 @@ from gradzip.codecs.base import (
     Wrapper,
 )
 from gradzip.codecs.communicator import Communicator
+from gradzip.codecs.nonfinite import NonFiniteGradientError, agreed_nonfinite_error
 from gradzip.codecs.payload import _DTYPE_CODE, _DTYPES, Payload, PayloadError
 from gradzip.codecs.registry import SpecError, lookup
 from gradzip.codecs.spec import parse_options
 
 NONFINITE_POLICIES = ("error", "propagate")
 _CODED = "@"  # meta key marking a field re-coded by lossless stage N
-
-
-class NonFiniteGradientError(ValueError):
-    """A tensor handed to a codec holds NaN or Inf."""
 
 
 class CodecObserver:
@@ -216,30 +213,34 @@ class Codec:
     # ------------------------------------------------------------ encode
     def _check_input(self, x: torch.Tensor, key: str) -> bool:
         """True if ``x`` is finite; raises for bad input under the 'error' policy."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"codec input must be a torch.Tensor, got {type(x).__name__}")
-        if not x.dtype.is_floating_point:
-            raise TypeError(f"codec input must be a floating-point tensor, got {x.dtype}")
-        if x.dtype not in _DTYPE_CODE:
-            raise TypeError(f"codec input dtype {x.dtype} is not supported")
-        # one vectorised pass: NaN and +-inf make a sum non-finite, so a finite sum
-        # proves every element finite (for fp32/fp64 the sum is the cheapest pass; 16-bit
-        # sums overflow, and on any overflow the exact min/max test decides)
-        if x.numel() == 0:
-            return True
-        if x.element_size() >= 4 and math.isfinite(float(x.detach().sum())):
-            return True
-        low, high = torch.aminmax(x.detach())
-        if math.isfinite(float(low)) and math.isfinite(float(high)):
-            return True
-        if self.nonfinite == "error":
+        finite = self._is_finite(x)
+        if not finite and self.nonfinite == "error":
             bad = int((~torch.isfinite(x)).sum())
             raise NonFiniteGradientError(
                 f"tensor {key!r} has {bad} non-finite values (NaN/Inf) of {x.numel()}; "
                 "fix the loss or pass nonfinite='propagate' to send NaN through "
                 "(so a GradScaler can skip the step)"
             )
-        return False
+        return finite
+
+    @staticmethod
+    def _is_finite(x: torch.Tensor) -> bool:
+        """Validate ``x`` and say whether it is finite (one host read; none on meta)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"codec input must be a torch.Tensor, got {type(x).__name__}")
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"codec input must be a floating-point tensor, got {x.dtype}")
+        if x.dtype not in _DTYPE_CODE:
+            raise TypeError(f"codec input dtype {x.dtype} is not supported")
+        # one vectorised pass and one host read: NaN and +-inf make a sum non-finite, so
+        # a finite sum proves every element finite (for fp32/fp64 the sum is the
+        # cheapest pass); 16-bit sums overflow, so they, and an fp32 sum that overflowed,
+        # take the exact test
+        if x.numel() == 0 or x.device.type == "meta":  # meta: shapes only, no values
+            return True
+        if x.element_size() >= 4 and math.isfinite(float(x.detach().sum())):
+            return True
+        return bool(torch.isfinite(x.detach()).all())
 
     def encode(self, x: torch.Tensor, key: str = "", shapes: Shapes | None = None) -> Payload:
         """Compress ``x``; stateful stages update their state for ``key``.
@@ -388,29 +389,61 @@ class Codec:
         (``aggregate``; see ``aggregate.py``). ``shapes``: the tensors inside a flat
         bucket, for ``per_tensor`` compressors.
         """
-        finite = self._check_input(x, key)
+        finite = self._is_finite(x)
         x = x.detach()
         shapes = checked_shapes(shapes, x.numel())
-        if self.nonfinite == "propagate":
-            flag = torch.tensor([0.0 if finite else 1.0], device=x.device)
-            if float(comm.all_reduce([flag], op="max")[0]) > 0:
-                nan = torch.full_like(x, float("nan"))
-                return nan, (nan if want_local else None)
-        if self.wrapper is not None:
-            slot = self.state.slot(0, key)
-            mean, local = self.wrapper.reduce(
-                x.float(), slot,
-                lambda t, wl: self._reduce_body(t, key, comm, wl, shapes), want_local)
-            slot.advance()
-        else:
-            mean, local = self._reduce_body(x, key, comm, want_local, shapes)
+        if self._flag_first(comm) and self._any_nonfinite(finite, key, comm, x.device):
+            nan = torch.full_like(x, float("nan"))  # 'propagate': NaN everywhere, no state
+            return nan, (nan if want_local else None)
+        carry = self.multi_round and self.nonfinite == "error" and comm.world_size > 1
+        if carry:  # the flag rides on the protocol's first collective (carry_flag)
+            comm.carry_flag(not finite, lambda: agreed_nonfinite_error(key), x.device)
+            if not finite:  # run the protocol on zeros: nothing on this rank may fail
+                x, finite = torch.zeros_like(x), True
+        try:
+            if self.wrapper is not None:
+                slot = self.state.slot(0, key)
+                mean, local = self.wrapper.reduce(
+                    x.float(), slot,
+                    lambda t, wl: self._reduce_body(t, key, comm, wl, shapes, finite),
+                    want_local)
+                slot.advance()
+            else:
+                mean, local = self._reduce_body(x, key, comm, want_local, shapes, finite)
+            if carry:
+                comm.settle_flag()
+        finally:
+            comm.drop_flag()
         return _cast(mean, x.dtype), (_cast(local, x.dtype) if local is not None else None)
 
+    def _flag_first(self, comm: Communicator) -> bool:
+        """Whether the ranks agree on finiteness with a flag all-reduce before encoding.
+
+        'propagate' must (NaN is returned before any state changes). Under 'error' the
+        news rides on a collective that runs anyway: a NaN in the all-reduced payload or
+        a missing payload in a size exchange (``aggregate.py``), or the flag carried by a
+        multi-round protocol's first collective (``Communicator.carry_flag``).
+        """
+        return comm.world_size > 1 and self.nonfinite == "propagate"
+
+    def _any_nonfinite(self, finite: bool, key: str, comm: Communicator,
+                       device: torch.device) -> bool:
+        """Max all-reduce of this rank's flag: True if any rank's input was non-finite
+        ('propagate'); under 'error' every rank raises the same error instead."""
+        flag = torch.tensor([0.0 if finite else 1.0], device=device)
+        if float(comm.all_reduce([flag], op="max")[0]) == 0:
+            return False
+        if self.nonfinite == "error":
+            raise agreed_nonfinite_error(key)
+        return True
+
     def aggregation(self, x: torch.Tensor, world: int, shapes: Shapes | None = None,
-                    backend: str = "ideal") -> str:
+                    backend: str = "ideal", comm: Communicator | None = None) -> str:
         """How ``x`` is reduced over ``world`` ranks: all_reduce, multi_round, gather or
         two_phase (``auto`` asks the link byte model of ``backend``, once per size and
-        world size)."""
+        world size). With ``comm``, the payload sizes the choice rests on are agreed
+        over its ranks first (their maximum), so every rank takes the same path even
+        when its sizes depend on its data (``aggregate.choose``)."""
         if self.multi_round:
             return "multi_round"
         if self.aggregate != "auto":  # also for summable codecs: two-phase sums in fp32
@@ -419,14 +452,16 @@ class Codec:
             return "all_reduce"
         k = (x.numel(), world)
         if k not in self._chosen:
-            self._chosen[k] = aggregate.choose(self, x, world, shapes, backend)
+            self._chosen[k] = aggregate.choose(self, x, world, shapes, backend, comm)
         return self._chosen[k]
 
     def _reduce_body(
         self, x: torch.Tensor, key: str, comm: Communicator, want_local: bool,
-        shapes: Shapes | None,
+        shapes: Shapes | None, finite: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        path = self.aggregation(x, comm.world_size, shapes, comm.counter.backend)
+        if comm.world_size == 1 and not finite and self.nonfinite == "error":
+            raise agreed_nonfinite_error(key)
+        path = self.aggregation(x, comm.world_size, shapes, comm.counter.backend, comm)
         if self.observer is not None:
             self.observer.aggregated(path)
         if path == "multi_round":
@@ -440,7 +475,7 @@ class Codec:
             return out
         way = {"all_reduce": aggregate.all_reduce_mean, "gather": aggregate.gather_mean,
                "two_phase": aggregate.two_phase_mean}[path]
-        return way(self, x, key, comm, want_local, shapes)
+        return way(self, x, key, comm, want_local, shapes, finite)
 
     def reduce_scatter(self, chunks: torch.Tensor, key: str, comm: Communicator,
                        shapes: Shapes | None = None) -> torch.Tensor:
@@ -451,17 +486,17 @@ class Codec:
         own protocol and keep this rank's chunk. ``shapes``: the tensors in a chunk.
         """
         world, n = comm.world_size, chunks.shape[1]
-        finite = self._check_input(chunks, key)
-        if self.nonfinite == "propagate":
-            flag = torch.tensor([0.0 if finite else 1.0], device=chunks.device)
-            if float(comm.all_reduce([flag], op="max")[0]) > 0:
-                return torch.full((n,), float("nan"), dtype=chunks.dtype, device=chunks.device)
-        if self.multi_round:  # ``reduce`` reports the path to the observer
+        if self.multi_round:  # ``reduce`` agrees on finiteness and reports the path
             mean, _ = self.reduce(chunks.reshape(-1), key, comm)
             return mean.reshape(world, n)[comm.rank] * world
+        finite = self._is_finite(chunks)
+        if self._flag_first(comm) and self._any_nonfinite(finite, key, comm, chunks.device):
+            return torch.full((n,), float("nan"), dtype=chunks.dtype, device=chunks.device)
+        if world == 1 and not finite and self.nonfinite == "error":
+            raise agreed_nonfinite_error(key)
         if self.observer is not None:
             self.observer.aggregated("reduce_scatter")
-        out = aggregate.reduce_scatter_sum(self, chunks.detach(), key, comm, shapes)
+        out = aggregate.reduce_scatter_sum(self, chunks.detach(), key, comm, shapes, finite)
         return _cast(out, chunks.dtype)
 
     def _encode_with_feedback(self, x: torch.Tensor, key: str,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,15 @@ class CommCounter:
         self.longest = 0.0
 
 
+@dataclass
+class _Flag:
+    """A flag waiting for a collective to carry it (``Communicator.carry_flag``)."""
+
+    raised: bool
+    error: Callable[[], Exception]
+    device: torch.device
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -82,6 +92,7 @@ class Communicator(ABC):
         self.rank = rank
         self.world_size = world_size
         self.counter = CommCounter(world_size=world_size)
+        self._flag: _Flag | None = None
 
     # ------------------------------------------------------------ transport
     @abstractmethod
@@ -104,6 +115,61 @@ class Communicator(ABC):
     def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` (shape ``[world_size, n]``) over ranks and return row ``rank``."""
 
+    # ------------------------------------------------------------ a flag on the next call
+    def carry_flag(self, raised: bool, error: Callable[[], Exception],
+                   device: torch.device) -> None:
+        """Carry this rank's flag (a non-finite input) on the next all-reduce or all-gather.
+
+        A multi-round protocol has no round of its own for the news that some rank's
+        gradient was NaN, and a rank that raised alone would leave its peers waiting
+        in the protocol's first collective. So the flag rides on that collective: a
+        NaN in the first value of a float sum (no extra byte), else one more element.
+        Every rank reads the result and raises ``error()`` together if any rank set
+        it. ``settle_flag`` agrees on a flag no collective carried.
+        """
+        self._flag = _Flag(raised, error, device)
+
+    def settle_flag(self) -> None:
+        """Agree on a flag still pending (one max all-reduce), raising if any rank set it."""
+        flag, self._flag = self._flag, None
+        if flag is not None:
+            mark = torch.tensor([1.0 if flag.raised else 0.0], device=flag.device)
+            if float(self.all_reduce([mark], op="max")[0]) > 0:
+                raise flag.error()
+
+    def drop_flag(self) -> None:
+        """Forget a pending flag (the protocol failed for another reason)."""
+        self._flag = None
+
+    def _with_flag(self, t: torch.Tensor, op: str) -> tuple[torch.Tensor, Callable[
+            [torch.Tensor], torch.Tensor]]:
+        """``t`` with the pending flag on it, and how to take it off the result again."""
+        flag, self._flag = self._flag, None
+        assert flag is not None
+        if t.dtype.is_floating_point and t.numel():
+            # NaN survives a sum; +inf a max, -inf a min (a NaN in a max or min is
+            # lost or kept by the order the backend compares in)
+            poison = {"sum": float("nan"), "max": float("inf"), "min": float("-inf")}[op]
+            sent = t.clone() if flag.raised else t
+            if flag.raised:
+                sent.view(-1)[:1] = poison
+
+            def check_head(out: torch.Tensor) -> torch.Tensor:
+                head = out.reshape(-1)[:1]
+                if bool(head.isnan().all() if op == "sum" else head.isinf().all()):
+                    raise flag.error()
+                return out
+            return sent, check_head
+        mark = (-1 if op == "min" else 1) if flag.raised else 0
+        sent = torch.cat([t.reshape(-1), t.new_full((1,), mark)])
+
+        def strip(out: torch.Tensor) -> torch.Tensor:
+            last = out.reshape(-1)[-1:]
+            if bool((last < 0) if op == "min" else (last > 0)):
+                raise flag.error()
+            return out.reshape(-1)[:-1].reshape(t.shape)
+        return sent, strip
+
     # ------------------------------------------------------------ public
     def all_reduce(self, tensors: list[torch.Tensor], op: str = "sum") -> list[torch.Tensor]:
         """Element-wise reduce each tensor over ranks (``sum``, ``max`` or ``min``)."""
@@ -111,9 +177,13 @@ class Communicator(ABC):
             raise ValueError(f"all_reduce op must be one of {REDUCE_OPS}, got {op!r}")
         out = []
         for t in tensors:
+            strip: Callable[[torch.Tensor], torch.Tensor] | None = None
+            if self._flag is not None:
+                t, strip = self._with_flag(t, op)
             start = time.perf_counter()
-            out.append(self._all_reduce(t, op))
+            reduced = self._all_reduce(t, op)
             self.counter.add("all_reduce", _nbytes(t), time.perf_counter() - start)
+            out.append(strip(reduced) if strip is not None else reduced)
         return out
 
     def reduce_scatter_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -129,17 +199,34 @@ class Communicator(ABC):
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's tensor; shapes must agree across ranks."""
+        flag, self._flag = self._flag, None
+        sent = t if flag is None else torch.cat(
+            [t.reshape(-1), t.new_full((1,), 1 if flag.raised else 0)])
         start = time.perf_counter()
-        out = self._all_gather(t)
-        self.counter.add("all_gather", _nbytes(t), time.perf_counter() - start)
-        return out
+        out = self._all_gather(sent)
+        self.counter.add("all_gather", _nbytes(sent), time.perf_counter() - start)
+        if flag is None:
+            return out
+        if bool(torch.stack([o.reshape(-1)[-1] for o in out]).ne(0).any()):
+            raise flag.error()
+        return [o.reshape(-1)[:-1].reshape(t.shape) for o in out]
 
-    def all_gather_bytes(self, data: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's 1-D uint8 buffer, sizes may differ (sizes exchanged first)."""
-        if data.dtype != torch.uint8 or data.dim() != 1:
+    def all_gather_bytes(self, data: torch.Tensor | None,
+                         device: torch.device | None = None) -> list[torch.Tensor] | None:
+        """Every rank's 1-D uint8 buffer, sizes may differ (sizes exchanged first).
+
+        A rank with nothing to send (``data`` None, on ``device``: its gradient was
+        non-finite) says so in the size exchange; then every rank gets None and the
+        payloads are not exchanged.
+        """
+        if data is not None and (data.dtype != torch.uint8 or data.dim() != 1):
             raise ValueError("all_gather_bytes takes a 1-D uint8 tensor")
-        size = torch.tensor([data.numel()], dtype=torch.int64, device=data.device)
-        sizes = [int(s) for s in self.all_gather(size)]
+        where = data.device if data is not None else (device or torch.device("cpu"))
+        size = torch.tensor([-1 if data is None else data.numel()], dtype=torch.int64,
+                            device=where)
+        sizes = torch.cat(self.all_gather(size)).tolist()  # one host read
+        if data is None or min(sizes) < 0:
+            return None
         longest = max(sizes)
         padded = data
         if data.numel() < longest:
@@ -148,20 +235,29 @@ class Communicator(ABC):
         gathered = self.all_gather(padded)
         return [g[:n] for g, n in zip(gathered, sizes, strict=True)]
 
-    def all_to_all_bytes(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Send 1-D uint8 ``chunks[j]`` to rank j (sizes may differ); return received."""
-        if len(chunks) != self.world_size:
+    def all_to_all_bytes(self, chunks: list[torch.Tensor] | None,
+                         device: torch.device | None = None) -> list[torch.Tensor] | None:
+        """Send 1-D uint8 ``chunks[j]`` to rank j (sizes may differ); return received.
+
+        ``chunks`` None (a non-finite gradient, on ``device``): as ``all_gather_bytes``,
+        every rank gets None after the size exchange.
+        """
+        if chunks is not None and len(chunks) != self.world_size:
             raise ValueError(f"all_to_all needs {self.world_size} chunks, got {len(chunks)}")
-        device = chunks[0].device if chunks else torch.device("cpu")
-        sizes = torch.tensor([c.numel() for c in chunks], dtype=torch.int64, device=device)
-        all_sizes = self.all_gather(sizes)  # [rank i][j] = bytes i sends to j
-        longest = max(int(s.max()) for s in all_sizes) if all_sizes else 0
+        where = chunks[0].device if chunks else (device or torch.device("cpu"))
+        counts = [-1] * self.world_size if chunks is None else [c.numel() for c in chunks]
+        sizes = torch.tensor(counts, dtype=torch.int64, device=where)
+        # [rank i][j] = bytes i sends to j: one host read
+        all_sizes = torch.stack(self.all_gather(sizes)).tolist()
+        if chunks is None or min(min(row) for row in all_sizes) < 0:
+            return None
+        longest = max(max(row) for row in all_sizes) if all_sizes else 0
         padded = []
         for c in chunks:
-            buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+            buf = torch.zeros(longest, dtype=torch.uint8, device=where)
             buf[: c.numel()] = c
             padded.append(buf)
         start = time.perf_counter()
         received = self._all_to_all(padded)
         self.counter.add("all_to_all", longest * len(padded), time.perf_counter() - start)
-        return [r[: int(all_sizes[i][self.rank])] for i, r in enumerate(received)]
+        return [r[: all_sizes[i][self.rank]] for i, r in enumerate(received)]

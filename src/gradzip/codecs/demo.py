@@ -133,9 +133,10 @@ class DeMo(Compressor):
             part.sub_(_untile(dr.T @ sent @ dc, rows, cols).reshape(-1))  # error feedback
             values.append(vals.reshape(-1))
             positions.append(idx.reshape(-1).to(torch.uint8 if r * c <= 256 else torch.int16))
-        return Payload({"values": torch.cat(values) if values else torch.zeros(0),
-                        "pos8": _cat(positions, torch.uint8),
-                        "pos16": _cat(positions, torch.int16)})
+        empty = m.new_zeros(0)
+        return Payload({"values": torch.cat(values) if values else empty,
+                        "pos8": _cat(positions, torch.uint8, m.device),
+                        "pos16": _cat(positions, torch.int16, m.device)})
 
     # ------------------------------------------------------------------ decode
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
@@ -183,13 +184,14 @@ class DeMo(Compressor):
         blobs = comm.all_gather(own.to_tensor(device=x.device))
         total = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
         for blob in blobs:  # in rank order on every rank: the same sum everywhere
-            total.add_(self.decode_tensors(Payload.deserialize(blob), x.shape, None,
-                                           shapes).reshape(-1))
+            # a received payload is rebuilt on the host: decode it where the sum lives
+            total.add_(self.decode_tensors(Payload.deserialize(blob).to(x.device), x.shape,
+                                           None, shapes).reshape(-1))
         update = total.div_(comm.world_size).sign_().reshape(x.shape)
         local = self.decode_tensors(own, x.shape, slot, shapes) if want_local else None
         return update, local
 
 
-def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def _cat(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     mine = [p for p in parts if p.dtype == dtype]
-    return torch.cat(mine) if mine else torch.zeros(0, dtype=dtype)
+    return torch.cat(mine) if mine else torch.zeros(0, dtype=dtype, device=device)

@@ -61,14 +61,14 @@ def fit_basis(slices: torch.Tensor, k: int) -> torch.Tensor:
     change, but a float32 Sᵀ S of raw values would overflow for |x| above ~1e17 and
     underflow to denormals (then NaN) below ~1e-20.
     """
-    peak = float(slices.abs().amax()) if slices.numel() else 0.0
-    if peak > 0 and peak != 1.0:
-        slices = slices * (1.0 / peak)
+    if slices.numel():  # on the device: no host read of the peak
+        peak = slices.abs().amax()
+        slices = slices * torch.where(peak > 0, peak.reciprocal(), torch.ones_like(peak))
     gram = (slices.T @ slices).double()
     _, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues
     u = vecs[:, -k:].flip(-1)
     pivot = u.abs().argmax(dim=0)
-    signs = torch.sign(u[pivot, torch.arange(k)])
+    signs = torch.sign(u[pivot, torch.arange(k, device=u.device)])
     signs[signs == 0] = 1.0
     return (u * signs).to(slices.dtype).contiguous()
 

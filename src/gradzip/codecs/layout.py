@@ -22,7 +22,7 @@ every step.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -47,6 +47,21 @@ class Piece:
     width: int
     block: int
     lengths: torch.Tensor | None = None
+    #: ``lengths`` copied to each device it was used on (layouts are cached and reused
+    #: every step: one host-to-device copy per device, not one per call)
+    _on_device: dict[torch.device, torch.Tensor] = field(
+        default_factory=dict, compare=False, hash=False, repr=False)
+
+    def lengths_on(self, device: torch.device) -> torch.Tensor:
+        """``lengths`` on ``device`` (``segment_reduce`` and ``repeat_interleave`` need
+        them beside the data: CPU lengths with CUDA data are a device-mismatch error)."""
+        assert self.lengths is not None
+        if device.type == "cpu":
+            return self.lengths
+        found = self._on_device.get(device)
+        if found is None:
+            found = self._on_device[device] = self.lengths.to(device)
+        return found
 
     @property
     def size(self) -> int:
@@ -189,7 +204,8 @@ def block_stats(x: torch.Tensor, layout: Layout, kind: str,
             part = t.amax(1) if op == "max" else t.sum(1)
         else:
             t = transform(v, buf)
-            part = torch.segment_reduce(t.reshape(-1), op, lengths=p.lengths, unsafe=True,
+            part = torch.segment_reduce(t.reshape(-1), op, lengths=p.lengths_on(t.device),
+                                        unsafe=True,
                                         initial=0)
         dest = out[p.block:p.block + p.nblocks]
         if op == "max":
@@ -204,7 +220,7 @@ def spread(values: torch.Tensor, p: Piece) -> torch.Tensor:
     if p.lengths is None:
         return values[p.block:p.block + p.rows, None]
     mine = values[p.block:p.block + p.nblocks]
-    return torch.repeat_interleave(mine, p.lengths.to(mine.device), output_size=p.size)[None, :]
+    return torch.repeat_interleave(mine, p.lengths_on(mine.device), output_size=p.size)[None, :]
 
 
 def scale_pieces(out: torch.Tensor, layout: Layout, values: torch.Tensor) -> torch.Tensor:

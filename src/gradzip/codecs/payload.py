@@ -164,6 +164,11 @@ class Payload:
             raise ValueError("with_leaves got more tensors than the payload has leaves")
         return result
 
+    def to(self, device: torch.device | str) -> Payload:
+        """This payload with every tensor on ``device`` (a received payload is rebuilt
+        on the host; its decoder should run where the result is needed)."""
+        return self.with_leaves([t.to(device) for _, t in self.leaves()])
+
     def tensor_bytes(self) -> builtins.int:
         """Bytes of tensor and blob data alone (no headers)."""
         total = 0

@@ -59,6 +59,12 @@ class Handle:
     def codec(self) -> Codec:
         return self.codecs[0]
 
+    @property
+    def chained(self) -> bool:
+        """Whether DDP buckets run on the future-chained path (``comm/chained.py``: one
+        summable stage, no communication thread) rather than on the comm thread."""
+        return self._ddp_state is not None and self._ddp_state.chained
+
     def state_dict(self) -> dict[str, Any]:
         """Codec state of this rank (EF residuals, PowerSGD Q, momentum)."""
         return {"kind": self.kind, "codec": self.codec.state_dict(),

@@ -17,12 +17,14 @@ buckets, so collectives are issued in the same order on every rank.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gradzip.codecs.chain import Codec
 from gradzip.codecs.linkmodel import link_bytes
+from gradzip.codecs.nonfinite import agreed_nonfinite_error
 from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import Reduction
@@ -37,20 +39,59 @@ def chainable(codec: Codec) -> bool:
     return simple and (codec.nonfinite == "error" or codec.compressors[0][1].name == "none")
 
 
+class PendingChecks:
+    """Non-finite flags of chained reductions whose sums are still on a GPU.
+
+    On CPU a callback runs after its collective finished, so it checks at once. On
+    CUDA it runs when the collective is enqueued, and a host read there would stall
+    backward until NCCL finished; instead the flag is copied to pinned memory behind an
+    event and read at the next step's first bucket, when it is long done. Every rank
+    holds the same sums, so every rank raises there, with the same words.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[torch.Tensor, Any, str]] = []
+
+    def watch(self, flag: torch.Tensor, key: str) -> None:
+        """Raise now (CPU) or at ``raise_ready`` (CUDA) if ``flag`` (0-d bool) is set."""
+        if flag.device.type != "cuda":
+            if bool(flag):
+                raise agreed_nonfinite_error(key)
+            return
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((host, event, key))
+
+    def raise_ready(self) -> None:
+        """Raise for the first set flag among those watched so far (then forget them)."""
+        pending, self._pending = self._pending, []
+        for host, event, key in pending:
+            event.synchronize()
+            if bool(host):
+                raise agreed_nonfinite_error(key)
+
+
 def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor, key: str,
-                 shapes: list[torch.Size] | None, plain: bool) -> torch.futures.Future:
-    """Mean of ``buffer`` over ranks, in place, as a future (``plain``: uncompressed)."""
+                 shapes: list[torch.Size] | None, plain: bool,
+                 checks: PendingChecks) -> torch.futures.Future:
+    """Mean of ``buffer`` over ranks, in place, as a future (``plain``: uncompressed).
+
+    The future is the collective's own (``work.get_future().then``), as PyTorch's
+    ``default_hooks`` chain it: on CUDA its callback runs on a stream that waits for
+    NCCL, so the decode never reads the sum before it is written. (A future made by
+    ``collect_all`` carries no CUDA events: the decode would race the all-reduce.)
+    """
     codec, world = reducer.codec, comm.world_size
     start = time.perf_counter()
-    # Under 'propagate' only ``none`` runs here (``chainable``), and NaN/Inf cross its
-    # all-reduce whole, as with DDP's own: no check needed. Under 'error' it is one pass.
-    if not plain and codec.nonfinite == "error":
-        try:  # the 'error' policy raises here, before sending, through the future
-            codec._check_input(buffer, key)
-        except ValueError as e:
-            failed: torch.futures.Future = torch.futures.Future()
-            failed.set_exception(e)
-            return failed
+    # 'error': a non-finite bucket must stop every rank, and none may skip the
+    # all-reduce (its peers would wait in it). The flag stays on the device: a
+    # non-finite rank puts NaN in the first value it sends, every rank sees it in the
+    # sum. Under 'propagate' only ``none`` runs here (``chainable``) and NaN/Inf cross
+    # its all-reduce whole, as with DDP's own.
+    check = not plain and codec.nonfinite == "error" and buffer.numel() > 0
+    bad = ~torch.isfinite(buffer).all() if check else None
     if plain:
         leaves = [buffer.div_(world)]
         payload = None
@@ -63,6 +104,9 @@ def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor
         else:  # integer leaves do not divide: divide the input and encode again
             payload = codec._encode_stages(buffer.div_(world), key, shapes)
             leaves = [t for _, t in payload.leaves()]
+    heads = [t.view(-1)[:1] for t in leaves if t.numel() and t.dtype.is_floating_point]
+    if bad is not None and heads:
+        heads[0].copy_(torch.where(bad, torch.full_like(heads[0], float("nan")), heads[0]))
     encode_s = time.perf_counter() - start
     works = [dist.all_reduce(t, group=comm.group, async_op=True) for t in leaves]
     handed = sum(t.numel() * t.element_size() for t in leaves)
@@ -72,7 +116,11 @@ def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor
     backend = comm.counter.backend
 
     def finish(_: torch.futures.Future) -> torch.Tensor:
+        for work in works[:-1]:  # same group, same stream: done before the last one;
+            work.wait()          # on CUDA this only orders the streams
         decode_start = time.perf_counter()
+        if bad is not None and heads:
+            checks.watch(~torch.isfinite(heads[0]).all(), key)
         if payload is not None:  # casts convert straight into the bucket
             codec.compressors[0][1].decode_into(payload, buffer, None)
         done = time.perf_counter()
@@ -92,4 +140,4 @@ def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor
         ))
         return buffer
 
-    return torch.futures.collect_all([w.get_future() for w in works]).then(finish)
+    return works[-1].get_future().then(finish)

@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 from gradzip.codecs.base import Compressor
 from gradzip.codecs.chain import Codec
-from gradzip.comm.chained import chainable, reduce_async
+from gradzip.codecs.nonfinite import NonFiniteGradientError
+from gradzip.comm.chained import PendingChecks, chainable, reduce_async
 from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import CommStats
@@ -99,6 +100,9 @@ class DDPCommState:
         #: one summable single-stage codec for every parameter: PyTorch's future-chained
         #: all-reduce, no communication thread (``chained.py``)
         self.chained = not self.groups and not diagnose and chainable(codec)
+        #: the chained path's non-finite flags still on a GPU (``chained.PendingChecks``)
+        self.checks = PendingChecks()
+        self.checked = 0  # the iteration whose first bucket last ran ``raise_ready``
         self.iteration = 0
         #: a ``gradzip.capture.Capture`` recording each bucket as it is communicated,
         #: and parameter identity -> name for its records (set by ``attach``)
@@ -222,13 +226,21 @@ def _reduce_bucket(state: DDPCommState, bucket: dist.GradBucket) -> torch.future
     params = bucket.parameters()
     layout = tuple(id(p) for p in params)
     shapes = [p.shape for p in params]
+    if state.checked != state.iteration:  # a step's first bucket: the last step's
+        state.checked = state.iteration     # non-finite flags are long done
+        try:  # every rank fails here together, before any collective of this step
+            state.checks.raise_ready()
+        except NonFiniteGradientError as e:
+            failed: torch.futures.Future = torch.futures.Future()
+            failed.set_exception(e)
+            return failed
     if bucket.is_last():
         state.iteration += 1
     if state.chained:
         if compress:
             state.check_layout(index, layout)
         return reduce_async(state.reducers[0], state.comm, buffer, key, shapes,
-                            plain=not compress)
+                            plain=not compress, checks=state.checks)
 
     def job() -> torch.Tensor:
         if not compress:

@@ -1,0 +1,87 @@
+"""Device discipline without a GPU: codecs on ``meta`` tensors.
+
+A meta tensor has a shape, a dtype and a device, but no values: any host read
+(``.item()``, ``int(t)``, ``.numpy()``) raises, and ``DeviceWatch`` records every
+operator that meets a CPU-made tensor with the data. A codec whose math is pure torch
+must encode and decode a bucket of meta tensors with no host read, no mixed-device
+operator, and every payload tensor and the result on the data's device; on CUDA it
+then runs with no host sync and no device-mismatch error. The stages that must use
+the host are listed in ``HOST`` with the reason, and the test holds the list exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradzip
+from gradzip.bench.devicecheck import DeviceWatch, count_host_syncs
+
+SHAPES = [torch.Size((100, 30)), torch.Size((30,)), torch.Size((5000,)),
+          torch.Size((200, 50)), torch.Size((0,))]
+
+#: codecs whose encode and decode are pure torch on the data's device
+PURE = ["none", "fp16", "bf16", "randomk(ratio=0.1)", "int8", "int8(block=256)", "qsgd",
+        "signsgd", "powersgd(rank=2)", "gradiveq", "sketch", "ef | int8", "ef | qsgd",
+        "ef | fp16", "ef | powersgd(rank=2)"]
+
+#: codecs that read the host, and why (docs/architecture.md, "Device and host")
+HOST = {
+    "topk(ratio=0.1)": "decode validates the received positions (1-2 host reads)",
+    "threshold(v=0.5)": "the number of kept values depends on the data",
+    "dgc": "the sampled threshold and the kept count depend on the data",
+    "terngrad": "decode validates the received trit codes (1 host read)",
+    "natural": "the largest exponent goes into the header (1 host read)",
+    "efsignsgd": "per-tensor scales retried in float64 on overflow (1 host read)",
+    "onebit": "per-column means retried in float64 on overflow (1 host read)",
+    "demo": "decode validates the received positions (1 host read per tensor)",
+    "int8 | ans": "entropy coders run on the host (numba): one round trip per field",
+    "lossless": "the lossless float coder runs on the host (numba, zstd)",
+}
+
+
+def _meta_bucket() -> torch.Tensor:
+    return torch.empty(sum(s.numel() for s in SHAPES), device="meta")
+
+
+def _round_trip(spec: str) -> tuple[DeviceWatch, gradzip.Payload, torch.Tensor]:
+    codec = gradzip.codec(spec, nonfinite="propagate")
+    watch = DeviceWatch()
+    with watch:
+        payload = codec.encode(_meta_bucket(), "bucket0", SHAPES)
+        out = codec.decode(payload, "bucket0", SHAPES)
+    return watch, payload, out
+
+
+@pytest.mark.parametrize("spec", PURE)
+def test_pure_codecs_stay_on_the_device(spec: str) -> None:
+    watch, payload, out = _round_trip(spec)
+    assert watch.mixes == [], f"{spec}: operators mixing devices: {watch.mixes}"
+    assert watch.reads == 0
+    assert {t.device.type for _, t in payload.leaves()} <= {"meta"}
+    assert out.device.type == "meta" and out.shape == _meta_bucket().shape
+
+
+@pytest.mark.parametrize("spec", sorted(HOST))
+def test_host_stages_are_listed_exactly(spec: str) -> None:
+    """Each listed codec really reads the host; one that stops doing so must move to
+    ``PURE`` (and docs/architecture.md), so the list never goes stale."""
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        _round_trip(spec)
+
+
+def test_every_registered_compressor_is_classified() -> None:
+    from gradzip.codecs.base import Compressor
+    named = {s.split("(")[0].split("|")[-1].strip() for s in PURE + list(HOST)}
+    compressors = {n for n, cls in gradzip.registered().items() if issubclass(cls, Compressor)}
+    assert compressors <= named, f"classify {sorted(compressors - named)} in this file"
+
+
+def test_sync_counter_counts_what_a_gpu_would_sync_on() -> None:
+    t = torch.arange(4.0)
+    with count_host_syncs() as syncs:
+        float(t.sum())
+        t.tolist()
+        t.numpy()
+        t.cpu()
+    assert syncs.counts == {"item": 1, "tolist": 1, "numpy": 1, "cpu": 1}
