@@ -14,7 +14,7 @@ machine, where every tensor is a host tensor. Two proxies find them there:
   tensor that meets the data is recorded as a mix.
 * ``count_host_syncs`` — counts, on ordinary tensors and on every thread, the calls
   that would be host syncs on a GPU: ``.item()``, ``int()``, ``float()``, ``bool()``,
-  ``.tolist()``, ``.numpy()`` and ``.cpu()``. The DDP hook's budget test asserts
+  ``.tolist()`` and ``.cpu()``. The DDP hook's budget test asserts
   these per bucket (``tests/test_sync_budget.py``).
 
 On a GPU, ``torch.cuda.set_sync_debug_mode("warn")`` is the ground truth
@@ -82,14 +82,15 @@ class SyncCount:
 
 
 #: the tensor methods that read values to the host (``int(t)`` is ``t.__int__()``)
-_SYNC_METHODS = ("item", "__int__", "__float__", "__bool__", "__index__", "tolist", "numpy",
-                 "cpu")
+#: (``.numpy()`` is not among them: it fails on a device tensor, so it only ever runs on
+#: a host tensor, after the ``.cpu()`` that was the sync)
+_SYNC_METHODS = ("item", "__int__", "__float__", "__bool__", "__index__", "tolist", "cpu")
 
 
 @contextlib.contextmanager
 def count_host_syncs() -> Iterator[SyncCount]:
     """Count, on every thread, the calls on tensors that would be host syncs on a GPU:
-    ``item``, ``int()``/``float()``/``bool()``, ``tolist``, ``numpy`` and ``cpu``.
+    ``item``, ``int()``/``float()``/``bool()``, ``tolist`` and ``cpu``.
 
     The methods of ``torch.Tensor`` are wrapped for the duration (Python-level calls
     only: what gradzip's own code does). Not thread-safe against other patches.

@@ -79,8 +79,8 @@ def _decode_sum(codec: Codec, blobs: list[torch.Tensor], n: int,
                 shapes: Shapes | None, device: torch.device) -> torch.Tensor:
     """fp32 sum of the decoded payloads, in rank order (the same sum on every rank)."""
     total = torch.zeros(n, dtype=torch.float32, device=device)
-    for blob in blobs:
-        p = Payload.deserialize(blob)
+    for blob in blobs:  # rebuilt on the host, decoded where the sum lives
+        p = Payload.deserialize(blob).to(device)
         total += codec._decode_body(p, None, torch.Size((n,)), shapes).to(device).reshape(-1)
     return total
 
@@ -173,7 +173,7 @@ def two_phase_mean(codec: Codec, x: torch.Tensor, key: str, comm: Communicator,
     owner = codec._encode_with_feedback(mine, f"{key}/owner", pieces[rank])
     gathered = comm.all_gather_bytes(_to_bytes(owner, mine))
     assert gathered is not None  # every rank sends its owner payload
-    parts = [codec._decode_body(Payload.deserialize(b), None,
+    parts = [codec._decode_body(Payload.deserialize(b).to(x.device), None,
                                 torch.Size((bounds[j + 1] - bounds[j],)), pieces[j])
              for j, b in enumerate(gathered)]
     mean = torch.cat([t.to(x.device).reshape(-1).float() for t in parts]).reshape(x.shape)

@@ -309,18 +309,24 @@ class Codec:
 
     # ------------------------------------------------------------ decode
     def decode(self, p: Payload, key: str | None = None,
-               shapes: Shapes | None = None) -> torch.Tensor:
+               shapes: Shapes | None = None, device: torch.device | str | None = None
+               ) -> torch.Tensor:
         """Rebuild the tensor (its shape and dtype) from any rank's payload.
 
         ``shapes`` must be what ``encode`` was given (the bucket layout is the same on
-        every rank, so it never travels).
+        every rank, so it never travels). ``device``: where the result goes (default:
+        where the payload's tensors are; a payload coded to bytes throughout has none,
+        and decodes on the CPU).
         """
         shape = p.shape("shape")
         dtype = _dtype(p.int("dtype"))
+        if device is not None:
+            p = p.to(device)
         if p.meta.get("nan"):
-            return torch.full(shape, float("nan"), dtype=dtype)
+            return torch.full(shape, float("nan"), dtype=dtype, device=device)
         shapes = checked_shapes(shapes, shape.numel())
-        return _cast(self._decode_body(p, key, shape, shapes), dtype)
+        out = _cast(self._decode_body(p, key, shape, shapes), dtype)
+        return out if device is None else out.to(device)
 
     def _decode_body(self, p: Payload, key: str | None, shape: torch.Size,
                      shapes: Shapes | None = None) -> torch.Tensor:
@@ -333,8 +339,10 @@ class Codec:
 
     def _decode_stages(self, p: Payload, key: str | None, shape: torch.Size,
                        shapes: Shapes | None) -> torch.Tensor:
-        for index, coder in reversed(self.coders):
-            p = self._undo_recode(p, index, coder)
+        if self.coders:  # lossless coders decode on the host: back to the payload's device
+            device = next((t.device for _, t in p.leaves()), torch.device("cpu"))
+            for index, coder in reversed(self.coders):
+                p = self._undo_recode(p, index, coder, device)
         # walk down the nested values fields, then decode from the innermost out
         chain: list[tuple[Payload, Compressor, int]] = []
         node = p
@@ -362,14 +370,15 @@ class Codec:
         assert decoded is not None
         return decoded
 
-    def _undo_recode(self, p: Payload, index: int, coder: LosslessCoder) -> Payload:
+    def _undo_recode(self, p: Payload, index: int, coder: LosslessCoder,
+                     device: torch.device) -> Payload:
         fields: dict[str, Any] = {}
         for name, value in p.fields.items():
             if isinstance(value, Payload):
                 if value.meta.get(_CODED) == index:
-                    fields[name] = coder.decode_field(value)
+                    fields[name] = coder.decode_field(value).to(device)
                 else:
-                    fields[name] = self._undo_recode(value, index, coder)
+                    fields[name] = self._undo_recode(value, index, coder, device)
             else:
                 fields[name] = value
         return Payload(fields, dict(p.meta))

@@ -139,7 +139,7 @@ class SignSGD(Compressor):
         fields: dict[str, torch.Tensor | bytes | Payload] = {"bits": pack_signs(flat)}
         if self.params["scale"] == "l1":
             mag = _l1(flat) / flat.numel() if flat.numel() else 0.0
-            fields["scale"] = torch.tensor([mag], dtype=torch.float32)
+            fields["scale"] = torch.tensor([mag], dtype=torch.float32, device=x.device)
         return Payload(fields)
 
     def _magnitude(self, p: Payload) -> float:
@@ -162,7 +162,7 @@ class SignSGD(Compressor):
                             device=x.device)
         mags = []
         for blob in blobs:
-            p = Payload.deserialize(blob)
+            p = Payload.deserialize(blob).to(x.device)
             votes.add_(unpack_bits(p.tensor("bits"), n).to(x.device))  # counts negatives
             mags.append(self._magnitude(p))
         # world - 2 * (#negative) = #positive - #negative; its sign is the vote
@@ -224,7 +224,8 @@ class EFSignSGD(Compressor):
             b = buf[:c.numel()].fill_(scale)
             c.sub_(torch.copysign(b, c, out=b))
         slot.data["residual"] = p
-        return Payload({"bits": bits, "scale": torch.tensor([scale], dtype=torch.float32)})
+        return Payload({"bits": bits, "scale": torch.tensor([scale], dtype=torch.float32,
+                                                           device=x.device)})
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
         s = _scalar(p, "scale")
@@ -310,7 +311,8 @@ class OneBit(Compressor):
         bits = pack_signs(flat)
         nneg = count_ones(bits)
         pos, neg = _side_sums(flat)
-        recon = torch.tensor([pos / max(n - nneg, 1), neg / max(nneg, 1)], dtype=torch.float32)
+        recon = torch.tensor([pos / max(n - nneg, 1), neg / max(nneg, 1)], dtype=torch.float32,
+                             device=x.device)
         return Payload({"bits": bits, "recon": recon})
 
     @staticmethod
@@ -398,7 +400,7 @@ class OneBit(Compressor):
         return Payload({
             "bits": pack_signs(flat),
             "recon": recon.float(),
-            "cols": torch.cat(cols, 1) if cols else torch.zeros(2, 0),
+            "cols": torch.cat(cols, 1) if cols else torch.zeros(2, 0, device=flat.device),
         })
 
     @staticmethod

@@ -126,6 +126,15 @@ def attach(
 
     if capture is not None and isinstance(model, FullyShardedDataParallel):
         raise ValueError("capture works with DDP and FSDP2 (fully_shard), not FSDP1")
+    if isinstance(model, DistributedDataParallel) and getattr(
+            model, "_use_python_reducer", False):
+        raise ValueError(
+            "gradzip cannot attach to a DDP model built with compiled autograd's Python "
+            "reducer (torch._dynamo.config.optimize_ddp = 'python_reducer'): that mode "
+            "calls the comm hook once per parameter inside the compiled graph, and "
+            "gradzip's hooks reduce whole buckets with host work. Build the model with "
+            "the default optimize_ddp (plain torch.compile of a DDP model keeps gradzip's "
+            "hooks eager and exact)")
     if isinstance(model, DistributedDataParallel):
         handle = apply_ddp(model, policy, codecs, process_group, diagnose)
     elif isinstance(model, FullyShardedDataParallel):

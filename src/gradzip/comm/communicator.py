@@ -38,22 +38,38 @@ class TorchCommunicator(Communicator):
         # and the simulated communicator leaves inputs untouched too
         out = t.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, op=_OPS[op], group=self.group)
-        return out
+        return _finished(out)
 
     def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         t = t.contiguous()
         out = [torch.empty_like(t) for _ in range(self.world_size)]
         dist.all_gather(out, t, group=self.group)
+        _finished(t)
         return out
 
     def _all_to_all(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
         chunks = [c.contiguous() for c in chunks]
         out = [torch.empty_like(c) for c in chunks]
         dist.all_to_all(out, chunks, group=self.group)
+        if chunks:
+            _finished(chunks[0])
         return out
 
     def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         flat = t.contiguous().reshape(-1)  # gloo wants 1-D: world x n in, n out
         out = torch.empty(t.shape[1], dtype=t.dtype, device=t.device)
         dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=self.group)
-        return out
+        return _finished(out)
+
+
+def _finished(t: torch.Tensor) -> torch.Tensor:
+    """``t``, after the collective that wrote it has run (CUDA only).
+
+    A blocking collective on NCCL returns when it is enqueued; the counters time each
+    call, so the calling stream (gradzip's own, on the communication thread) is
+    synchronized here and the time is the transfer's, not the enqueue's. The jobs read
+    most results on the host next anyway.
+    """
+    if t.device.type == "cuda":
+        torch.cuda.current_stream(t.device).synchronize()
+    return t

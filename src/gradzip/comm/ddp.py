@@ -197,6 +197,10 @@ def gradzip_hook(state: DDPCommState, bucket: dist.GradBucket) -> torch.futures.
     """DDP comm hook: mean of ``bucket`` over ranks through the policy's codecs (and the
     bucket recorded by the capture, when one is attached and this step is on its
     schedule: what this rank sends, before the reduction overwrites it)."""
+    if isinstance(bucket, tuple):  # (grad, param): compiled autograd's Python reducer
+        raise TypeError("gradzip's DDP hook got a (grad, param) pair: compiled autograd's "
+                        "Python reducer (optimize_ddp='python_reducer') is not supported; "
+                        "use the default optimize_ddp")
     capture = state.capture
     if capture is None or not capture.active:
         return _reduce_bucket(state, bucket)

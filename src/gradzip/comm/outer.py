@@ -40,6 +40,7 @@ import re
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.ddp import build_codec, private_group
 from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import CommStats
+from gradzip.comm.streams import SideStreams
 
 OUTER_KINDS = ("diloco", "average")
 
@@ -91,6 +93,7 @@ class DiLoCo:
         self.overlap_steps = overlap_steps
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="diloco-exchange")
                       if overlap_steps else None)
+        self._streams = SideStreams()
         self._pending: list[_Exchange] = []  # started, not yet applied (start order)
 
     def _broadcast(self, model: nn.Module) -> None:
@@ -165,7 +168,11 @@ class DiLoCo:
         assert self._pool is not None
         pseudo = self._pseudo(fragment)
         since = [p.detach().clone() for p in self._params(fragment)[1]]
-        future = self._pool.submit(self._exchange, fragment, pseudo)
+        # on CUDA the exchange runs on a stream of its own, after the pseudo-gradient's
+        # kernels (an event edge): the inner steps' stream never waits for NCCL
+        event = self._streams.mark(pseudo)
+        future = self._pool.submit(self._streams.run, partial(self._exchange, fragment, pseudo),
+                                   pseudo.device, event)
         self._pending.append(_Exchange(fragment, self.inner_steps + self.overlap_steps,
                                        future, since))
 

@@ -10,7 +10,10 @@ buckets in the same order on every rank), and each completes a
 ``torch.futures.Future``.
 
 The jobs' collectives go to gradzip's own process group (see ``ddp.py``), so
-they never interleave with DDP's collectives on the model's group.
+they never interleave with DDP's collectives on the model's group. On CUDA the
+thread sets its device and runs every job on a stream of gradzip's own
+(``streams.py``): its collectives and codec kernels never make backward's stream
+wait.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ from typing import Any
 
 import torch
 
+from gradzip.comm.streams import SideStreams
+
 
 class CommWorker:
     """A daemon thread executing ``submit``-ted jobs one at a time, FIFO."""
 
     def __init__(self, name: str = "gradzip-comm") -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._streams = SideStreams()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self._closed = False
@@ -36,16 +42,14 @@ class CommWorker:
                ) -> torch.futures.Future:
         """Queue ``fn``; the returned future holds its result (or its exception).
 
-        On CUDA, ``tensor``'s producer stream is recorded so the job waits for
-        backward's kernels that wrote it before reading it.
+        On CUDA, the job runs on gradzip's own stream (``streams.SideStreams``), after
+        an event recorded now on the stream that produced ``tensor`` (backward's), and
+        its stream is synchronized before the future completes.
         """
         if self._closed:
             raise RuntimeError("gradzip communication worker is closed")
         fut: torch.futures.Future = torch.futures.Future()
-        event = None
-        if tensor is not None and tensor.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(tensor.device))
+        event = self._streams.mark(tensor)
         self._queue.put((fn, fut, event, tensor.device if tensor is not None else None))
         return fut
 
@@ -56,12 +60,7 @@ class CommWorker:
                 return
             fn, fut, event, device = item
             try:
-                if event is not None:
-                    event.synchronize()
-                result = fn()
-                if device is not None and device.type == "cuda":
-                    torch.cuda.current_stream(device).synchronize()
-                fut.set_result(result)
+                fut.set_result(self._streams.run(fn, device, event))
             except BaseException as e:  # noqa: BLE001 - delivered to the waiter
                 fut.set_exception(e)
 

@@ -1,0 +1,370 @@
+"""``gradzip bench gpu``: is gradzip correct and fast where users train, CUDA + NCCL?
+
+One command for one GPU (at most a few minutes on an H100), writing ``gpu.json`` and
+``gpu.md`` into ``--out``. Three parts:
+
+1. **Stream order.** A hook's future must order the compute stream after the NCCL
+   collective. The probe queues a long ``torch.cuda._sleep`` on a side stream, calls
+   the hook there (so NCCL, which waits for the calling stream, starts only after the
+   sleep), then waits on the hook's future from the compute stream and times it with
+   CUDA events: a correctly chained future makes the compute stream wait the whole
+   sleep; a future that carries no CUDA events (``torch.futures.collect_all``, which
+   gradzip's chained path used to return) lets it run on at once, which is the race
+   where decode reads the sum before NCCL wrote it. PyTorch's ``fp16_compress_hook``
+   is the control, and a ``collect_all`` hook the negative control that the probe must
+   catch.
+2. **DDP on a one-rank NCCL group** for each codec family: a small MLP trained a few
+   steps under ``gradzip.attach``; no crash, finite, and for lossless codecs the same
+   parameters as eager training, bit for bit.
+3. **Encode and decode speed** per codec on a 25 MB fp32 bucket of three tensors
+   (CUDA events, median of ``--repeat``), with the host syncs of each call counted by
+   ``torch.cuda.set_sync_debug_mode("warn")``.
+
+``--smoke`` runs the same on the CPU over a one-rank gloo group, small, with the sync
+counts from ``gradzip.bench.devicecheck.count_host_syncs``; the tests run it. The
+stream probe needs CUDA and is reported as skipped there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+#: codec families of the DDP check and the speed table (``--codecs`` overrides)
+SPECS = ["none", "fp16", "bf16", "randomk(ratio=0.01)", "topk(ratio=0.01)",
+         "ef | topk(ratio=0.01)", "int8", "qsgd", "terngrad", "natural", "signsgd",
+         "efsignsgd", "onebit", "dgc", "powersgd(rank=4)", "sketch", "demo", "gradiveq",
+         "int8 | ans", "qsgd | eg", "none | zstd", "lossless"]
+#: exact codecs: DDP on one rank must equal eager training bit for bit
+LOSSLESS = {"none", "none | zstd", "lossless", "none | lz4"}
+#: the 25 MB bucket of the speed table: two matrices and a bias (6,553,600 fp32 values)
+BUCKET = [torch.Size((2048, 2048)), torch.Size((1151, 2048)), torch.Size((2048,))]
+SMOKE_BUCKET = [torch.Size((128, 256)), torch.Size((31, 256)), torch.Size((256,))]
+
+
+class _Bucket:
+    """What a DDP comm hook reads of a ``GradBucket`` (which Python cannot build)."""
+
+    def __init__(self, buffer: torch.Tensor, shapes: list[torch.Size]) -> None:
+        self._buffer = buffer
+        self._params = [nn.Parameter(torch.empty(s, device=buffer.device)) for s in shapes]
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self._params
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [p.view(-1) for p in self._params]
+
+
+# ---------------------------------------------------------------- 1. stream order
+def _collect_all_hook(group: Any, bucket: _Bucket) -> torch.futures.Future:
+    """The race this probe exists for: a future from ``collect_all`` has no CUDA events."""
+    buf = bucket.buffer()
+    work = dist.all_reduce(buf, group=group, async_op=True)
+    return torch.futures.collect_all([work.get_future()]).then(lambda _: buf)
+
+
+def _waited_ms(hook: Callable[[Any, Any], torch.futures.Future], state: Any,
+               bucket: _Bucket, sleep_cycles: int) -> float:
+    """Milliseconds the compute stream waited on the hook's future behind a delayed NCCL."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(sleep_cycles)  # NCCL waits for the stream it is called from
+        fut = hook(state, bucket)
+    fut.wait()  # a CUDA-aware future makes the current (compute) stream wait
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def stream_order(n: int) -> list[dict[str, Any]]:
+    """One row per hook: how long the compute stream waited, against the sleep."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import gradzip
+
+    sleep_ms, cycles = _calibrate_sleep()
+    rows = []
+    hooks: list[tuple[str, Any, Any, bool]] = [
+        ("torch fp16_compress_hook (control)", default_hooks.fp16_compress_hook, None, True),
+        ("collect_all (negative control)", _collect_all_hook, None, False),
+    ]
+    for spec in ("none", "fp16", "randomk(ratio=0.1)", "ef | int8"):
+        state, hook = gradzip.ddp_hook(spec)
+        hooks.append((f"gradzip {spec}", hook, state, True))
+    for name, hook, state, expect in hooks:
+        bucket = _Bucket(torch.ones(n, device="cuda"), [torch.Size((n,))])
+        if state is not None:  # the first synchronized step is uncompressed by design
+            hook(state, bucket).wait()
+            torch.cuda.synchronize()
+        waited = _waited_ms(hook, state, bucket, cycles)
+        ordered = waited >= 0.8 * sleep_ms
+        rows.append({"hook": name, "sleep_ms": round(sleep_ms, 2), "waited_ms": round(waited, 2),
+                     "ordered": ordered, "expected": expect, "ok": ordered == expect})
+        if state is not None:
+            state.close()
+    return rows
+
+
+def _calibrate_sleep(target_ms: float = 50.0) -> tuple[float, int]:
+    """Cycles of ``torch.cuda._sleep`` that take about ``target_ms``, and the ms measured."""
+    cycles = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    cycles = int(cycles * target_ms / max(start.elapsed_time(end), 1e-3))
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end), cycles
+
+
+# ---------------------------------------------------------------- 2. DDP, one rank
+def _mlp(device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                         nn.Linear(256, 8)).to(device)
+
+
+def _train(model: nn.Module, device: torch.device, steps: int, handle: Any = None) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(32, 64, generator=g).to(device)
+        y = torch.randn(32, 8, generator=g).to(device)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if handle is not None:
+            handle.stats.end_step()
+
+
+def ddp_one_rank(specs: list[str], device: torch.device, steps: int = 4) -> list[dict[str, Any]]:
+    """Each codec trains the MLP under DDP; compared with eager training of a copy."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradzip
+
+    eager = _mlp(device)
+    _train(eager, device, steps)
+    rows = []
+    for spec in specs:
+        row: dict[str, Any] = {"codec": spec}
+        try:
+            model = DDP(_mlp(device), bucket_cap_mb=0.1,
+                        device_ids=[device.index] if device.type == "cuda" else None)
+            handle = gradzip.attach(model, spec)
+            _train(model, device, steps, handle)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            totals = handle.stats.totals()
+            handle.close()
+            diff = max(float((a - b).detach().abs().max()) for a, b in
+                       zip(model.module.parameters(), eager.parameters(), strict=True))
+            finite = all(bool(p.isfinite().all()) for p in model.parameters())
+            row.update(ok=finite and (diff == 0.0 or spec not in LOSSLESS), finite=finite,
+                       max_diff_to_eager=diff, exact_expected=spec in LOSSLESS,
+                       reductions=sum(totals.get("aggregation", {}).values()),
+                       path="chained" if handle.chained else "comm thread")
+        except Exception as e:  # noqa: BLE001 - one codec's failure is a row, not the end
+            row.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------- 3. speed and syncs
+@contextmanager
+def _syncs(device: torch.device) -> Iterator[list[int]]:
+    """Count host syncs in the block: CUDA's sync debug warnings, or the CPU proxy."""
+    box = [0]
+    if device.type == "cuda":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield box
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        box[0] = sum("synchroniz" in str(w.message) for w in caught)
+    else:
+        from gradzip.bench.devicecheck import count_host_syncs
+
+        with count_host_syncs() as counted:
+            yield box
+        box[0] = counted.total
+
+
+def _timed(fn: Callable[[], Any], device: torch.device, repeat: int) -> tuple[float, Any]:
+    """Median seconds of ``fn`` (CUDA events on a GPU) and its last result."""
+    times, out = [], None
+    for _ in range(repeat):
+        if device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            t0 = time.perf_counter()
+            out = fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def codec_speed(specs: list[str], device: torch.device, shapes: list[torch.Size],
+                repeat: int) -> list[dict[str, Any]]:
+    """Encode/decode GB/s of each codec on one bucket, and the host syncs of each call."""
+    import gradzip
+
+    n = sum(s.numel() for s in shapes)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
+    rows = []
+    for spec in specs:
+        row: dict[str, Any] = {"codec": spec, "bucket_mb": round(n * 4 / 1e6, 2)}
+        try:
+            codec = gradzip.codec(spec)
+            payload = codec.encode(x, "b", shapes)  # warm: kernels, caches, compilation
+            codec.decode(payload, "b", shapes, device=x.device)
+            with _syncs(device) as enc_syncs:
+                payload = codec.encode(x, "b", shapes)
+            with _syncs(device) as dec_syncs:
+                codec.decode(payload, "b", shapes, device=x.device)
+            def encode(c: Any = codec) -> Any:
+                return c.encode(x, "b", shapes)
+
+            def decode(c: Any = codec, p: Any = payload) -> Any:
+                return c.decode(p, "b", shapes, device=x.device)
+
+            enc_s, payload = _timed(encode, device, repeat)
+            dec_s, out = _timed(decode, device, repeat)
+            devices = sorted({t.device.type for _, t in payload.leaves()})
+            row.update(ok=out.device == x.device, encode_gbps=round(n * 4 / enc_s / 1e9, 2),
+                       decode_gbps=round(n * 4 / dec_s / 1e9, 2), ratio=round(
+                           n * 4 / max(payload.wire_bytes, 1), 1),
+                       encode_syncs=enc_syncs[0], decode_syncs=dec_syncs[0],
+                       payload_devices=",".join(devices))
+        except Exception as e:  # noqa: BLE001 - one codec's failure is a row
+            row.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------- the command
+def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = (str(r.get(c, "")).replace("|", "\\|") for c in cols)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown(record: dict[str, Any]) -> str:
+    """The three tables (for docs/benchmarks.md)."""
+    parts = [f"Device: {record['device']}; torch {record['torch']}; backend "
+             f"{record['backend']}; {record['date']}", "", "Stream order:", ""]
+    if record["stream_order"]:
+        parts.append(_table(record["stream_order"],
+                            ["hook", "sleep_ms", "waited_ms", "ordered", "expected", "ok"]))
+    else:
+        parts.append("skipped (needs CUDA)")
+    parts += ["", "DDP on one rank:", "", _table(record["ddp"], [
+        "codec", "ok", "path", "finite", "max_diff_to_eager", "exact_expected", "reductions",
+        "error"]), "", f"Encode/decode of a {record['bucket_mb']} MB bucket:", "",
+        _table(record["speed"], ["codec", "ok", "encode_gbps", "decode_gbps", "ratio",
+                                 "encode_syncs", "decode_syncs", "payload_devices", "error"])]
+    return "\n".join(parts) + "\n"
+
+
+@contextmanager
+def _one_rank_group(backend: str, device: torch.device) -> Iterator[None]:
+    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> int:
+    smoke = args.smoke or not torch.cuda.is_available()
+    if not args.smoke and not torch.cuda.is_available():
+        print("no CUDA device: running the CPU smoke mode (--smoke)")
+    device = torch.device("cpu") if smoke else torch.device("cuda", torch.cuda.current_device())
+    backend = "gloo" if device.type == "cpu" else "nccl"
+    specs = [s.strip() for s in args.codecs.split(";") if s.strip()] if args.codecs else SPECS
+    shapes = SMOKE_BUCKET if smoke else BUCKET
+    torch.set_flush_denormal(True)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    record: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "backend": backend, "smoke": smoke,
+        "date": time.strftime("%Y-%m-%d"), "bucket_mb": round(
+            sum(s.numel() for s in shapes) * 4 / 1e6, 2)}
+    with _one_rank_group(backend, device):
+        started = time.perf_counter()
+        record["stream_order"] = stream_order(1 << 20) if device.type == "cuda" else []
+        print(f"stream order: {len(record['stream_order'])} hooks "
+              f"({time.perf_counter() - started:.0f} s)", flush=True)
+        record["ddp"] = ddp_one_rank(specs, device)
+        print(f"ddp: {sum(r['ok'] for r in record['ddp'])}/{len(specs)} ok "
+              f"({time.perf_counter() - started:.0f} s)", flush=True)
+        record["speed"] = codec_speed(specs, device, shapes, args.repeat)
+        print(f"speed: done ({time.perf_counter() - started:.0f} s)", flush=True)
+    record["ok"] = all(r["ok"] for part in ("stream_order", "ddp", "speed")
+                       for r in record[part])
+    text = markdown(record)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, data in (("gpu.json", json.dumps(record, indent=2, default=str)),
+                           ("gpu.md", text)):
+            tmp = out / (name + ".tmp")
+            tmp.write_text(data)
+            tmp.replace(out / name)
+        print(f"wrote {out / 'gpu.json'} and {out / 'gpu.md'}")
+    return 0 if record["ok"] else 1
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "gpu", help="CUDA + NCCL: stream order of the hooks, DDP per codec on one rank, "
+                    "encode/decode GB/s and host syncs (--smoke: the same on CPU)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="directory for gpu.json and gpu.md")
+    p.add_argument("--smoke", action="store_true",
+                   help="run on the CPU over gloo, small (what the tests run)")
+    p.add_argument("--codecs", metavar="SPECS",
+                   help="semicolon-separated codec specs (default: one per codec family)")
+    p.add_argument("--repeat", type=int, default=5, help="timed calls per codec; the median")
+    p.set_defaults(func=run)

@@ -1,0 +1,32 @@
+"""``gradzip bench gpu --smoke``: the GPU check's structure, run on the CPU over gloo."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gradzip.cli import main
+
+pytestmark = pytest.mark.dist
+
+SPECS = "none;fp16;ef | int8;topk(ratio=0.01);none | zstd;powersgd(rank=2)"
+
+
+def test_smoke_mode_runs_every_part_and_writes_its_tables(tmp_path) -> None:
+    assert main(["bench", "gpu", "--smoke", "--out", str(tmp_path), "--codecs", SPECS,
+                 "--repeat", "2"]) == 0
+    record = json.loads((tmp_path / "gpu.json").read_text())
+    assert record["smoke"] and record["backend"] == "gloo" and record["ok"]
+    assert record["stream_order"] == []  # needs CUDA
+    ddp = {r["codec"]: r for r in record["ddp"]}
+    assert list(ddp) == SPECS.split(";")
+    assert ddp["none"]["max_diff_to_eager"] == 0.0 and ddp["none"]["path"] == "chained"
+    assert ddp["none | zstd"]["max_diff_to_eager"] == 0.0
+    assert ddp["ef | int8"]["path"] == "comm thread"
+    assert all(r["finite"] and r["reductions"] > 0 for r in ddp.values())
+    for row in record["speed"]:
+        assert row["encode_gbps"] > 0 and row["decode_gbps"] > 0
+        assert row["encode_syncs"] >= 0 and row["decode_syncs"] >= 0
+    md = (tmp_path / "gpu.md").read_text()
+    assert "skipped (needs CUDA)" in md and "ef \\| int8" in md

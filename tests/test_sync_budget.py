@@ -1,0 +1,71 @@
+"""Host syncs on the DDP hook's hot path, counted per bucket and held to a budget.
+
+On CUDA every ``.item()``, ``int(t)``, ``.tolist()``, ``.numpy()`` or ``.cpu()`` of a
+device tensor stalls the host until the GPU catches up. ``count_host_syncs`` counts the
+calls that would be syncs there, on every thread (the communication thread included),
+during backward, where the hooks run. The budget per spec is what the path needs and
+no more (docs/architecture.md, "Device and host"); a new host read on the hot path
+fails here. The future-chained path checks finiteness on the device: on CUDA its one
+read per bucket moves out of the hot path (a pinned copy read at the next step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradzip
+from gradzip.bench.devicecheck import count_host_syncs
+from gradzip.comm.launch import run_ranks
+
+pytestmark = pytest.mark.dist
+
+#: the most host reads per reduced bucket at W=2, on CPU (measured; docs/architecture.md,
+#: "Device and host"). ``stats`` is the comm thread's ``residual_norm`` for CommStats.
+BUDGET = {
+    "none": 1,                   # the agreed non-finite flag, read in the callback (CPU;
+    "fp16": 1,                   # on CUDA: a pinned copy read at the next step)
+    "randomk(ratio=0.1)": 1,     # (its positions are drawn on the host by design)
+    "ef | fp16": 3,              # finiteness, the flag in the sum's head, stats
+    "ef | powersgd(rank=2)": 3,  # finiteness, the flag carried on P's all-reduce, stats
+    "int8": 4,                   # finiteness, the size exchange, W received blobs parsed
+    "qsgd": 4,
+    "int8 | ans": 4,
+    "ef | topk(ratio=0.1)": 6,   # finiteness, stats, top-k tie count; sizes; 2 blobs parsed
+}
+STEPS = 3
+
+
+def _reductions(handle: object) -> int:
+    return sum(handle.stats.totals()["aggregation"].values())  # type: ignore[attr-defined]
+
+
+def _count(rank: int, specs: list[str]) -> dict[str, float]:
+    """Host reads per reduced bucket of each spec, over STEPS compressed steps."""
+    out = {}
+    for spec in specs:
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                                  nn.Linear(64, 4)), bucket_cap_mb=0.01)
+        handle = gradzip.attach(model, spec)
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank))
+        model(x).pow(2).mean().backward()  # the uncompressed first step
+        handle.stats.end_step()
+        before = _reductions(handle)
+        with count_host_syncs() as syncs:
+            for _ in range(STEPS):
+                model.zero_grad()
+                model(x).pow(2).mean().backward()
+                handle.stats.end_step()
+        reduced = _reductions(handle) - before
+        handle.close()
+        out[spec] = syncs.total / reduced
+    return out
+
+
+def test_host_syncs_per_bucket_stay_within_budget() -> None:
+    counts, _ = run_ranks(_count, 2, list(BUDGET), timeout=300.0)
+    over = {s: (round(c, 2), BUDGET[s]) for s, c in counts.items() if c > BUDGET[s]}
+    assert not over, f"host reads per bucket above budget (measured, budget): {over}"
