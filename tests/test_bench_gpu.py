@@ -25,6 +25,7 @@ def test_smoke_mode_runs_every_part_and_writes_its_tables(tmp_path) -> None:
     assert ddp["none | zstd"]["max_diff_to_eager"] == 0.0
     assert ddp["ef | int8"]["path"] == "comm thread"
     assert all(r["finite"] and r["reductions"] > 0 for r in ddp.values())
+    assert [r["error_step"] for r in record["nonfinite"]] == [2] * 4  # CPU: at once
     for row in record["speed"]:
         assert row["encode_gbps"] > 0 and row["decode_gbps"] > 0
         assert row["encode_syncs"] >= 0 and row["decode_syncs"] >= 0

@@ -275,3 +275,19 @@ def test_every_compressor_round_trips_shape_and_dtype_with_shapes(name, dtype):
         y, _ = roundtrip(c, x, shapes, key=f"k{step % 1}")
         assert y.shape == x.shape and y.dtype == x.dtype, name
         assert torch.isfinite(y.float()).all(), name
+
+
+def test_device_piece_size_gives_the_same_statistics() -> None:
+    """On an accelerator pieces are 128x larger (kernel launches, not cache, bound them);
+    the per-block statistics do not depend on the piece size."""
+    from gradzip.codecs.layout import DEVICE_CHUNK, block_stats, piece_size, tensor_layout
+
+    sizes = [3 * DEVICE_CHUNK // 64, 5, 0, 200_000, 7000, 300_000]
+    x = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(0))
+    cuda = torch.device("cuda")  # a descriptor only: the data stays on the CPU
+    assert piece_size(cuda) == DEVICE_CHUNK and piece_size(None) < DEVICE_CHUNK
+    for block in (None, 256):
+        host, device = tensor_layout(sizes, block), tensor_layout(sizes, block, device=cuda)
+        assert len(device.pieces) < len(host.pieces)
+        for kind in ("absmax", "sumsq"):
+            torch.testing.assert_close(block_stats(x, device, kind), block_stats(x, host, kind))

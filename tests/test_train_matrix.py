@@ -252,7 +252,8 @@ def _matrix(rank: int, jobs: list[dict[str, Any]], root: str) -> dict[str, Any]:
                 "losses": _logged_losses(out, rank),
                 "record": {k: rec[k] for k in ("train_loss", "val_loss", "aggregation",
                                                "bytes_raw_total", "bytes_wire_total",
-                                               "comm_time_ms_by_op", "steps", "grad_accum")},
+                                               "comm_time_ms_by_op", "steps", "grad_accum",
+                                               "replicas_identical")},
                 "initial": initial,
                 "weights": {n: _full(p) for n, p in model.named_parameters()},
                 "grads": list(seen),
@@ -302,9 +303,13 @@ def test_cell_trains_finite(matrix: list[dict[str, Any]], cell: tuple) -> None:
         assert rec["aggregation"] == single["aggregation"]
         assert rec["bytes_raw_total"] == single["bytes_raw_total"]
     if p == "ddp":
-        # every rank applied the same averaged gradient: replicas stay identical
+        # every rank applied the same averaged gradient: replicas stay identical, and
+        # the record says so from the digests (what the GPU cells assert)
         for n, w in runs[0]["weights"].items():
             assert torch.equal(w, runs[1]["weights"][n]), n
+        assert rec["replicas_identical"] is True
+    else:
+        assert rec["replicas_identical"] is None
     if kind == "none":
         if p == "ddp":  # gradzip's none: DDP's first step plain, then one all-reduce a bucket
             agg = rec["aggregation"]
@@ -442,5 +447,8 @@ def test_fp16_gradscaler_cell(parallel: str, accum: int, kind: str,
     rec = last_result(out)
     assert rec["world_size"] == 2 and rec["dtype"] == "fp16" and rec["grad_accum"] == accum
     assert math.isfinite(rec["train_loss"]) and math.isfinite(rec["val_loss"])
+    # every rank applied the same mean gradient: DDP replicas end bit-identical (a codec
+    # or a stream race that let ranks drift would pass the checks above)
+    assert rec["replicas_identical"] is (True if parallel == "ddp" else None)
     if kind != "none":
         assert rec["bytes_wire_total"] < rec["bytes_raw_total"]

@@ -15,7 +15,9 @@ One command for one GPU (at most a few minutes on an H100), writing ``gpu.json``
    catch.
 2. **DDP on a one-rank NCCL group** for each codec family: a small MLP trained a few
    steps under ``gradzip.attach``; no crash, finite, and for lossless codecs the same
-   parameters as eager training, bit for bit.
+   parameters as eager training, bit for bit; the host syncs of a compressed step's
+   backward (where the hooks run, every thread), per reduction (a bucket, or a
+   parameter for the multi-round codecs that reduce one at a time).
 3. **Encode and decode speed** per codec on a 25 MB fp32 bucket of three tensors
    (CUDA events, median of ``--repeat``), with the host syncs of each call counted by
    ``torch.cuda.set_sync_debug_mode("warn")``.
@@ -153,14 +155,23 @@ def _mlp(device: torch.device) -> nn.Module:
                          nn.Linear(256, 8)).to(device)
 
 
-def _train(model: nn.Module, device: torch.device, steps: int, handle: Any = None) -> None:
+def _train(model: nn.Module, device: torch.device, steps: int, handle: Any = None,
+           counted: list[int] | None = None) -> None:
+    """``steps`` SGD steps on fixed batches; ``counted`` gets the host syncs of the
+    backward passes after the first two (compression on, buffers warm)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
         x = torch.randn(32, 64, generator=g).to(device)
         y = torch.randn(32, 8, generator=g).to(device)
         opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+        loss = nn.functional.mse_loss(model(x), y)
+        if counted is not None and step >= 2:
+            with _syncs(device) as box:
+                loss.backward()  # the hooks run here, and DDP waits for their futures
+            counted.append(box[0])
+        else:
+            loss.backward()
         opt.step()
         if handle is not None:
             handle.stats.end_step()
@@ -181,10 +192,14 @@ def ddp_one_rank(specs: list[str], device: torch.device, steps: int = 4) -> list
             model = DDP(_mlp(device), bucket_cap_mb=0.1,
                         device_ids=[device.index] if device.type == "cuda" else None)
             handle = gradzip.attach(model, spec)
-            _train(model, device, steps, handle)
+            counted: list[int] = []
+            _train(model, device, steps, handle, counted)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             totals = handle.stats.totals()
+            # reductions per compressed step (the first step is plain, by design)
+            per_step = (sum(totals["aggregation"].values())
+                        - totals["aggregation"].get("plain", 0)) / max(steps - 1, 1)
             handle.close()
             diff = max(float((a - b).detach().abs().max()) for a, b in
                        zip(model.module.parameters(), eager.parameters(), strict=True))
@@ -192,10 +207,49 @@ def ddp_one_rank(specs: list[str], device: torch.device, steps: int = 4) -> list
             row.update(ok=finite and (diff == 0.0 or spec not in LOSSLESS), finite=finite,
                        max_diff_to_eager=diff, exact_expected=spec in LOSSLESS,
                        reductions=sum(totals.get("aggregation", {}).values()),
+                       comm_ms_per_step=round(totals["comm_ms"] / max(totals["steps"], 1), 3),
+                       syncs_per_reduction=round(
+                           sum(counted) / max(per_step * len(counted), 1), 2),
                        path="chained" if handle.chained else "comm thread")
         except Exception as e:  # noqa: BLE001 - one codec's failure is a row, not the end
             row.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
         rows.append(row)
+    return rows
+
+
+def nonfinite(specs: list[str], device: torch.device, steps: int = 5) -> list[dict[str, Any]]:
+    """Where a NaN in step 2 surfaces as ``NonFiniteGradientError``: in that step's
+    backward, or (the chained path on CUDA, which reads no flag on the hot path) at the
+    next step's first bucket; later steps train again."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradzip
+
+    rows = []
+    for spec in specs:
+        model = DDP(_mlp(device), bucket_cap_mb=0.1,
+                    device_ids=[device.index] if device.type == "cuda" else None)
+        handle = gradzip.attach(model, spec)
+        errors: list[int] = []
+        message = ""
+        for step in range(steps):
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step)).to(device)
+            if step == 2:
+                x[0, 0] = float("nan")
+            model.zero_grad()
+            try:
+                model(x).pow(2).mean().backward()
+            except Exception as e:  # noqa: BLE001 - the hook's error, through DDP
+                errors.append(step)
+                message = str(e)
+            handle.stats.end_step()
+        handle.close()
+        expected = 3 if handle.chained and device.type == "cuda" else 2
+        rows.append({"codec": spec, "path": "chained" if handle.chained else "comm thread",
+                     "nan_step": 2, "error_step": errors[0] if errors else None,
+                     "ok": errors == [expected] and "at least one rank" in message,
+                     "error": next((line.strip()[:100] for line in message.splitlines()
+                                    if "non-finite" in line), message[:100])})
     return rows
 
 
@@ -298,7 +352,11 @@ def markdown(record: dict[str, Any]) -> str:
         parts.append("skipped (needs CUDA)")
     parts += ["", "DDP on one rank:", "", _table(record["ddp"], [
         "codec", "ok", "path", "finite", "max_diff_to_eager", "exact_expected", "reductions",
-        "error"]), "", f"Encode/decode of a {record['bucket_mb']} MB bucket:", "",
+        "syncs_per_reduction", "comm_ms_per_step", "error"]), "",
+        "A NaN in step 2 under nonfinite='error':", "",
+        _table(record["nonfinite"], ["codec", "path", "nan_step", "error_step", "ok", "error"]),
+        "",
+        f"Encode/decode of a {record['bucket_mb']} MB bucket:", "",
         _table(record["speed"], ["codec", "ok", "encode_gbps", "decode_gbps", "ratio",
                                  "encode_syncs", "decode_syncs", "payload_devices", "error"])]
     return "\n".join(parts) + "\n"
@@ -338,9 +396,11 @@ def run(args: argparse.Namespace) -> int:
         record["ddp"] = ddp_one_rank(specs, device)
         print(f"ddp: {sum(r['ok'] for r in record['ddp'])}/{len(specs)} ok "
               f"({time.perf_counter() - started:.0f} s)", flush=True)
+        record["nonfinite"] = nonfinite(["none", "fp16", "ef | int8", "powersgd(rank=2)"],
+                                        device)
         record["speed"] = codec_speed(specs, device, shapes, args.repeat)
         print(f"speed: done ({time.perf_counter() - started:.0f} s)", flush=True)
-    record["ok"] = all(r["ok"] for part in ("stream_order", "ddp", "speed")
+    record["ok"] = all(r["ok"] for part in ("stream_order", "ddp", "nonfinite", "speed")
                        for r in record[part])
     text = markdown(record)
     print(text)

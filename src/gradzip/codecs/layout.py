@@ -29,6 +29,14 @@ import torch
 
 #: values per piece: 512 KB of fp32, inside this machine's 1 MB L2 per core
 CHUNK = 1 << 17
+#: values per piece on an accelerator: a piece's few ops are kernel launches there
+#: (~5 us each), so pieces are as large as the scratch memory allows (64 MB of fp32)
+DEVICE_CHUNK = 1 << 24
+
+
+def piece_size(device: torch.device | None) -> int:
+    """``CHUNK`` on the CPU (cache-sized), ``DEVICE_CHUNK`` elsewhere (launch-bound)."""
+    return CHUNK if device is None or device.type in ("cpu", "meta") else DEVICE_CHUNK
 #: tensors below this many values share ragged pieces (a uniform piece costs ~20 us
 #: of per-op overhead, a ragged value ~2.5 ns: they break even near 8K values)
 SMALL = 1 << 13
@@ -89,25 +97,25 @@ def num_blocks(n: int, block: int) -> int:
     return (n + block - 1) // block
 
 
-def _uniform(n: int, block: int) -> Iterator[tuple[int, int, int, int]]:
-    """Cover ``n`` values in blocks of ``block`` with pieces of about ``CHUNK`` values.
+def _uniform(n: int, block: int, chunk: int = CHUNK) -> Iterator[tuple[int, int, int, int]]:
+    """Cover ``n`` values in blocks of ``block`` with pieces of about ``chunk`` values.
 
     Yields ``(start, rows, width, first_block)``: ``rows`` whole blocks of ``width``
     values, or (for blocks larger than a chunk) part of one block. The last,
     partial block is its own block.
     """
     full = n // block
-    if block <= CHUNK:
-        per = CHUNK // block
+    if block <= chunk:
+        per = chunk // block
         for b in range(0, full, per):
             yield b * block, min(per, full - b), block, b
     else:
         for b in range(full):
-            for s in range(0, block, CHUNK):
-                yield b * block + s, 1, min(CHUNK, block - s), b
+            for s in range(0, block, chunk):
+                yield b * block + s, 1, min(chunk, block - s), b
     tail = n - full * block
-    for s in range(0, tail, CHUNK):
-        yield full * block + s, 1, min(CHUNK, tail - s), full
+    for s in range(0, tail, chunk):
+        yield full * block + s, 1, min(chunk, tail - s), full
 
 
 def uniform_layout(n: int, block: int) -> Layout:
@@ -117,21 +125,23 @@ def uniform_layout(n: int, block: int) -> Layout:
 
 
 def tensor_layout(numels: Sequence[int], block: int | None = None,
-                  skip: Sequence[bool] | None = None) -> Layout:
+                  skip: Sequence[bool] | None = None,
+                  device: torch.device | None = None) -> Layout:
     """Tensors of ``numels`` values back to back; blocks restart at every tensor.
 
-    ``block`` None: one block per tensor (an empty tensor still has its block, of
-    length 0). Otherwise blocks of ``block`` values within each tensor (an empty
-    tensor has none). Tensors marked in ``skip`` get no blocks and no pieces (a
-    codec handles them another way, e.g. 1-bit SGD's column statistics).
+    ``device``: where the data is (its piece size, ``piece_size``). ``block`` None:
+    one block per tensor (an empty tensor still has its block, of length 0).
+    Otherwise blocks of ``block`` values within each tensor (an empty tensor has
+    none). Tensors marked in ``skip`` get no blocks and no pieces (a codec handles
+    them another way, e.g. 1-bit SGD's column statistics).
     """
     skips = tuple(bool(k) for k in skip) if skip is not None else (False,) * len(numels)
-    return _tensor_layout(tuple(int(n) for n in numels), block, skips)
+    return _tensor_layout(tuple(int(n) for n in numels), block, skips, piece_size(device))
 
 
 @lru_cache(maxsize=256)
 def _tensor_layout(numels: tuple[int, ...], block: int | None,
-                   skip: tuple[bool, ...]) -> Layout:
+                   skip: tuple[bool, ...], chunk: int = CHUNK) -> Layout:
     pieces: list[Piece] = []
     group: list[int] = []  # block lengths of the ragged piece being gathered
     group_start = group_block = offset = nblocks = 0
@@ -154,11 +164,12 @@ def _tensor_layout(numels: tuple[int, ...], block: int | None,
                 group_start, group_block = offset, nblocks
             full, tail = divmod(n, size)
             group.extend([size] * full + ([tail] if tail or count > full else []))
-            if sum(group) >= CHUNK:
+            if sum(group) >= chunk:
                 flush()
         else:
             flush()
-            pieces.extend(Piece(offset + s, r, w, nblocks + b) for s, r, w, b in _uniform(n, size))
+            pieces.extend(Piece(offset + s, r, w, nblocks + b)
+                          for s, r, w, b in _uniform(n, size, chunk))
         offset += n
         nblocks += count
     flush()

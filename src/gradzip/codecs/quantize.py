@@ -229,7 +229,7 @@ def _dequantize_tensors(q: torch.Tensor, scale: torch.Tensor, shape: torch.Size,
                         shapes: Shapes, block: int, what: str) -> torch.Tensor:
     """``q`` x its block's scale, blocks restarting at each tensor of ``shapes``."""
     _check_numel(q, shape, what)
-    layout = tensor_layout(numels(shapes), block)
+    layout = tensor_layout(numels(shapes), block, device=q.device)
     return dequantize_layout(q, layout, scale).reshape(shape)
 
 
@@ -300,7 +300,7 @@ class Int8(Compressor):
         if len(shapes) == 1:
             return self.encode(x, slot)
         flat = x.reshape(-1)
-        layout = tensor_layout(numels(shapes), self.params["block"])
+        layout = tensor_layout(numels(shapes), self.params["block"], device=flat.device)
         amax = block_stats(flat, layout, "absmax").float()
         q = quantize_layout(flat, layout, _safe_inverse(self.LEVELS, amax), self.LEVELS,
                             torch.int8, self._rand(flat, slot))
@@ -389,7 +389,7 @@ class QSGD(Compressor):
             return self.encode(x, slot)
         flat = x.reshape(-1)
         s = self.params["levels"]
-        layout = tensor_layout(numels(shapes), self.params["bucket"])
+        layout = tensor_layout(numels(shapes), self.params["bucket"], device=flat.device)
         norm = block_stats(flat, layout, "sumsq").sqrt_().clamp_(max=_FP32_MAX).float()
         q = quantize_layout(flat, layout, _safe_inverse(s, norm), s, int_dtype(s),
                             RandomBits(slot, flat.device))
@@ -441,8 +441,10 @@ class Natural(Compressor):
         base = max(emax - 126, 0)  # code c >= 1 is biased exponent c + base
         rand = RandomBits(slot, flat.device)
         bits = flat.view(torch.int32)
-        for start in range(0, n, _CHUNK):
-            b = bits[start:start + _CHUNK]
+        on_host = flat.device.type == "cpu"
+        chunk = _CHUNK if on_host else n  # an accelerator takes the tensor in one piece
+        for start in range(0, n, chunk):
+            b = bits[start:start + chunk]
             k = b.numel()
             # |x| bits + 23 random bits: the mantissa carries into the exponent with
             # probability mantissa / 2^23, which is exactly the rounding-up probability
@@ -453,7 +455,9 @@ class Natural(Compressor):
             if base:
                 # (e - 1) & 255 sends zeros to 255: a minimum below base means some
                 # nonzero value rounded to a power below the kept range
-                if int((e - 1).bitwise_and_(255).amin()) < base:
+                if not on_host:  # no host read: every value takes the (rare) test
+                    self._tiny_everywhere(e, base, rand)
+                elif int((e - 1).bitwise_and_(255).amin()) < base:
                     self._tiny(e, base, rand)
                 e.sub_(base).clamp_(min=0)
             e.bitwise_or_((b >> 24).bitwise_and_(128))
@@ -467,6 +471,15 @@ class Natural(Compressor):
         prob = torch.exp2(e[idx].double() - (base + 1))
         keep = rand.uniform(idx.numel()).to(prob.device) < prob
         e[idx] = torch.where(keep, base + 1, 0).to(e.dtype)
+
+    @staticmethod
+    def _tiny_everywhere(e: torch.Tensor, base: int, rand: RandomBits) -> None:
+        """``_tiny`` without its index list (whose size is a host read): the same
+        probabilities for every value, in whole-tensor ops on the device."""
+        tiny = (e >= 1) & (e <= base)
+        prob = torch.exp2(e.double() - (base + 1))
+        keep = rand.uniform(e.numel()).to(prob.device) < prob
+        e.copy_(torch.where(tiny, torch.where(keep, base + 1, 0).to(e.dtype), e))
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
         codes = p.tensor("codes")
@@ -580,7 +593,7 @@ class TernGrad(Compressor):
             return self.encode(x, slot)
         flat = x.reshape(-1)
         sizes = numels(shapes)
-        layout = tensor_layout(sizes)
+        layout = tensor_layout(sizes, device=flat.device)
         scale = self._scales(flat, layout, sizes)
         codes = self._ternarize(flat, layout, scale, slot).view(torch.uint8).add_(1)
         return Payload({"trits": pack_trits(codes), "scale": scale})
@@ -598,7 +611,8 @@ class TernGrad(Compressor):
             unit = trits_to_values(p.tensor("trits"), shape.numel(), (-1.0, 0.0, 1.0))
         except (TypeError, ValueError) as e:
             raise PayloadError(f"terngrad payload: {e}") from None
-        return scale_pieces(unit, tensor_layout(numels(shapes)), scale.reshape(-1)).reshape(shape)
+        layout = tensor_layout(numels(shapes), device=unit.device)
+        return scale_pieces(unit, layout, scale.reshape(-1)).reshape(shape)
 
     # ------------------------------------------------------------ shared-scale reduce
     def reduce(
@@ -617,7 +631,7 @@ class TernGrad(Compressor):
         """
         flat = x.reshape(-1)
         sizes = numels(shapes)
-        layout = tensor_layout(sizes)
+        layout = tensor_layout(sizes, device=flat.device)
         scale = self._scales(flat, layout, sizes)
         if scale.numel():
             (scale,) = comm.all_reduce([scale], op="max")

@@ -241,7 +241,7 @@ class EFSignSGD(Compressor):
         p = self._compensated(x, slot)
         flat = p.reshape(-1)
         sizes = numels(shapes)
-        layout = tensor_layout(sizes)
+        layout = tensor_layout(sizes, device=flat.device)
         l1 = _finite_stats(flat, layout, "sumabs")
         scale = (l1 / _counts(sizes, flat.device).clamp(min=1)).float()
         bits = pack_signs(flat)
@@ -264,7 +264,8 @@ class EFSignSGD(Compressor):
                 f"efsignsgd payload has {scale.numel()} scales for {len(shapes)} tensors"
             )
         unit = _decode_signs(p, torch.Size((shape.numel(),)), 1.0, -1.0)
-        return scale_pieces(unit, tensor_layout(numels(shapes)), scale).reshape(shape)
+        layout = tensor_layout(numels(shapes), device=unit.device)
+        return scale_pieces(unit, layout, scale).reshape(shape)
 
 
 # ---------------------------------------------------------------- onebit
@@ -389,7 +390,7 @@ class OneBit(Compressor):
             return self.encode(x.reshape(shapes[0]), slot)
         flat = x.reshape(-1).contiguous()
         sizes, columns = self._split(shapes)
-        layout = tensor_layout(sizes, skip=columns)
+        layout = tensor_layout(sizes, skip=columns, device=flat.device)
         pos = _finite_stats(flat, layout, "sumpos")
         neg = _finite_stats(flat, layout, "sumneg")
         nneg = block_stats(flat, layout, "countneg")
@@ -429,7 +430,7 @@ class OneBit(Compressor):
         # the sign bits as float 0/1 through the lookup table (bool x float is slow),
         # then scaled and shifted in place: pos + bit * (neg - pos)
         out = _decode_signs(p, torch.Size((shape.numel(),)), 0.0, 1.0).to(recon.device)
-        self._fill_pairs(out, recon, tensor_layout(sizes, skip=columns))
+        self._fill_pairs(out, recon, tensor_layout(sizes, skip=columns, device=out.device))
         c0 = 0
         for o, s in self._column_tensors(out, shapes, sizes, columns):
             self._fill_columns(o.view(s), o.view(s), cols[:, c0:c0 + s[1]])

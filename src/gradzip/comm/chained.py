@@ -27,7 +27,7 @@ from gradzip.codecs.linkmodel import link_bytes
 from gradzip.codecs.nonfinite import agreed_nonfinite_error
 from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.reducer import Reducer
-from gradzip.comm.stats import Reduction
+from gradzip.comm.stats import CommStats, Reduction
 
 
 def chainable(codec: Codec) -> bool:
@@ -40,7 +40,7 @@ def chainable(codec: Codec) -> bool:
 
 
 class PendingChecks:
-    """Non-finite flags of chained reductions whose sums are still on a GPU.
+    """What the chained path leaves on a GPU: non-finite flags, and all-reduce times.
 
     On CPU a callback runs after its collective finished, so it checks at once. On
     CUDA it runs when the collective is enqueued, and a host read there would stall
@@ -51,6 +51,27 @@ class PendingChecks:
 
     def __init__(self) -> None:
         self._pending: list[tuple[torch.Tensor, Any, str]] = []
+        #: CUDA: reductions whose all-reduce time is still two events on the GPU
+        self._untimed: list[tuple[Reduction, Any, Any, CommStats]] = []
+        self._origin: Any = None  # the event spans are measured from
+
+    def time_later(self, r: Reduction, start: Any, end: Any, stats: CommStats) -> None:
+        """Record ``r`` in ``stats`` once its events ran (``settle_timings``): on NCCL the
+        callback runs at enqueue time, so wall time there would time the enqueue."""
+        if self._origin is None:
+            self._origin = start
+        self._untimed.append((r, start, end, stats))
+
+    def settle_timings(self) -> None:
+        """Fill in the all-reduce seconds and overlap spans from the events, and record
+        (waits for the step's all-reduces: called as the step closes)."""
+        untimed, self._untimed = self._untimed, []
+        origin, self._origin = self._origin, None
+        for r, start, end, stats in untimed:
+            end.synchronize()
+            r.seconds_by_op = {"all_reduce": start.elapsed_time(end) / 1e3}
+            r.span = (origin.elapsed_time(start) / 1e3, origin.elapsed_time(end) / 1e3)
+            stats.record(r)
 
     def watch(self, flag: torch.Tensor, key: str) -> None:
         """Raise now (CPU) or at ``raise_ready`` (CUDA) if ``flag`` (0-d bool) is set."""
@@ -108,6 +129,10 @@ def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor
     if bad is not None and heads:
         heads[0].copy_(torch.where(bad, torch.full_like(heads[0], float("nan")), heads[0]))
     encode_s = time.perf_counter() - start
+    timed = None
+    if buffer.device.type == "cuda":  # the all-reduce's time is on the GPU: events
+        timed = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        timed[0].record()
     works = [dist.all_reduce(t, group=comm.group, async_op=True) for t in leaves]
     handed = sum(t.numel() * t.element_size() for t in leaves)
     # The callback runs on gloo's thread and must not hold the process group: if it
@@ -124,7 +149,7 @@ def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor
         if payload is not None:  # casts convert straight into the bucket
             codec.compressors[0][1].decode_into(payload, buffer, None)
         done = time.perf_counter()
-        reducer.stats.record(Reduction(
+        reduction = Reduction(
             numel=buffer.numel(), bytes_handed=handed,
             sent_values=(buffer.numel() if payload is None
                          else reducer.sent_values(buffer.numel(), payload)),
@@ -137,7 +162,12 @@ def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor
             calls_by_op={"all_reduce": len(leaves)},
             paths=["plain" if plain else "all_reduce"],
             span=(start + encode_s, decode_start),
-        ))
+        )
+        if timed is None:
+            reducer.stats.record(reduction)
+        else:  # this stream waits for NCCL: the event lands when the all-reduce ends
+            timed[1].record()
+            checks.time_later(reduction, timed[0], timed[1], reducer.stats)
         return buffer
 
     return works[-1].get_future().then(finish)

@@ -102,6 +102,7 @@ class DDPCommState:
         self.chained = not self.groups and not diagnose and chainable(codec)
         #: the chained path's non-finite flags still on a GPU (``chained.PendingChecks``)
         self.checks = PendingChecks()
+        self.stats.add_settler(self.checks.settle_timings)
         self.checked = 0  # the iteration whose first bucket last ran ``raise_ready``
         self.iteration = 0
         #: a ``gradzip.capture.Capture`` recording each bucket as it is communicated,

@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,7 +178,13 @@ class CommStats:
         self._last = _Acc()
         self._total = _Acc()
         self._residuals: dict[str, float] = {}
+        self._settlers: list[Callable[[], None]] = []
         self.steps = 0
+
+    def add_settler(self, settle: Callable[[], None]) -> None:
+        """Call ``settle`` before a step closes: it records reductions whose times were
+        still on a GPU (the chained path times its all-reduces with CUDA events)."""
+        self._settlers.append(settle)
 
     # ------------------------------------------------------------ recording
     def record(self, r: Reduction) -> None:
@@ -226,6 +233,8 @@ class CommStats:
 
     def end_step(self) -> None:
         """Close the open step: it becomes ``summary()`` and is added to ``totals()``."""
+        for settle in self._settlers:  # they ``record``: outside the lock
+            settle()
         with self._lock:
             if self._residuals:
                 self._open.residual_norm = math.sqrt(sum(v * v for v in self._residuals.values()))

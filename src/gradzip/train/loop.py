@@ -59,6 +59,7 @@ from gradzip.train.parallel import (
     destroy_distributed,
     init_distributed,
     parallelize,
+    replicas_identical,
 )
 from gradzip.train.profiling import maybe_enable_profiling
 
@@ -487,6 +488,8 @@ class Trainer:
             **self.metrics.communication(),
             **self.metrics.counters(),
             "ef_memory_bytes": _state_bytes(self.par.codec_state()),
+            # collective: every rank's weights digest (the synchronized weights)
+            "replicas_identical": replicas_identical(self.par.replica_digest()),
             "capture": _capture_summary(self.capture),
             "outer": _outer_summary(self.par, t),
             **peak_memory(info.device),

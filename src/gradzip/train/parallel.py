@@ -21,6 +21,7 @@ is handy for checking a codec end to end.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import os
 import socket
@@ -188,6 +189,33 @@ class Parallelism:
     def evaluation_weights(self) -> contextlib.AbstractContextManager[None]:
         """The weights validation runs on (``LocalUpdates``: the synchronized ones)."""
         return contextlib.nullcontext()
+
+    def replica_digest(self) -> str | None:
+        """A digest of the weights every rank must hold bit for bit (the synchronized
+        ones), or None where ranks hold different shards (FSDP)."""
+        if self.sharded:
+            return None
+        with self.evaluation_weights():
+            return weights_digest(self.raw)
+
+
+def weights_digest(module: nn.Module) -> str:
+    """BLAKE2b of every parameter's bytes, in order (one host copy of the weights)."""
+    h = hashlib.blake2b(digest_size=16)
+    for p in module.parameters():
+        h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def replicas_identical(digest: str | None) -> bool | None:
+    """Whether every rank's ``digest`` is the same (collective; None when sharded)."""
+    if digest is None:
+        return None
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return True
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, digest)
+    return len(set(everyone)) == 1
 
 
 class LocalUpdates(Parallelism):
