@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from gradzip.codecs.base import (
     Wrapper,
 )
 from gradzip.codecs.communicator import Communicator
+from gradzip.codecs.limits import DEFAULT_MAX_NUMEL, check_declared, decode_budget
 from gradzip.codecs.nonfinite import NonFiniteGradientError, agreed_nonfinite_error
 from gradzip.codecs.payload import _DTYPE_CODE, _DTYPES, Payload, PayloadError
 from gradzip.codecs.registry import SpecError, lookup
@@ -309,17 +311,33 @@ class Codec:
 
     # ------------------------------------------------------------ decode
     def decode(self, p: Payload, key: str | None = None,
-               shapes: Shapes | None = None, device: torch.device | str | None = None
-               ) -> torch.Tensor:
+               shapes: Shapes | None = None, device: torch.device | str | None = None, *,
+               expected: Sequence[int] | None = None,
+               max_numel: int = DEFAULT_MAX_NUMEL) -> torch.Tensor:
         """Rebuild the tensor (its shape and dtype) from any rank's payload.
 
         ``shapes`` must be what ``encode`` was given (the bucket layout is the same on
         every rank, so it never travels). ``device``: where the result goes (default:
         where the payload's tensors are; a payload coded to bytes throughout has none,
         and decodes on the CPU).
+
+        The payload is untrusted: ``expected`` is the shape the caller expects (a
+        payload declaring another raises); without it the declared shape may hold at
+        most ``max_numel`` values (``limits.DEFAULT_MAX_NUMEL``, 2^27). Decoding then
+        allocates O(n + payload bytes) for n values, and any malformed payload raises
+        ``PayloadError``.
         """
         shape = p.shape("shape")
         dtype = _dtype(p.int("dtype"))
+        if not dtype.is_floating_point:  # encode takes floating tensors only
+            raise PayloadError(f"payload names a {dtype} tensor; codecs carry float tensors")
+        if expected is not None and tuple(shape) != tuple(expected):
+            raise PayloadError(f"payload declares shape {tuple(shape)}, the receiver "
+                               f"expects {tuple(expected)}")
+        if shape.numel() > max_numel:
+            raise PayloadError(f"payload declares {shape.numel()} values, more than "
+                               f"max_numel={max_numel}; pass expected= or a larger max_numel "
+                               "to decode it")
         if device is not None:
             p = p.to(device)
         if p.meta.get("nan"):
@@ -330,11 +348,21 @@ class Codec:
 
     def _decode_body(self, p: Payload, key: str | None, shape: torch.Size,
                      shapes: Shapes | None = None) -> torch.Tensor:
-        if self.observer is None:
-            return self._decode_stages(p, key, shape, shapes)
+        """Decode a payload for a tensor of ``shape`` (the receiver's, not the wire's):
+        every size the payload declares inside is bounded by it (``limits.py``), and
+        whatever goes wrong on malformed bytes surfaces as ``PayloadError``."""
         start = time.perf_counter()
-        out = self._decode_stages(p, key, shape, shapes)
-        self.observer.decoded(time.perf_counter() - start)
+        try:
+            with decode_budget(shape.numel()):
+                out = self._decode_stages(p, key, shape, shapes)
+        except PayloadError:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError, OverflowError,
+                AssertionError) as e:  # not MemoryError: the bounds must prevent that
+            raise PayloadError(f"the payload for {key or 'a tensor'!r} could not be decoded "
+                               f"({type(e).__name__}: {e})") from e
+        if self.observer is not None:
+            self.observer.decoded(time.perf_counter() - start)
         return out
 
     def _decode_stages(self, p: Payload, key: str | None, shape: torch.Size,
@@ -362,7 +390,8 @@ class Codec:
             if n == 0 and shapes is not None and comp.per_tensor:
                 out = comp.decode_tensors(node, shape, slot, shapes)
             else:
-                node_shape = shape if n == 0 else torch.Size((node.int("n"),))
+                node_shape = shape if n == 0 else torch.Size(
+                    (check_declared(node.int("n"), "a nested stage"),))
                 out = comp.decode(node, node_shape, slot)
             if n > 0:
                 out = out.to(_dtype(node.int("vdtype")))

@@ -9,10 +9,19 @@ holds the two equal for every codec, so byte counts cannot drift from what is se
 
 Layout (all integers are LEB128 varints unless noted)::
 
-    top-level   := b"GZ" version:u8 node
+    top-level   := b"GZ" version:u8 node digest:u32le        (version 2)
     node        := n_meta {name meta_value} n_fields {name field}
     meta_value  := 0 zigzag-int | 1 f64 | 2 str | 3 n {zigzag-int}
     field       := 0 dtype:u8 ndim {dim} raw-bytes | 1 len raw-bytes | 2 node
+
+``digest`` is XXH3 (low 32 bits) of every byte before it except tensor data: the
+structure, all meta (shapes, counts, modes) and byte blobs. A flipped bit there
+raises instead of decoding to another shape. Tensor data is not covered (coded
+fields carry their own checksum). Version 1 (no digest) still decodes.
+
+Bytes from another rank or from disk are untrusted: parsing allocates only what the
+bytes hold, nests at most ``MAX_DEPTH`` nodes, and raises ``PayloadError`` (never
+another exception) on anything malformed.
 """
 
 from __future__ import annotations
@@ -24,9 +33,15 @@ from dataclasses import dataclass, field
 from typing import Union
 
 import torch
+import xxhash
 
 MAGIC = b"GZ"
-VERSION = 1
+VERSION = 2
+#: versions ``deserialize`` reads (1: no digest)
+READABLE = (1, 2)
+#: nested payloads deeper than this are refused (real chains nest 3 or 4 deep)
+MAX_DEPTH = 32
+_DIGEST_BYTES = 4
 
 MetaValue = int | float | str | tuple[int, ...]
 Field = Union[torch.Tensor, bytes, "Payload"]  # noqa: UP007 (forward reference)
@@ -127,7 +142,7 @@ class Payload:
 
     def shape(self, name: str = "shape") -> torch.Size:
         value = self.meta.get(name)
-        if not isinstance(value, tuple):
+        if not isinstance(value, tuple) or len(value) > 16 or any(d < 0 for d in value):
             raise PayloadError(f"payload meta {name!r} missing or not a shape: {value!r}")
         return torch.Size(value)
 
@@ -200,7 +215,7 @@ class Payload:
     @property
     def wire_bytes(self) -> builtins.int:
         """Exact length of ``serialize()``, computed without serializing."""
-        return len(MAGIC) + 1 + self._node_len()
+        return len(MAGIC) + 1 + self._node_len() + _DIGEST_BYTES
 
     # ------------------------------------------------------------ encode
     def _write_header(self, out: bytearray, chunks: list[bytes | torch.Tensor]) -> bytearray:
@@ -255,6 +270,11 @@ class Payload:
         head.append(VERSION)
         tail = self._write_header(head, chunks)
         chunks.append(bytes(tail))
+        h = xxhash.xxh3_64()
+        for c in chunks:
+            if isinstance(c, bytes):
+                h.update(c)
+        chunks.append((h.intdigest() & 0xFFFFFFFF).to_bytes(_DIGEST_BYTES, "little"))
         return chunks
 
     def serialize(self) -> bytes:
@@ -289,12 +309,25 @@ class Payload:
         buf = memoryview(bytes(data)) if not isinstance(data, bytes) else memoryview(data)
         if len(buf) < 3 or bytes(buf[:2]) != MAGIC:
             raise PayloadError("not a gradzip payload (bad magic bytes)")
-        if buf[2] != VERSION:
-            raise PayloadError(f"payload format version {buf[2]} is not supported ({VERSION})")
-        reader = _Reader(buf, 3)
-        payload = reader.node()
-        if reader.pos != len(buf):
-            raise PayloadError(f"{len(buf) - reader.pos} trailing bytes after payload")
+        version = buf[2]
+        if version not in READABLE:
+            raise PayloadError(f"payload format version {version} is not supported "
+                               f"(this gradzip reads {READABLE})")
+        end = len(buf) - (_DIGEST_BYTES if version >= 2 else 0)
+        if end < 3:
+            raise PayloadError("payload truncated: no room for its digest")
+        reader = _Reader(buf[:end], 3)
+        try:
+            payload = reader.node(0)
+        except PayloadError:
+            raise
+        except (ValueError, TypeError, OverflowError, RuntimeError) as e:
+            raise PayloadError(f"payload corrupt: {type(e).__name__}: {e}") from e
+        if reader.pos != end:
+            raise PayloadError(f"{end - reader.pos} trailing bytes after payload")
+        if version >= 2 and reader.digest() != int.from_bytes(buf[end:], "little"):
+            raise PayloadError("payload corrupt: its digest does not match its structure, "
+                               "meta and byte fields (a flipped bit, or a truncated payload)")
         return payload
 
 
@@ -314,6 +347,17 @@ def _tensor_to_bytes(t: torch.Tensor) -> bytes:
 class _Reader:
     def __init__(self, buf: memoryview, pos: int) -> None:
         self.buf, self.pos = buf, pos
+        self.tensor_spans: list[tuple[int, int]] = []  # raw tensor data: not digested
+
+    def digest(self) -> int:
+        """XXH3 (low 32 bits) of everything read except tensor data (``_chunks``)."""
+        h = xxhash.xxh3_64()
+        start = 0
+        for lo, hi in self.tensor_spans:
+            h.update(self.buf[start:lo])
+            start = hi
+        h.update(self.buf[start:self.pos])
+        return h.intdigest() & 0xFFFFFFFF
 
     def _take(self, n: int) -> memoryview:
         if self.pos + n > len(self.buf):
@@ -345,7 +389,9 @@ class _Reader:
         except UnicodeDecodeError as e:
             raise PayloadError("payload corrupt: invalid name") from e
 
-    def node(self) -> Payload:
+    def node(self, depth: int) -> Payload:
+        if depth > MAX_DEPTH:
+            raise PayloadError(f"payload corrupt: nested deeper than {MAX_DEPTH} nodes")
         meta: dict[str, MetaValue] = {}
         for _ in range(self.varint()):
             k = self.string()
@@ -373,7 +419,9 @@ class _Reader:
                 numel = 1
                 for d in shape:
                     numel *= d
+                start = self.pos
                 raw = self._take(numel * torch.empty(0, dtype=dtype).element_size())
+                self.tensor_spans.append((start, self.pos))
                 t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if numel else None
                 fields[k] = (
                     t.view(dtype).reshape(shape) if t is not None
@@ -382,7 +430,7 @@ class _Reader:
             elif kind == 1:
                 fields[k] = bytes(self._take(self.varint()))
             elif kind == 2:
-                fields[k] = self.node()
+                fields[k] = self.node(depth + 1)
             else:
                 raise PayloadError(f"payload corrupt: unknown field kind {kind}")
         return Payload(fields, meta)

@@ -22,6 +22,7 @@ import torch
 import xxhash
 from isal.isal_zlib import crc32  # zlib's CRC-32 (ISA-L): the checksum of earlier payloads
 
+from gradzip.codecs.limits import check_declared
 from gradzip.codecs.payload import (
     _DTYPE_CODE,
     _DTYPES,
@@ -79,18 +80,31 @@ def dtype_code(t: torch.Tensor) -> int:
     return _DTYPE_CODE[t.dtype]
 
 
-def header(p: Payload) -> tuple[torch.dtype, tuple[int, ...], int]:
-    """(dtype, shape, numel) from a coded field's meta, validated."""
+#: the dtypes an integer coder writes, and so the only ones it reads: a payload cannot
+#: make the receiver compile kernels for a dtype it names
+INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+#: every dtype the wire carries (the byte coders code any field's raw bytes)
+WIRE_DTYPES = frozenset(_DTYPES)
+#: the floating dtypes the lossless float codec writes
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def header(p: Payload, allowed: frozenset[torch.dtype] = INTEGER_DTYPES
+           ) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """(dtype, shape, numel) from a coded field's meta, validated: the dtype is one the
+    coder writes, and the size fits the decode budget (``limits.py``)."""
     code = p.meta.get("dt")
     shape = p.meta.get("sh")
-    if not isinstance(code, int) or not 0 <= code < len(_DTYPES):
+    if not isinstance(code, int) or not 0 <= code < len(_DTYPES) \
+            or _DTYPES[code] not in allowed:
         raise EntropyCodingError(f"coded field has a bad dtype code {code!r}")
-    if not isinstance(shape, tuple) or any(d < 0 for d in shape):
+    if not isinstance(shape, tuple) or len(shape) > 8 or any(
+            not isinstance(d, int) or d < 0 for d in shape):
         raise EntropyCodingError(f"coded field has a bad shape {shape!r}")
     numel = 1
     for d in shape:
         numel *= d
-    return _DTYPES[code], shape, numel
+    return _DTYPES[code], shape, check_declared(numel, "a coded field")
 
 
 def meta_int(p: Payload, name: str, stage: str, default: int | None = None) -> int:
@@ -177,8 +191,9 @@ def stored(t: torch.Tensor) -> Payload:
     return Payload({"d": to_numpy(t).view(np.uint8).tobytes()}, meta)
 
 
-def unstore(p: Payload, stage: str) -> torch.Tensor:
-    dtype, shape, numel = header(p)
+def unstore(p: Payload, stage: str,
+            allowed: frozenset[torch.dtype] = INTEGER_DTYPES) -> torch.Tensor:
+    dtype, shape, numel = header(p, allowed)
     data = blob(p, "d", stage)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     if len(data) != numel * itemsize:

@@ -71,6 +71,8 @@ def _table_bytes(present: np.ndarray, counts: np.ndarray) -> bytes:
 
 def _read_table(raw: bytes | bytearray | memoryview, used: int) -> tuple[np.ndarray, np.ndarray]:
     buf = np.frombuffer(raw, np.uint8)
+    if not 1 <= used <= buf.size // 2:  # each of the 2 x used varints takes a byte or more
+        raise _frame.EntropyCodingError(f"ans: table of {used} symbols in {buf.size} bytes")
     vals, read = _kernels.varint_unpack(buf, 2 * used)
     if read != buf.size or used < 1:
         raise _frame.EntropyCodingError("ans: malformed frequency table")

@@ -46,10 +46,10 @@ class _ByteCoder(LosslessCoder):
     def decode_field(self, p: Payload) -> torch.Tensor:
         _frame.check(p, self.name)
         if p.meta.get("m") == _frame.STORED:
-            return _frame.unstore(p, self.name)
+            return _frame.unstore(p, self.name, _frame.WIRE_DTYPES)
         if p.meta.get("m") != self.mode:
             raise _frame.EntropyCodingError(f"{self.name}: unknown coding mode {p.meta.get('m')!r}")
-        dtype, shape, numel = _frame.header(p)
+        dtype, shape, numel = _frame.header(p, _frame.WIRE_DTYPES)
         size = numel * torch.empty(0, dtype=dtype).element_size()
         try:
             data = self.decompress(_frame.blob(p, "d", self.name), size)
@@ -58,7 +58,8 @@ class _ByteCoder(LosslessCoder):
         if len(data) != size:
             raise _frame.EntropyCodingError(f"{self.name}: {len(data)} bytes decoded, "
                                             f"expected {size}")
-        return _frame.unstore(Payload({"d": data}, {**p.meta, "m": _frame.STORED}), self.name)
+        return _frame.unstore(Payload({"d": data}, {**p.meta, "m": _frame.STORED}), self.name,
+                              _frame.WIRE_DTYPES)
 
 
 @register("zstd")
@@ -96,4 +97,7 @@ class Lz4(_ByteCoder):
                                   content_checksum=True, store_size=False)
 
     def decompress(self, data: bytes | bytearray | memoryview, size: int) -> bytes:
-        return lz4.frame.decompress(data)
+        # at most size + 1 bytes: a frame that inflates past its declared size stops
+        # there (and fails the size check) instead of filling memory
+        out = lz4.frame.LZ4FrameDecompressor().decompress(bytes(data), max_length=size + 1)
+        return bytes(out)

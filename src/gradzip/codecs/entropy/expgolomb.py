@@ -227,7 +227,11 @@ def decode(p: Payload) -> torch.Tensor:
     table = _NO_TABLE
     if mapping == "rank":
         raw = np.frombuffer(_frame.blob(p, "t", "eg"), np.uint8)
-        table, used = _kernels.varint_unpack(raw, _frame.meta_int(p, "v", "eg", default=0))
+        ranks = _frame.meta_int(p, "v", "eg", default=0)
+        if not 0 <= ranks <= raw.size:  # each rank takes a byte or more: check, then allocate
+            raise _frame.EntropyCodingError(f"eg: rank table of {ranks} values in {raw.size} "
+                                            "bytes")
+        table, used = _kernels.varint_unpack(raw, ranks)
         if used != raw.size:
             raise _frame.EntropyCodingError("eg: malformed rank table")
         table = table + lo

@@ -203,7 +203,7 @@ class LosslessFloat(Compressor):
             if not isinstance(raw, bytes) or len(raw) != numel * size:
                 raise PayloadError("lossless: raw field has the wrong size")
             stored = Payload({"d": raw}, {"m": _frame.STORED, "dt": code, "sh": tuple(shape)})
-            return _frame.unstore(stored, "lossless")
+            return _frame.unstore(stored, "lossless", _frame.FLOAT_DTYPES)
         count = _PLANES[dtype]
         if dtype == torch.float16 and f"p{_FP16_V1_PLANES - 1}" in p.fields:
             count = _FP16_V1_PLANES
