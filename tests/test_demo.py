@@ -32,22 +32,50 @@ def _divisor(dim: int, chunk: int) -> int:
     return max(t for t in range(1, min(chunk, dim) + 1) if dim % t == 0)
 
 
-def _transmit(delta: torch.Tensor, chunk: int, topk: int) -> torch.Tensor:
-    """DeMo's extraction for one tensor, tile by tile: what it sends, as a dense tensor."""
-    mat = delta.reshape(1, -1) if delta.dim() == 1 else delta.reshape(delta.shape[0], -1)
-    rows, cols = mat.shape
-    r = 1 if rows == 1 else _divisor(rows, chunk)
-    c = _divisor(cols, chunk)
+def _geometry(shape: torch.Size, chunk: int) -> tuple[int, int, int, int]:
+    rows = 1 if len(shape) == 1 else shape[0]
+    cols = math.prod(shape) // rows
+    return rows, cols, 1 if rows == 1 else _divisor(rows, chunk), _divisor(cols, chunk)
+
+
+def _sent(delta: torch.Tensor, chunk: int, topk: int) -> dict[tuple[int, int], torch.Tensor]:
+    """DeMo's extraction for one tensor, tile by tile: the coefficients it sends (zero
+    where it sends none), keyed by the tile's corner."""
+    rows, cols, r, c = _geometry(delta.shape, chunk)
+    mat = delta.reshape(rows, cols)
     dr, dc = _dct(r), _dct(c)
-    out = torch.zeros_like(mat)
+    out = {}
     for i in range(0, rows, r):
         for j in range(0, cols, c):
-            coeffs = dr @ mat[i:i + r, j:j + c] @ dc.T
-            keep = coeffs.reshape(-1).abs().topk(min(topk, r * c)).indices
+            coeffs = (dr @ mat[i:i + r, j:j + c] @ dc.T).reshape(-1)
+            keep = coeffs.abs().topk(min(topk, r * c)).indices
             sent = torch.zeros(r * c)
-            sent[keep] = coeffs.reshape(-1)[keep]
-            out[i:i + r, j:j + c] = dr.T @ sent.reshape(r, c) @ dc
-    return out.reshape(delta.shape)
+            sent[keep] = coeffs[keep]
+            out[(i, j)] = sent
+    return out
+
+
+def _dense(tiles: dict[tuple[int, int], torch.Tensor], shape: torch.Size,
+           chunk: int) -> torch.Tensor:
+    """The inverse DCT of every tile's coefficients, back in the tensor's shape."""
+    rows, cols, r, c = _geometry(shape, chunk)
+    dr, dc = _dct(r), _dct(c)
+    out = torch.zeros(rows, cols)
+    for (i, j), coeffs in tiles.items():
+        out[i:i + r, j:j + c] = dr.T @ coeffs.reshape(r, c) @ dc
+    return out.reshape(shape)
+
+
+def _mean_of_senders(sent: list[dict[tuple[int, int], torch.Tensor]]
+                     ) -> dict[tuple[int, int], torch.Tensor]:
+    """Each coefficient averaged over the ranks that sent it (the reference's
+    ``scatter_reduce(..., "mean", include_self=False)``): zero where none did."""
+    out = {}
+    for corner in sent[0]:
+        total = sum(s[corner] for s in sent)
+        count = sum((s[corner] != 0).float() for s in sent)
+        out[corner] = total / count.clamp(min=1)
+    return out
 
 
 def _reference(grads: list[list[list[torch.Tensor]]], lr: float) -> list[torch.Tensor]:
@@ -61,13 +89,13 @@ def _reference(grads: list[list[list[torch.Tensor]]], lr: float) -> list[torch.T
             sent_r = []
             for t, g in enumerate(step_grads[r]):
                 deltas[r][t] = 0.9 * deltas[r][t] + g
-                q = _transmit(deltas[r][t], 8, 5)
-                deltas[r][t] = deltas[r][t] - q
-                sent_r.append(q)
+                tiles = _sent(deltas[r][t], 8, 5)
+                deltas[r][t] = deltas[r][t] - _dense(tiles, SHAPES[t], 8)
+                sent_r.append(tiles)
             sent.append(sent_r)
         for t in range(len(SHAPES)):
-            mean = sum(sent[r][t] for r in range(world)) / world
-            params[t] = params[t] - lr * torch.sign(mean)
+            mean = _mean_of_senders([sent[r][t] for r in range(world)])
+            params[t] = params[t] - lr * torch.sign(_dense(mean, SHAPES[t], 8))
     return params
 
 
@@ -152,3 +180,31 @@ def _fsdp_refused(rank: int) -> str:
 def test_fsdp2_is_refused_when_attached() -> None:
     for message in run_ranks(_fsdp_refused, 2):
         assert "'demo'" in message and "FSDP2" in message
+
+
+def test_one_64x64_tile_with_overlapping_top_k_matches_the_reference_sign_for_sign() -> None:
+    """The audit's case: 2 ranks, one 64 x 64 tile, top-32 sets that partly overlap.
+    Summing and dividing by W (what gradzip did) changed 410 of 4,096 update signs."""
+    shape = torch.Size([64, 64])
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(shape, generator=g)
+    grads = [base + 0.7 * torch.randn(shape, generator=g) for _ in range(2)]
+    sent = [_sent(x, 64, 32) for x in grads]
+    overlap = int(((sent[0][(0, 0)] != 0) & (sent[1][(0, 0)] != 0)).sum())
+    assert 0 < overlap < 32  # the sets overlap, partly
+    want = torch.sign(_dense(_mean_of_senders(sent), shape, 64))
+
+    def rank(r: int, comm: object) -> torch.Tensor:
+        codec = gradzip.codec("demo(chunk=64, topk=32, decay=0.9)", rank=r)
+        update, _ = codec.reduce(grads[r].reshape(-1), "w", comm,  # type: ignore[arg-type]
+                                 shapes=[shape])
+        return update.reshape(shape)
+
+    got = run_simulated(2, rank)
+    assert int((got[0] != want).sum()) == 0
+
+
+def test_chunk_is_bounded_by_its_16_bit_positions() -> None:
+    with pytest.raises(gradzip.SpecError, match="chunk"):
+        gradzip.codec("demo(chunk=182)")
+    gradzip.codec("demo(chunk=181)")

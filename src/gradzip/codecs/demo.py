@@ -6,14 +6,24 @@ orthonormal DCT-II; only the ``topk`` largest coefficients of every tile are sen
 fp32 values and their positions in the tile, one byte each for tiles of up to 256
 coefficients, else two). What was sent, brought back by the inverse DCT, is subtracted
 from the momentum (error feedback: what was not sent stays for later). The ranks' sent
-components are gathered and averaged, and the update is the **sign** of that mean: use
-it with SGD without momentum, the learning rate being the step size.
+components are gathered, each DCT coefficient is averaged over the ranks that sent it
+(as the reference's ``scatter_reduce(..., "mean", include_self=False)``), and the update
+is the **sign** of the inverse DCT of those means: use it with SGD without momentum, the
+learning rate being the step size.
 
 Tiles are ``chunk x chunk`` where a dimension allows it; a dimension that ``chunk``
 does not divide uses its largest divisor below ``chunk`` (as the reference does), so no
-padding is ever sent. The paper's momentum accumulates ``lr * g``; a codec sees ``g``,
-which with a constant learning rate changes nothing (the sign and the top-k choice are
-scale-free). Wire per tile: ``topk`` x (4 + 1 or 2) bytes; 64 x 64 tiles with topk 32
+padding is ever sent. Positions are one byte in tiles of up to 256 coefficients, else
+two (int16), so ``chunk`` is at most 181 (a 181 x 181 tile has 32,761).
+
+Deviations from the reference optimizer (``bloc97/DeMo``, ``demo.py``), both because a
+codec sees gradients, not the optimizer: the reference's momentum accumulates
+``lr * g``, this one ``g`` (the same updates under a constant learning rate, since the
+top-k choice and the sign are scale-free; under a schedule the reference weighs past
+gradients by their step's learning rate), and the reference decays weights decoupled
+(``p *= 1 - lr * wd``) inside its step, which here is the optimizer's business
+(``torch.optim.SGD(weight_decay=...)`` is coupled: use a decoupled optimizer step, or
+none). Wire per tile: ``topk`` x (4 + 1 or 2) bytes; 64 x 64 tiles with topk 32
 send 160 B for 16 KiB of fp32, ~100x less.
 
 State: the momentum, per bucket key (it checkpoints with the codec state). FSDP's flat
@@ -72,13 +82,20 @@ def _untile(tiles: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return tiles.reshape(rows // r, cols // c, r, c).permute(0, 2, 1, 3).reshape(rows, cols)
 
 
+#: a tensor's layout entry: (offset, rows, cols, tile rows, tile cols, k)
+_Entry = tuple[int, int, int, int, int, int]
+#: one tensor's sent components: its entry, (tiles x k) positions and values
+_Sent = tuple[_Entry, torch.Tensor, torch.Tensor]
+
+
 @register("demo")
 class DeMo(Compressor):
     """DeMo: top-k DCT components of a local momentum, sign of their mean (Peng et al.)."""
 
     PARAMS = (
         Param("chunk", int, 64, "tile side: DCT-II over chunk x chunk tiles (1-D tensors: "
-              "chunk values)", at_least(1)),
+              "chunk values); at most 181, since positions in a tile are 16-bit",
+              in_range(1, 181)),
         Param("topk", int, 32, "DCT coefficients sent per tile", at_least(1)),
         Param("decay", float, 0.999, "momentum decay: m <- decay * m + g",
               in_range(0.0, 1.0)),
@@ -93,7 +110,7 @@ class DeMo(Compressor):
     needs_matrices = True  # FSDP's flat shards have no matrix layout
 
     # ------------------------------------------------------------------ layout
-    def _layout(self, shapes: Shapes) -> list[tuple[int, int, int, int, int, int]]:
+    def _layout(self, shapes: Shapes) -> list[_Entry]:
         """Per tensor: (offset, rows, cols, tile rows, tile cols, k)."""
         chunk, out, offset = self.params["chunk"], [], 0
         for shape, n in zip(shapes, numels(shapes), strict=True):
@@ -145,30 +162,43 @@ class DeMo(Compressor):
     def decode_tensors(self, p: Payload, shape: torch.Size, slot: Slot | None,
                        shapes: Shapes) -> torch.Tensor:
         """The sent components, back in the parameter domain (inverse DCT per tile)."""
+        out = torch.zeros(math.prod(shape), dtype=torch.float32, device=_device(p))
+        for entry, idx, vals in self._components(p, shapes):
+            coeffs = torch.zeros(idx.shape[0], entry[3] * entry[4], device=out.device)
+            self._inverse(entry, coeffs.scatter_(1, idx, vals), out)
+        return out.reshape(shape)
+
+    def _components(self, p: Payload, shapes: Shapes) -> list[_Sent]:
+        """Per tensor: its layout entry, and the (tiles x k) positions and values sent,
+        checked against the layout the receiver knows (lengths, positions in range)."""
         values = p.tensor("values").float()
         pos = {8: p.tensor("pos8"), 16: p.tensor("pos16")}
-        out = torch.zeros(math.prod(shape), dtype=torch.float32, device=values.device)
-        used = {8: 0, 16: 0}
-        v0 = 0
-        for offset, rows, cols, r, c, k in self._layout(shapes):
+        used, v0 = {8: 0, 16: 0}, 0
+        out: list[_Sent] = []
+        for entry in self._layout(shapes):
+            _, rows, cols, r, c, k = entry
             n_tiles = (rows // r) * (cols // c)
             width = 8 if r * c <= 256 else 16
             count = n_tiles * k
             if v0 + count > values.numel() or used[width] + count > pos[width].numel():
                 raise PayloadError("demo payload is shorter than its tensors' tiles need")
             idx = pos[width][used[width]:used[width] + count].long().reshape(n_tiles, k)
-            if idx.numel() and int(idx.max()) >= r * c:
+            if idx.numel() and not bool(((idx >= 0) & (idx < r * c)).all()):
                 raise PayloadError("demo payload holds a position outside its tile")
-            vals = values[v0:v0 + count].reshape(n_tiles, k)
-            coeffs = torch.zeros(n_tiles, r * c, device=values.device).scatter_(1, idx, vals)
-            dr, dc = dct_matrix(r).to(values.device), dct_matrix(c).to(values.device)
-            tiles = dr.T @ coeffs.reshape(-1, r, c) @ dc
-            out[offset:offset + rows * cols] = _untile(tiles, rows, cols).reshape(-1)
+            out.append((entry, idx, values[v0:v0 + count].reshape(n_tiles, k)))
             used[width] += count
             v0 += count
         if v0 != values.numel():
             raise PayloadError("demo payload holds more values than its tensors' tiles")
-        return out.reshape(shape)
+        return out
+
+    @staticmethod
+    def _inverse(entry: _Entry, coeffs: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the inverse DCT of one tensor's (tiles x r*c) coefficients into flat ``out``."""
+        offset, rows, cols, r, c, _ = entry
+        dr, dc = dct_matrix(r).to(coeffs.device), dct_matrix(c).to(coeffs.device)
+        tiles = dr.T @ coeffs.reshape(-1, r, c) @ dc
+        out[offset:offset + rows * cols] = _untile(tiles, rows, cols).reshape(-1)
 
     # ------------------------------------------------------------------ reduce
     def reduce(self, x: torch.Tensor, slot: Slot, comm: Communicator, want_local: bool
@@ -178,18 +208,32 @@ class DeMo(Compressor):
     def reduce_tensors(self, x: torch.Tensor, slot: Slot, comm: Communicator,
                        want_local: bool, shapes: Shapes
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """sign(mean over ranks of the sent components); every rank's payload has the
-        same layout (k per tile), so one all-gather of the serialized bytes suffices."""
+        """The sign of the mean over ranks of the sent components, taken as the reference
+        takes it: each DCT coefficient is averaged over the ranks that sent it (a
+        coefficient two of four ranks sent is their mean, not half of it), then the
+        inverse DCT, then the sign. Every rank's payload has the same layout (k per
+        tile), so one all-gather of the serialized bytes suffices."""
         own = self.encode_tensors(x, slot, shapes)
         blobs = comm.all_gather(own.to_tensor(device=x.device))
-        total = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
-        for blob in blobs:  # in rank order on every rank: the same sum everywhere
-            # a received payload is rebuilt on the host: decode it where the sum lives
-            total.add_(self.decode_tensors(Payload.deserialize(blob).to(x.device), x.shape,
-                                           None, shapes).reshape(-1))
-        update = total.div_(comm.world_size).sign_().reshape(x.shape)
+        # received payloads are rebuilt on the host: their components go where x is
+        received = [self._components(Payload.deserialize(b).to(x.device), shapes)
+                    for b in blobs]
+        update = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
+        for t, entry in enumerate(self._layout(shapes)):
+            n_tiles = (entry[1] // entry[3]) * (entry[2] // entry[4])
+            sums = torch.zeros(n_tiles, entry[3] * entry[4], device=x.device)
+            counts = torch.zeros_like(sums)
+            for parts in received:  # in rank order on every rank: the same sums everywhere
+                _, idx, vals = parts[t]
+                sums.scatter_add_(1, idx, vals)
+                counts.scatter_add_(1, idx, torch.ones_like(vals))
+            self._inverse(entry, sums.div_(counts.clamp_(min=1)), update)
         local = self.decode_tensors(own, x.shape, slot, shapes) if want_local else None
-        return update, local
+        return update.sign_().reshape(x.shape), local
+
+
+def _device(p: Payload) -> torch.device:
+    return next((t.device for _, t in p.leaves()), torch.device("cpu"))
 
 
 def _cat(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
