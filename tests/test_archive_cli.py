@@ -110,3 +110,41 @@ def test_ls_export_and_verify_a_corrupt_pack(tmp_path: Path,
     assert f"{b.pack}:/R_0_E_0_S_5/B_2/model.layers.0.mlp.b: checksum mismatch" in err.err
     assert "1 problem(s)" in err.out
     assert main(["archive", "ls", str(tmp_path / "nothing")]) == 2
+
+
+def test_a_fresh_pack_left_by_a_crash_is_a_note(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank killed while writing the first step of a new pack leaves a file HDF5 cannot
+    read and that no committed step uses: verify notes it and passes (exit 0)."""
+    src = tmp_path / "pt"
+    src.mkdir()
+    _write_pt(src, 0, 5, 2)
+    archive = tmp_path / "a"
+    assert main(["archive", "pack", str(src), "--out", str(archive), "--workers", "1"]) == 0
+    with Archive(archive) as a:
+        [entry, *_] = list(a)
+    torn = archive / Path(entry.pack).parent / "pack_99.h5"
+    torn.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(200))  # a superblock, then nothing
+    capsys.readouterr()
+    assert main(["archive", "verify", str(archive)]) == 0
+    out = capsys.readouterr()
+    assert "pack_99.h5" in out.out + out.err and "never completed" in out.out + out.err
+
+
+def test_analyze_skips_and_reports_a_bucket_whose_bytes_changed(tmp_path: Path) -> None:
+    from gradzip.analyze.runner import run_analysis
+
+    src = tmp_path / "pt"
+    src.mkdir()
+    for step in (1, 2):
+        _write_pt(src, 0, step, 0, dtype=torch.float32)
+    archive = tmp_path / "a"
+    assert main(["archive", "pack", str(src), "--out", str(archive), "--workers", "1"]) == 0
+    with Archive(archive) as a:
+        [bad] = a.entries(step=2, name="model.layers.0.mlp.w")
+    with open(archive / bad.pack, "r+b") as f:
+        f.seek(bad.file_offset)
+        f.write(bytes(range(16)))  # 16 bytes flipped
+    outcome = run_analysis(archive, tmp_path / "out", workers=1)
+    assert outcome.analyzed == 1 and list(outcome.failed) == ["R0_E0_S2_B0"]
+    assert "checksum mismatch" in outcome.failed["R0_E0_S2_B0"]

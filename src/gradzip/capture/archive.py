@@ -78,7 +78,8 @@ class Archive:
 
     def bucket(self, rank: int, epoch: int, step: int, bucket: int,
                kind: str = "local") -> np.ndarray:
-        """One bucket as a flat array: its tensors at their offsets in the bucket."""
+        """One bucket as a flat array: its tensors at their offsets in the bucket, each
+        checked against the CRC-32 the index holds (``ArchiveError`` if it differs)."""
         parts = self.entries(rank=rank, epoch=epoch, step=step, bucket=bucket, kind=kind)
         if not parts:
             raise ArchiveError(f"no {kind} bucket {bucket} of rank {rank}, epoch {epoch}, "
@@ -86,7 +87,13 @@ class Archive:
         size = max(e.bucket_offset + e.numel for e in parts)
         flat = np.empty(size, dtype=storage_dtype(parts[0].dtype))
         for e in parts:
-            flat[e.bucket_offset:e.bucket_offset + e.numel] = self.load(e).reshape(-1)
+            values = self.load(e)
+            crc = zlib.crc32(np.ascontiguousarray(values).data)
+            if crc != e.crc32:  # a disk is untrusted too: never analyze changed bytes
+                raise ArchiveError(f"{e.pack}:{e.dataset}: checksum mismatch (index "
+                                   f"{e.crc32:#010x}, data {crc:#010x}): the bytes changed "
+                                   "after capture")
+            flat[e.bucket_offset:e.bucket_offset + e.numel] = values.reshape(-1)
         return flat
 
     def close(self) -> None:
@@ -156,6 +163,10 @@ def _check_structure(directory: Path, pack: str, entries: list[Entry]) -> list[P
     try:
         f = h5py.File(path, "r")
     except OSError as err:
+        if not entries:  # a pack no committed step uses: a run stopped while writing
+            return [Problem(pack, f"HDF5 cannot open it ({err}), and no committed step is in "
+                                  "it: the leftover of a step that never completed "
+                                  "(ignored)", fatal=False)]
         return [Problem(pack, f"HDF5 cannot open it ({err}); the indexed bytes are checked "
                               "above, but HDF5 tools cannot read this pack")]
     problems: list[Problem] = []
