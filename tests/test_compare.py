@@ -60,6 +60,16 @@ def test_race_of_two_methods_writes_records_report_and_plots(tmp_path: Path) -> 
     assert "ef \\| topk(ratio=0.05)" in report or "ef | topk(ratio=0.05)" in report
     pngs = list(out.glob("*.png"))
     assert len(pngs) >= 4 and all(p.stat().st_size > 1000 for p in pngs)
+    # a rerun into the same --out keeps both records (runs nothing again) and runs only
+    # the method it adds; the report covers the three
+    rc = main(["compare", "--methods", "torch:none;ef | topk(ratio=0.05);fp16", "--rate",
+               "100mbit", "--steps", "12", "--out", str(out)])
+    assert rc == 0
+    again = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["compare"]["method"] for r in again] == ["torch:none", "ef | topk(ratio=0.05)",
+                                                       "fp16"]
+    assert [r["time"] for r in again[:2]] == [r["time"] for r in records]  # not rerun
+    assert "fp16" in (out / "report.md").read_text()
 
 
 @pytest.mark.parametrize("argv, message", [

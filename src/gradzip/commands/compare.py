@@ -13,6 +13,7 @@ real rate-limited link, and writes ``OUT/results.jsonl`` and ``OUT/report.md``.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -128,32 +129,40 @@ def _race(runs: list[Any], out: Path, budget_s: float | None) -> int:
     console = Console(stderr=True)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
-    results.unlink(missing_ok=True)
+    earlier = harness.load_records(results)  # never deleted: a rerun keeps what it finds
+    done = {harness.record_key(r): r for r in earlier}
+    todo = [r for r in runs if harness.run_key(r) not in done]
+    if len(todo) < len(runs):
+        console.print(f"{len(runs) - len(todo)} of {len(runs)} runs already in {results}: "
+                      "kept, not run again")
     links = {key: harness.open_link(*key) for key in dict.fromkeys((r.rate, r.link)
-                                                                    for r in runs)}
+                                                                    for r in todo)}
     for link in links.values():
         console.print(_link_line(link))
-    records: list[dict[str, Any]] = []
     start = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                   "{task.total} runs"), TimeElapsedColumn(), console=console) as progress:
-        task = progress.add_task("compare", total=len(runs))
-        for r in runs:
+        task = progress.add_task("compare", total=len(todo))
+        for r in todo:
             progress.update(task, description=f"{r.method} (seed {r.seed}, {r.ranks} ranks, "
                                               f"{r.rate or 'unlimited'})")
+            shutil.rmtree(out / "runs" / r.slug, ignore_errors=True)  # an unfinished try
             try:
                 record = harness.execute(r, links[r.rate, r.link], out, out / "cache")
             except harness.RunFailed as e:
                 console.print(f"[red]{e}[/red]")
                 return 1
-            records.append(record)
+            done[harness.run_key(r)] = record
             harness.append_record(results, record)  # kept even if a later run fails
             progress.advance(task)
+    records = [done[harness.run_key(r)] for r in runs]
+    others = [r for r in earlier if harness.record_key(r) not in
+              {harness.run_key(run) for run in runs}]
     harness.add_race_figures(records, budget_s)
-    harness.rewrite(results, records)
+    harness.rewrite(results, others + records)
     report = write_report(records, out, budget_s, sources=[str(results)])
     print_tables(summarize(records, budget_s))
-    console.print(f"{len(records)} runs in {time.perf_counter() - start:.0f} s; report: "
+    console.print(f"{len(todo)} runs in {time.perf_counter() - start:.0f} s; report: "
                   f"{report}, records: {results}")
     return 0
 

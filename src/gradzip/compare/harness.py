@@ -10,8 +10,11 @@ Every record and the report say which. The rate the link delivers is measured on
 over the unshaped loopback and every record is marked ``shaped: false``.
 
 Records: each run's ``results.jsonl`` line plus a ``compare`` object (method, seed,
-ranks, rate, link, shaped, achieved rate, the link model in words) is appended to
-``OUT/results.jsonl`` as soon as the run ends (nothing is lost if a later run fails);
+ranks, rate, link, shaped, achieved rate, the link model in words, the train flags) is
+appended to ``OUT/results.jsonl`` as soon as the run ends (nothing is lost if a later
+run fails). Nothing there is ever deleted: a rerun into the same ``OUT`` keeps the runs
+whose records exist (same method, seed, ranks, rate, link and train flags) and runs
+the rest;
 at the end the file is rewritten (write, then rename) with each run's
 ``time_to_target_s`` and ``quality_at_time`` from the report's one evaluation schedule,
 and ``OUT/report.md`` with its plots is written.
@@ -128,8 +131,36 @@ def execute(run: Run, link: Link, out: Path, cache: Path,
     lines = (run_dir / "results.jsonl").read_text().splitlines()
     record = json.loads(lines[-1])
     record["compare"] = {"method": run.method, "seed": run.seed, "ranks": run.ranks,
-                         **link.describe()}
+                         **link.describe(), "link_kind": run.link, "train": list(run.train)}
     return record
+
+
+def run_key(run: Run) -> tuple[Any, ...]:
+    """What makes two runs the same run: method, seed, ranks, rate, link, train flags."""
+    return (run.method, run.seed, run.ranks, run.rate, run.link, tuple(run.train))
+
+
+def record_key(record: dict[str, Any]) -> tuple[Any, ...] | None:
+    """``run_key`` of the run a record came from (None: a record without it, which an
+    earlier gradzip wrote; such a run is run again)."""
+    c = record.get("compare") or {}
+    if "link_kind" not in c or "train" not in c:
+        return None
+    return (c["method"], c["seed"], c["ranks"], c["rate"], c["link_kind"], tuple(c["train"]))
+
+
+def load_records(path: Path) -> list[dict[str, Any]]:
+    """The records of ``path`` (none if it does not exist; a torn last line is dropped:
+    its run did not finish writing and runs again)."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
 
 
 def append_record(path: Path, record: dict[str, Any]) -> None:
