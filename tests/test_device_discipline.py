@@ -70,8 +70,9 @@ def test_host_stages_are_listed_exactly(spec: str) -> None:
     # fails in it), whose cause is the refused read
     with pytest.raises((RuntimeError, NotImplementedError, gradzip.PayloadError)) as caught:
         _round_trip(spec)
-    cause = caught.value.__cause__ if isinstance(caught.value, gradzip.PayloadError) else None
-    assert cause is None or isinstance(cause, RuntimeError | NotImplementedError)
+    error = caught.value.__cause__ or caught.value
+    assert any(m in str(error) for m in ("cannot be called on meta tensors",
+                                          "Cannot copy out of meta tensor")), error
 
 
 def test_every_registered_compressor_is_classified() -> None:

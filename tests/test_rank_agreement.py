@@ -32,7 +32,8 @@ REDUCE_SPECS = [
     "ef | powersgd(rank=2)", "signsgd", "terngrad", "sketch", "int8(shared=narrow)",  # rounds
 ]
 #: FSDP's reduce-scatter: summable, exchanged, multi-round
-SCATTER_SPECS = ["fp16", "ef | qsgd", "threshold(v=0.5) | zstd", "ef | powersgd(rank=2)"]
+SCATTER_SPECS = ["fp16", "ef | fp16", "ef | qsgd", "threshold(v=0.5) | zstd",
+                 "ef | powersgd(rank=2)"]
 
 
 def _data(rank: int, step: int) -> torch.Tensor:
@@ -67,7 +68,9 @@ def _reduce_everything(rank: int, nan_rank: int) -> dict:
             error = None
         except gradzip.NonFiniteGradientError as e:
             error = str(e)
-        out[spec] = {"means": means, "paths": paths, "error": error}
+        # the next, finite step goes on on every rank: no NaN stayed in any rank's state
+        after, _ = codec.reduce(_data(rank, 3), "w", comm, shapes=SHAPES)
+        out[spec] = {"means": means, "paths": paths, "error": error, "after": after}
     for spec in SCATTER_SPECS:
         codec = gradzip.codec(spec, rank=rank, seed=7)
         chunks = _data(rank, 0).reshape(world, -1) if N % world == 0 else \
@@ -81,7 +84,8 @@ def _reduce_everything(rank: int, nan_rank: int) -> dict:
             error = None
         except gradzip.NonFiniteGradientError as e:
             error = str(e)
-        out["scatter " + spec] = {"shard": shard, "error": error}
+        after = codec.reduce_scatter(chunks, "fsdp", comm)  # and the next step goes on
+        out["scatter " + spec] = {"shard": shard, "error": error, "after": after}
     return out
 
 
@@ -97,11 +101,15 @@ def test_every_path_agrees_across_ranks_and_every_rank_sees_a_nan(world: int) ->
             for a, b in zip(mine["means"], first["means"], strict=True):
                 assert torch.equal(a, b), f"{spec}: ranks disagree on the mean"
             assert mine["error"] == first["error"], spec  # the same words everywhere
+            assert torch.equal(mine["after"], first["after"]), spec
+        assert first["after"].isfinite().all(), spec
     for spec in SCATTER_SPECS:
         errors = {r["scatter " + spec]["error"] for r in results}
         assert len(errors) == 1 and None not in errors, (spec, errors)
         shards = torch.stack([r["scatter " + spec]["shard"] for r in results])
         assert shards.isfinite().all()
+        after = torch.stack([r["scatter " + spec]["after"] for r in results])
+        assert after.isfinite().all(), spec  # no rank kept a NaN residual
 
 
 # ---------------------------------------------------------------- DDP: one rank's NaN
@@ -134,3 +142,26 @@ def test_a_nan_on_one_ddp_rank_stops_every_rank(spec: str) -> None:
     for r in results:
         assert r["errors"] == [None, None, True, None], (spec, r)
     assert results[0]["chained"] == (spec in ("none", "fp16", "randomk(ratio=0.5)"))
+
+
+@pytest.mark.parametrize("spec", ["ef | fp16", "ef | topk(ratio=0.1)", "powersgd(rank=2)",
+                                  "efsignsgd"])
+def test_propagate_on_one_rank_returns_nan_and_keeps_the_state_clean(spec: str) -> None:
+    """World size 1 (one GPU with AMP): a NaN step comes back all NaN (so a GradScaler
+    skips it) and the next, finite step is finite: no NaN entered the codec's state."""
+    from gradzip.codecs import run_simulated
+
+    def work(rank: int, comm: object) -> list[bool]:
+        codec = gradzip.codec(spec, nonfinite="propagate")
+        finite = []
+        for step in range(3):
+            x = _data(1, step)
+            if step == 1:
+                x[7] = float("nan")
+            mean, _ = codec.reduce(x, "w", comm, shapes=SHAPES)  # type: ignore[arg-type]
+            finite.append(bool(mean.isfinite().all()))
+            if step == 1:
+                assert mean.isnan().all()
+        return finite
+
+    assert run_simulated(1, work) == [[True, False, True]]

@@ -6,7 +6,11 @@ calls that would be syncs there, on every thread (the communication thread inclu
 during backward, where the hooks run. The budget per spec is what the path needs and
 no more (docs/architecture.md, "Device and host"); a new host read on the hot path
 fails here. The future-chained path checks finiteness on the device: on CUDA its one
-read per bucket moves out of the hot path (a pinned copy read at the next step).
+read per bucket becomes a pinned copy read once, at the step's last bucket.
+
+The count is a lower bound: syncs a CUDA kernel implies (``nonzero``, boolean-mask
+indexing) are not Python calls and are not counted here; ``gradzip bench gpu`` counts
+every one with ``torch.cuda.set_sync_debug_mode`` on a GPU.
 """
 
 from __future__ import annotations

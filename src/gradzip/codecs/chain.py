@@ -334,8 +334,8 @@ class Codec:
         if expected is not None and tuple(shape) != tuple(expected):
             raise PayloadError(f"payload declares shape {tuple(shape)}, the receiver "
                                f"expects {tuple(expected)}")
-        if shape.numel() > max_numel:
-            raise PayloadError(f"payload declares {shape.numel()} values, more than "
+        if math.prod(shape) > max_numel:  # Python ints: Size.numel() wraps on overflow
+            raise PayloadError(f"payload declares {math.prod(shape)} values, more than "
                                f"max_numel={max_numel}; pass expected= or a larger max_numel "
                                "to decode it")
         if device is not None:
@@ -359,6 +359,8 @@ class Codec:
             raise
         except (ValueError, TypeError, KeyError, IndexError, RuntimeError, OverflowError,
                 AssertionError) as e:  # not MemoryError: the bounds must prevent that
+            if _out_of_memory(e):  # nor an allocator's failure: it is not the payload's
+                raise
             raise PayloadError(f"the payload for {key or 'a tensor'!r} could not be decoded "
                                f"({type(e).__name__}: {e})") from e
         if self.observer is not None:
@@ -430,14 +432,17 @@ class Codec:
         finite = self._is_finite(x)
         x = x.detach()
         shapes = checked_shapes(shapes, x.numel())
-        if self._flag_first(comm) and self._any_nonfinite(finite, key, comm, x.device):
-            nan = torch.full_like(x, float("nan"))  # 'propagate': NaN everywhere, no state
+        if self.nonfinite == "propagate" and (
+                not finite if comm.world_size == 1
+                else self._any_nonfinite(finite, key, comm, x.device)):
+            nan = torch.full_like(x, float("nan"))  # NaN everywhere, no state touched
             return nan, (nan if want_local else None)
+        if not finite:  # 'error': this rank still takes part (its peers wait for it) and
+            x = torch.zeros_like(x)  # says so in a collective; no NaN reaches its state
         carry = self.multi_round and self.nonfinite == "error" and comm.world_size > 1
         if carry:  # the flag rides on the protocol's first collective (carry_flag)
             comm.carry_flag(not finite, lambda: agreed_nonfinite_error(key), x.device)
-            if not finite:  # run the protocol on zeros: nothing on this rank may fail
-                x, finite = torch.zeros_like(x), True
+            finite = True  # the protocol runs on the zeros above; the flag says the rest
         try:
             if self.wrapper is not None:
                 slot = self.state.slot(0, key)
@@ -454,20 +459,16 @@ class Codec:
             comm.drop_flag()
         return _cast(mean, x.dtype), (_cast(local, x.dtype) if local is not None else None)
 
-    def _flag_first(self, comm: Communicator) -> bool:
-        """Whether the ranks agree on finiteness with a flag all-reduce before encoding.
-
-        'propagate' must (NaN is returned before any state changes). Under 'error' the
-        news rides on a collective that runs anyway: a NaN in the all-reduced payload or
-        a missing payload in a size exchange (``aggregate.py``), or the flag carried by a
-        multi-round protocol's first collective (``Communicator.carry_flag``).
-        """
-        return comm.world_size > 1 and self.nonfinite == "propagate"
-
     def _any_nonfinite(self, finite: bool, key: str, comm: Communicator,
                        device: torch.device) -> bool:
-        """Max all-reduce of this rank's flag: True if any rank's input was non-finite
-        ('propagate'); under 'error' every rank raises the same error instead."""
+        """Max all-reduce of this rank's flag: True if any rank's input was non-finite.
+
+        'propagate' agrees this way, before anything is encoded (NaN is returned with no
+        state changed). Under 'error' the news rides on a collective that runs anyway: a
+        NaN in the all-reduced payload or a missing payload in a size exchange
+        (``aggregate.py``), or the flag a multi-round protocol's first collective carries
+        (``Communicator.carry_flag``); this is their fallback.
+        """
         flag = torch.tensor([0.0 if finite else 1.0], device=device)
         if float(comm.all_reduce([flag], op="max")[0]) == 0:
             return False
@@ -528,8 +529,12 @@ class Codec:
             mean, _ = self.reduce(chunks.reshape(-1), key, comm)
             return mean.reshape(world, n)[comm.rank] * world
         finite = self._is_finite(chunks)
-        if self._flag_first(comm) and self._any_nonfinite(finite, key, comm, chunks.device):
+        if self.nonfinite == "propagate" and (
+                not finite if world == 1
+                else self._any_nonfinite(finite, key, comm, chunks.device)):
             return torch.full((n,), float("nan"), dtype=chunks.dtype, device=chunks.device)
+        if not finite:  # as in ``reduce``: zeros, and the news in a collective
+            chunks = torch.zeros_like(chunks)
         if world == 1 and not finite and self.nonfinite == "error":
             raise agreed_nonfinite_error(key)
         if self.observer is not None:
@@ -652,6 +657,13 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         limit = torch.finfo(dtype).max
         t = t.clamp(-limit, limit)
     return t.to(dtype)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation failure (torch raises RuntimeError, or OutOfMemoryError on CUDA)."""
+    text = str(e)
+    return isinstance(e, torch.OutOfMemoryError) or "can't allocate" in text \
+        or "out of memory" in text
 
 
 def _dtype(code: int) -> torch.dtype:

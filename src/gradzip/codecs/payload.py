@@ -27,6 +27,7 @@ another exception) on anything malformed.
 from __future__ import annotations
 
 import builtins
+import math
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -142,7 +143,8 @@ class Payload:
 
     def shape(self, name: str = "shape") -> torch.Size:
         value = self.meta.get(name)
-        if not isinstance(value, tuple) or len(value) > 16 or any(d < 0 for d in value):
+        if not isinstance(value, tuple) or len(value) > 16 or any(
+                not 0 <= d < 1 << 62 for d in value) or math.prod(value) >= 1 << 62:
             raise PayloadError(f"payload meta {name!r} missing or not a shape: {value!r}")
         return torch.Size(value)
 

@@ -45,7 +45,8 @@ class PendingChecks:
     On CPU a callback runs after its collective finished, so it checks at once. On
     CUDA it runs when the collective is enqueued, and a host read there would stall
     backward until NCCL finished; instead the flag is copied to pinned memory behind an
-    event and read at the next step's first bucket, when it is long done. Every rank
+    event and read in the step's last bucket's callback, where backward has nothing
+    left to overlap: the step fails before the optimizer can apply it. Every rank
     holds the same sums, so every rank raises there, with the same words.
     """
 
@@ -61,6 +62,8 @@ class PendingChecks:
         if self._origin is None:
             self._origin = start
         self._untimed.append((r, start, end, stats))
+        if len(self._untimed) > 4096:  # a caller that never closes a step: stay bounded
+            self.settle_timings()
 
     def settle_timings(self) -> None:
         """Fill in the all-reduce seconds and overlap spans from the events, and record
@@ -96,7 +99,7 @@ class PendingChecks:
 
 def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor, key: str,
                  shapes: list[torch.Size] | None, plain: bool,
-                 checks: PendingChecks) -> torch.futures.Future:
+                 checks: PendingChecks, last: bool = False) -> torch.futures.Future:
     """Mean of ``buffer`` over ranks, in place, as a future (``plain``: uncompressed).
 
     The future is the collective's own (``work.get_future().then``), as PyTorch's
@@ -146,6 +149,8 @@ def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor
         decode_start = time.perf_counter()
         if bad is not None and heads:
             checks.watch(~torch.isfinite(heads[0]).all(), key)
+        if last:  # the step's last bucket: read its flags before any optimizer step (on
+            checks.raise_ready()  # CUDA a wait for the step's all-reduces, at backward's end)
         if payload is not None:  # casts convert straight into the bucket
             codec.compressors[0][1].decode_into(payload, buffer, None)
         done = time.perf_counter()

@@ -103,7 +103,7 @@ class DDPCommState:
         #: the chained path's non-finite flags still on a GPU (``chained.PendingChecks``)
         self.checks = PendingChecks()
         self.stats.add_settler(self.checks.settle_timings)
-        self.checked = 0  # the iteration whose first bucket last ran ``raise_ready``
+        self.checked = 0  # the iteration whose first bucket was seen last
         self.iteration = 0
         #: a ``gradzip.capture.Capture`` recording each bucket as it is communicated,
         #: and parameter identity -> name for its records (set by ``attach``)
@@ -231,21 +231,22 @@ def _reduce_bucket(state: DDPCommState, bucket: dist.GradBucket) -> torch.future
     params = bucket.parameters()
     layout = tuple(id(p) for p in params)
     shapes = [p.shape for p in params]
-    if state.checked != state.iteration:  # a step's first bucket: the last step's
-        state.checked = state.iteration     # non-finite flags are long done
-        try:  # every rank fails here together, before any collective of this step
+    first = state.checked != state.iteration
+    state.checked = state.iteration
+    if bucket.is_last():
+        state.iteration += 1
+    if first:  # flags a failed step left unread (normally none: its last bucket reads
+        try:   # them); every rank fails here together, before any collective of this step
             state.checks.raise_ready()
         except NonFiniteGradientError as e:
             failed: torch.futures.Future = torch.futures.Future()
             failed.set_exception(e)
             return failed
-    if bucket.is_last():
-        state.iteration += 1
     if state.chained:
         if compress:
             state.check_layout(index, layout)
         return reduce_async(state.reducers[0], state.comm, buffer, key, shapes,
-                            plain=not compress, checks=state.checks)
+                            plain=not compress, checks=state.checks, last=bucket.is_last())
 
     def job() -> torch.Tensor:
         if not compress:
