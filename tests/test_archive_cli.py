@@ -3,6 +3,7 @@ verify."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -148,3 +149,29 @@ def test_analyze_skips_and_reports_a_bucket_whose_bytes_changed(tmp_path: Path) 
     outcome = run_analysis(archive, tmp_path / "out", workers=1)
     assert outcome.analyzed == 1 and list(outcome.failed) == ["R0_E0_S2_B0"]
     assert "checksum mismatch" in outcome.failed["R0_E0_S2_B0"]
+
+
+def test_a_closed_pipe_ends_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gradzip archive ls DIR | head`: the reader closing the pipe is exit 141 (as
+    SIGPIPE), with no BrokenPipeError traceback."""
+    import argparse
+
+    import gradzip.cli as cli
+
+    def closed(args: argparse.Namespace) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    parser = cli.build_parser()
+    real = parser.parse_args
+
+    def parse(argv: list[str]) -> argparse.Namespace:
+        args = real(argv)
+        args.func = closed
+        return args
+
+    monkeypatch.setattr(parser, "parse_args", parse)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    dup2 = []
+    monkeypatch.setattr(cli.os, "dup2", lambda fd, fd2: dup2.append(fd2))
+    assert cli.main(["archive", "ls", "anything"]) == 141
+    assert dup2 == [sys.stdout.fileno()]

@@ -74,6 +74,7 @@ def test_race_of_two_methods_writes_records_report_and_plots(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("argv, message", [
     (["--rate", "fast"], "--rate 'fast'"),
+    (["--rate", "100mbps"], "bytes per second"),
     (["--ranks", "two"], "--ranks must be integers"),
     (["--seeds", "0"], "--ranks and --seeds must be >= 1"),
     (["--link", "nic"], "--link must be one or more of shared, per-rank"),

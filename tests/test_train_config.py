@@ -293,3 +293,30 @@ def test_demo_with_plain_sgd_is_accepted() -> None:
     argv = ["train", "--parallel", "ddp", "--codec", "demo(topk=8)", "--optimizer", "sgd",
             "--grad-clip", "0"]
     resolve_args(build_parser().parse_args(argv)).validate()
+
+
+def test_a_file_as_outs_parent_is_refused_before_any_work(tmp_path: Path) -> None:
+    """A file as --out's parent, or a read-only directory: one clear error before any
+    work (data preparation), not a traceback later."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    from gradzip.commands.train import check_environment
+
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        check_environment(parse("--out", str(blocker / "run")))
+
+
+def test_a_read_only_out_is_refused_before_any_work(tmp_path: Path) -> None:
+    from gradzip.commands.train import check_environment
+
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        import os
+        if os.access(locked, os.W_OK):  # root ignores the mode bits: nothing to test
+            pytest.skip("running as root: a read-only directory is still writable")
+        with pytest.raises(ValueError, match="cannot write under"):
+            check_environment(parse("--out", str(locked / "run")))
+    finally:
+        locked.chmod(0o700)

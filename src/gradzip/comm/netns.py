@@ -125,15 +125,23 @@ def loopback_bytes(proc_net_dev: str | os.PathLike[str] = "/proc/net/dev") -> tu
 
 
 def rate_bits_per_second(rate: str) -> float:
-    """``"100mbit"`` -> 1e8; tc's units (``bit``: bits/s, ``bps``: bytes/s; k/m/g = 1000)."""
+    """``"100mbit"`` -> 1e8 (k/m/g/t = 1000). Rates are bits per second everywhere in
+    gradzip; tc's ``bps`` means *bytes* per second, so ``100mbps`` (800 Mbit/s to tc,
+    100 Mbit/s to most readers) is refused with what it would have meant."""
     m = _RATE.match(rate.strip())
     if not m:
         raise ValueError(
-            f"rate must look like tc's, e.g. '100mbit', '1gbit', '500kbit' or '10mbps' "
-            f"(bytes/s), got {rate!r}"
+            f"rate must be bits per second like tc's, e.g. '100mbit', '1gbit' or '500kbit', "
+            f"got {rate!r}"
         )
     value = float(m.group(1)) * _SCALE[m.group(2).lower()]
-    return value * (8 if m.group(3).lower() == "bps" else 1)
+    if m.group(3).lower() == "bps":
+        raise ValueError(
+            f"{rate!r} is tc's bytes per second ({value * 8 / 1e6:g} Mbit/s); gradzip takes "
+            f"bits per second: write '{m.group(1)}{m.group(2).lower()}bit' for "
+            f"{m.group(1)} {m.group(2).upper()}bit/s, or "
+            f"'{float(m.group(1)) * 8:g}{m.group(2).lower()}bit' for what tc would do")
+    return value
 
 
 def tbf_burst(rate: str) -> str:

@@ -195,6 +195,7 @@ def _check_run_dir(cfg: Any) -> None:
     from gradzip.train.checkpoint import read_meta, step_dirs
 
     run_dir, r = Path(cfg.run.out), cfg.run
+    _check_writable(run_dir)
     found = step_dirs(run_dir)
     if not r.resume:
         if found:
@@ -206,6 +207,20 @@ def _check_run_dir(cfg: Any) -> None:
                                 f"stopped before its first save); start it again without "
                                 f"--resume")
     _check_resumable(cfg, found[-1], read_meta(found[-1]))
+
+
+def _check_writable(run_dir: Path) -> None:
+    """``--out`` can be made and written (checked before any data is prepared): its
+    nearest existing ancestor is a writable directory."""
+    here = run_dir.absolute()
+    while not here.exists():
+        here = here.parent
+    if not here.is_dir():
+        raise ValueError(f"--out {run_dir}: {here} is a file, not a directory; choose "
+                         "another --out")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {run_dir}: cannot write under {here} (read-only or not "
+                         "yours); choose another --out")
 
 
 def _check_resumable(cfg: Any, ckpt: Path, meta: dict[str, Any]) -> None:
