@@ -207,7 +207,8 @@ def test_bad_lines_name_the_file_and_line(tmp_path: Path) -> None:
         "list.jsonl": ("\n" + good + "\n[1, 2]\n", ":3: a results record is a JSON object"),
         "types.jsonl": (json.dumps({**json.loads(good), "val_loss": "low"}) + "\n",
                         ":1: field 'val_loss' must be a number or null"),
-        "nomethod.jsonl": (json.dumps({"seed": 1}) + "\n", ":1: a record needs a 'codec'"),
+        "nomethod.jsonl": (json.dumps({"seed": 1}) + "\n",
+                           ":1: a record needs a 'method' or 'codec'"),
         "empty.jsonl": ("\n\n", ": empty"),
     }
     for name, (text, message) in cases.items():
@@ -246,3 +247,22 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report", str(good), "--out", str(tmp_path), "--budget-s", "0"]) == 2
     assert "--budget-s must be a positive" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_diloco_record_is_named_by_its_method_not_taken_for_the_baseline() -> None:
+    """A DiLoCo run's codec is ``none`` (no per-step codec): named by ``codec`` it was
+    listed as ``none`` and, beside a plain DDP ``none`` run, replaced it silently."""
+    from gradzip.train.config import TrainConfig
+    from gradzip.train.loop import method_name
+
+    diloco = TrainConfig(outer="diloco", sync_every=32, outer_codec="int8")
+    name = method_name(diloco)
+    assert name == "diloco(sync_every=32, lr=0.7, momentum=0.9) | int8"
+    assert method_name(TrainConfig(codec="ef | topk(ratio=0.01)")) == "ef | topk(ratio=0.01)"
+    base = {"seed": 0, "world_size": 2, "steps": 5, "val_loss": 3.0, "eval_history": [],
+            "bytes_wire_total": None, "comm_ratio": None}
+    ddp = {**base, "method": "none", "codec": "none"}
+    local = {**base, "method": name, "codec": "none", "val_loss": 3.1}
+    [s] = summarize([ddp, local])
+    assert s.baseline == "none" and {m.method for m in s.methods} == {"none", name}
+    assert not any("replaced" in n for n in s.notes)

@@ -162,11 +162,12 @@ def _from_compare(c: Any, record: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _from_plain(record: dict[str, Any], where: str) -> dict[str, Any]:
-    """The Run fields of a plain ``gradzip train`` record: its codec over loopback."""
-    codec, ranks = record.get("codec"), record.get("world_size")
+    """The Run fields of a plain ``gradzip train`` record: its method over loopback
+    (``method`` names it exactly, DiLoCo included; records before it have ``codec``)."""
+    codec, ranks = record.get("method") or record.get("codec"), record.get("world_size")
     if not isinstance(codec, str) or not codec.strip():
-        raise ValueError(f"{where}: a record needs a 'codec' string (or a 'compare' object "
-                         "naming the method)")
+        raise ValueError(f"{where}: a record needs a 'method' or 'codec' string (or a "
+                         "'compare' object naming the method)")
     _check(ranks is None or isinstance(ranks, int), where,
            f"field 'world_size' must be an integer, got {ranks!r}")
     return {"setting": Setting(None, ranks, "unshaped"), "method": codec.strip(),

@@ -474,6 +474,7 @@ class Trainer:
             "grad_accum": cfg.optim.grad_accum,
             "global_batch_tokens": self.tokens_per_step,
             "dtype": t.dtype,
+            "method": method_name(t),
             "codec": t.codec,
             "codec_config": _codec_config(t),
             "nonfinite_policy": nonfinite_policy(t),
@@ -507,6 +508,24 @@ class Trainer:
             else torch.cuda.get_device_name(info.device),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+
+
+def method_name(t: Any) -> str:
+    """The run's method, exactly, in ``gradzip compare``'s grammar: the codec spec (or
+    ``torch:...``), or ``diloco(...)``/``average(...)`` with its outer settings and the
+    pseudo-gradients' codec. A DiLoCo run's ``codec`` is ``none`` (no per-step DDP
+    codec), so naming runs by ``codec`` made it look like the uncompressed baseline."""
+    if t.outer == "none":
+        return str(t.codec)
+    params = [f"sync_every={t.sync_every}"]
+    if t.outer == "diloco":
+        params += [f"lr={t.outer_lr:g}", f"momentum={t.outer_momentum:g}"]
+    if t.fragments > 1:
+        params.append(f"fragments={t.fragments}")
+    if t.overlap_steps:
+        params.append(f"overlap={t.overlap_steps}")
+    name = f"{t.outer}({', '.join(params)})"
+    return name if t.outer_codec == "none" else f"{name} | {t.outer_codec}"
 
 
 def outer_options(t: Any) -> dict[str, Any] | None:
