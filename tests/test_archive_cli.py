@@ -162,16 +162,39 @@ def test_a_closed_pipe_ends_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
         raise BrokenPipeError(32, "Broken pipe")
 
     parser = cli.build_parser()
-    real = parser.parse_args
+    real = parser.parse_known_args
 
-    def parse(argv: list[str]) -> argparse.Namespace:
-        args = real(argv)
+    def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+        args, extras = real(argv)
         args.func = closed
-        return args
+        return args, extras
 
-    monkeypatch.setattr(parser, "parse_args", parse)
+    monkeypatch.setattr(parser, "parse_known_args", parse)
     monkeypatch.setattr(cli, "build_parser", lambda: parser)
     dup2 = []
     monkeypatch.setattr(cli.os, "dup2", lambda fd, fd2: dup2.append(fd2))
     assert cli.main(["archive", "ls", "anything"]) == 141
     assert dup2 == [sys.stdout.fileno()]
+
+
+def test_an_unknown_option_points_at_the_commands_help(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["archive", "verify", "somewhere", "--nope"])
+    assert done.value.code == 2
+    assert "unrecognized arguments: --nope (see gradzip archive verify --help)" in (
+        capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("argv", [["archive", "verify"], ["archive", "ls"], ["analyze"],
+                                  ["codecs", "list"]])
+def test_every_command_takes_debug_and_documents_its_options(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # help wraps lines
+    assert "--debug" in text
+    if argv == ["archive", "verify"]:
+        assert "Exit status: 0" in text
+    if argv == ["archive", "ls"]:
+        assert "the training step" in text

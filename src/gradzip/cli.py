@@ -41,7 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # say which command's --help lists what it takes
+        sub = next((getattr(args, k) for k in ("action", "bench_command", "codecs_command")
+                    if getattr(args, k, None)), None)
+        command = f"{args.command} {sub}" if sub else args.command
+        parser.exit(2, f"gradzip {command}: error: unrecognized arguments: "
+                       f"{' '.join(extras)} (see gradzip {command} --help)\n")
     try:
         result = args.func(args)
     except KeyboardInterrupt:

@@ -32,6 +32,7 @@ def register(sub: Any) -> None:
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)),
                    help="worker processes (default: all cores)")
     p.add_argument("--per-param", action="store_true", help="also a row per parameter")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     p.add_argument("--codecs", default=";".join(DEFAULT_CODECS), metavar="SPEC;SPEC",
                    help="lossy codecs for the what-if, ';'-separated; 'none' to skip "
                         f"(default: {';'.join(DEFAULT_CODECS)})")

@@ -25,10 +25,18 @@ def register(sub: Any) -> None:
     ls.add_argument("archive", help="archive directory (gradzip train --capture DIR)")
     _filters(ls)
     ls.add_argument("--tensors", action="store_true", help="one line per tensor")
+    ls.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     ls.set_defaults(func=_ls)
 
-    verify = actions.add_parser("verify", help="check every tensor's checksum and its pack")
-    verify.add_argument("archive")
+    verify = actions.add_parser(
+        "verify", help="check every tensor's checksum and its pack",
+        description="Check every indexed tensor's bytes against its CRC-32 and its dataset "
+                    "in the pack's HDF5 structure. Leftovers of steps that never completed "
+                    "(datasets no committed step lists, a fresh pack no committed step "
+                    "uses) are notes. Exit status: 0 all good (notes allowed), 1 a problem "
+                    "found, 2 not an archive.")
+    verify.add_argument("archive", help="archive directory (gradzip train --capture DIR)")
+    verify.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     verify.set_defaults(func=_verify)
 
     export = actions.add_parser("export", help="write one bucket or tensor to .npy or .pt")
@@ -37,6 +45,7 @@ def register(sub: Any) -> None:
     export.add_argument("--aggregated", action="store_true",
                         help="the aggregated (post-communication) gradient")
     export.add_argument("--out", required=True, help="FILE.npy or FILE.pt")
+    export.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     export.set_defaults(func=_export)
 
     pack = actions.add_parser("pack", help="convert R_r_E_e_S_s_B_b.pt bucket files to packs")
@@ -50,14 +59,20 @@ def register(sub: Any) -> None:
     pack.add_argument("--delete-source", action="store_true",
                       help="delete each file once its packed copy read back bit-identical")
     pack.add_argument("--pack-cap", default="1.8TB", help="size of a pack file (default 1.8TB)")
+    pack.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     pack.set_defaults(func=_pack)
 
 
 def _filters(p: argparse.ArgumentParser, required: bool = False) -> None:
-    p.add_argument("--rank", type=int, default=None if not required else 0)
-    p.add_argument("--epoch", type=int, default=None if not required else 0)
-    p.add_argument("--step", type=int, required=required, default=None)
-    p.add_argument("--bucket", type=int, required=required, default=None)
+    every = "" if required else " (default: every one)"
+    p.add_argument("--rank", type=int, default=None if not required else 0,
+                   help="the capturing rank" + (" (default 0)" if required else every))
+    p.add_argument("--epoch", type=int, default=None if not required else 0,
+                   help="the epoch" + (" (default 0)" if required else every))
+    p.add_argument("--step", type=int, required=required, default=None,
+                   help="the training step" + every)
+    p.add_argument("--bucket", type=int, required=required, default=None,
+                   help="the bucket index (DDP's, or the FSDP unit's)" + every)
     p.add_argument("--name", default=None, help="a tensor name (glob patterns in ls)")
 
 

@@ -13,9 +13,11 @@ def register(sub: Any) -> None:
     csub = p.add_subparsers(dest="codecs_command", metavar="ACTION", required=True)
     lst = csub.add_parser("list", help="print every codec stage with its parameters and defaults")
     lst.add_argument("--json", action="store_true", help="machine-readable output")
+    lst.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     lst.set_defaults(func=run_list)
     show = csub.add_parser("check", help="parse a spec and print its canonical form and properties")
     show.add_argument("spec", help='e.g. "ef | topk(ratio=0.01) | qsgd(levels=16)"')
+    show.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     show.set_defaults(func=run_check)
 
 
