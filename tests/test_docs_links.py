@@ -71,3 +71,15 @@ def test_architecture_doc_names_source_files() -> None:
     """The architecture page exists and its paths are checked (not silently skipped)."""
     paths = quoted_paths((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"))
     assert sum(p.startswith("src/") and p.endswith(".py") for p in paths) >= 20
+
+
+def test_readme_names_every_registered_stage() -> None:
+    """The README's spec section lists every stage a spec can name (a new codec file
+    registers itself; the list must not silently miss it)."""
+    import gradzip
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Specs"):]
+    section = section[:section.index("\n## ", 1)]
+    missing = [name for name in gradzip.registered() if f"`{name}" not in section]
+    assert not missing, f"README's Specs section does not name {missing}"
