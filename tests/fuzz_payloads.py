@@ -52,11 +52,11 @@ def _nodes(p: Payload) -> Iterator[Payload]:
             yield from _nodes(value)
 
 
-def _reseal(p: Payload) -> Payload:
+def reseal(p: Payload) -> Payload:
     """Recompute every coded field's checksum, innermost first (as a forger would)."""
     for value in p.fields.values():
         if isinstance(value, Payload):
-            _reseal(value)
+            reseal(value)
     if _frame.DIGEST in p.meta or _frame.CRC in p.meta:
         p.meta.pop(_frame.CRC, None)
         _frame.seal(p)
@@ -80,7 +80,7 @@ def tree_mutations(blob: bytes, rng: random.Random, count: int) -> list[tuple[st
             node.meta[key] = rng.randrange(10)
         else:
             node.meta[key] = rng.choice(HOSTILE_INTS)
-        out.append((f"meta {key}={node.meta[key]!r}", _reseal(p).serialize()))
+        out.append((f"meta {key}={node.meta[key]!r}", reseal(p).serialize()))
     return out
 
 

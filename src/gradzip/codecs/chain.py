@@ -432,9 +432,7 @@ class Codec:
         finite = self._is_finite(x)
         x = x.detach()
         shapes = checked_shapes(shapes, x.numel())
-        if self.nonfinite == "propagate" and (
-                not finite if comm.world_size == 1
-                else self._any_nonfinite(finite, key, comm, x.device)):
+        if self._propagated(finite, key, comm, x.device):
             nan = torch.full_like(x, float("nan"))  # NaN everywhere, no state touched
             return nan, (nan if want_local else None)
         if not finite:  # 'error': this rank still takes part (its peers wait for it) and
@@ -458,6 +456,16 @@ class Codec:
         finally:
             comm.drop_flag()
         return _cast(mean, x.dtype), (_cast(local, x.dtype) if local is not None else None)
+
+    def _propagated(self, finite: bool, key: str, comm: Communicator,
+                    device: torch.device) -> bool:
+        """Under 'propagate': whether any rank's input was non-finite, so every rank
+        returns NaN before anything is encoded (one rank needs no collective)."""
+        if self.nonfinite != "propagate":
+            return False
+        if comm.world_size == 1:
+            return not finite
+        return self._any_nonfinite(finite, key, comm, device)
 
     def _any_nonfinite(self, finite: bool, key: str, comm: Communicator,
                        device: torch.device) -> bool:
@@ -529,9 +537,7 @@ class Codec:
             mean, _ = self.reduce(chunks.reshape(-1), key, comm)
             return mean.reshape(world, n)[comm.rank] * world
         finite = self._is_finite(chunks)
-        if self.nonfinite == "propagate" and (
-                not finite if world == 1
-                else self._any_nonfinite(finite, key, comm, chunks.device)):
+        if self._propagated(finite, key, comm, chunks.device):
             return torch.full((n,), float("nan"), dtype=chunks.dtype, device=chunks.device)
         if not finite:  # as in ``reduce``: zeros, and the news in a collective
             chunks = torch.zeros_like(chunks)
