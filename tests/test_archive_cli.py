@@ -170,7 +170,7 @@ def test_a_closed_pipe_ends_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
         return args, extras
 
     monkeypatch.setattr(parser, "parse_known_args", parse)
-    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.setattr(cli, "build_parser", lambda **_: parser)
     dup2 = []
     monkeypatch.setattr(cli.os, "dup2", lambda fd, fd2: dup2.append(fd2))
     assert cli.main(["archive", "ls", "anything"]) == 141

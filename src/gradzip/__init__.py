@@ -8,18 +8,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from gradzip.codecs import (
-    Codec,
-    CodecState,
-    Communicator,
-    NonFiniteGradientError,
-    Payload,
-    PayloadError,
-    SpecError,
-    registered,
-)
+if TYPE_CHECKING:  # the names are real; they are imported on first use (see __getattr__)
+    from gradzip.codecs import (
+        Codec,
+        CodecState,
+        Communicator,
+        NonFiniteGradientError,
+        Payload,
+        PayloadError,
+        SpecError,
+        registered,
+    )
+    from gradzip.comm import attach, ddp_hook
 
 __version__ = "0.1.0"
 
@@ -30,18 +33,32 @@ def codec(spec: str | list[Any] | dict[str, Any] | Codec, **kwargs: Any) -> Code
     Keyword arguments: ``seed`` (shared randomness), ``rank`` (private randomness),
     ``nonfinite`` (``"error"`` or ``"propagate"``).
     """
+    from gradzip.codecs import Codec
+
     if isinstance(spec, Codec):
         spec = str(spec)
     return Codec.from_spec(spec, **kwargs)
 
 
-def __getattr__(name: str) -> Any:
-    """Lazy ``attach``/``ddp_hook``: importing gradzip stays free of torch.distributed."""
-    if name in ("attach", "ddp_hook"):
-        import gradzip.comm
+_LAZY = {
+    **dict.fromkeys(("Codec", "CodecState", "Communicator", "NonFiniteGradientError",
+                     "Payload", "PayloadError", "SpecError", "registered"), "gradzip.codecs"),
+    **dict.fromkeys(("attach", "ddp_hook"), "gradzip.comm"),
+}
 
-        return getattr(gradzip.comm, name)
+
+def __getattr__(name: str) -> Any:
+    """Import on first use, so ``import gradzip`` (and ``gradzip --help``) does not load
+    torch, numba or torch.distributed until a name that needs them is touched."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'gradzip' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [

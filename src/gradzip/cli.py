@@ -1,8 +1,10 @@
 """The ``gradzip`` command line.
 
-Each command lives in its own module with ``register(subparsers)``, which adds the
-command's parser and sets ``func``; this file only lists the modules, so commands
-import their heavy dependencies lazily and stay independent of each other.
+Each command lives in its own module with ``HELP`` (its line in ``gradzip --help``) and
+``register(subparsers)``, which adds the command's parser and sets ``func``; this file only
+lists the modules, so commands import their heavy dependencies lazily and stay
+independent of each other. ``main`` registers only the command it runs; the others are
+listed by name and HELP, so ``gradzip --help`` imports neither torch nor numba.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ COMMAND_MODULES = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or (``only``) one command's in full and the rest by name."""
     from gradzip import __version__
 
     parser = argparse.ArgumentParser(
@@ -34,13 +37,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"gradzip {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    for module_name in COMMAND_MODULES:
+        module = importlib.import_module(module_name)
+        command = module_name.rsplit(".", 1)[1]
+        if only is None or only == command:
+            module.register(sub)
+        else:
+            sub.add_parser(command, help=module.HELP)
     return parser
 
 
+def _command_in(argv: list[str]) -> str:
+    """The command named on the command line ('' when none is: --help, --version)."""
+    first = next((a for a in argv if not a.startswith("-")), "")  # top level takes no values
+    return first if any(m.endswith("." + first) for m in COMMAND_MODULES) else ""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(only=_command_in(sys.argv[1:] if argv is None else argv))
     args, extras = parser.parse_known_args(argv)
     if extras:  # say which command's --help lists what it takes
         sub = next((getattr(args, k) for k in ("action", "bench_command", "codecs_command")

@@ -5,3 +5,8 @@ columns, from histograms, over bounded slices), ``whatif`` (each lossy codec's l
 and error through the simulated communicator), ``runner`` (worker processes, resumable
 CSV/Parquet), ``summary`` (Markdown and PNG). No ``torch.distributed`` here.
 """
+
+# The what-if's codecs unless --codecs says otherwise; here, not in whatif, so that
+# `gradzip analyze --help` can print them without importing torch.
+DEFAULT_CODECS = ("bf16", "int8", "qsgd | eg", "topk(ratio=0.01)", "efsignsgd",
+                  "powersgd(rank=4)")

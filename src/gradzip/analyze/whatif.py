@@ -19,9 +19,6 @@ import torch
 import gradzip
 from gradzip.codecs.simulated import run_simulated
 
-DEFAULT_CODECS = ("bf16", "int8", "qsgd | eg", "topk(ratio=0.01)", "efsignsgd",
-                  "powersgd(rank=4)")
-
 
 def error(x: torch.Tensor, y: torch.Tensor | None) -> tuple[float, float]:
     """(relative L2 error, cosine similarity) of ``y`` as an estimate of ``x``.

@@ -18,12 +18,16 @@ import os
 from pathlib import Path
 from typing import Any
 
+HELP = (  # shown by `gradzip --help`
+    "compressibility of captured gradients: entropy, zip, "
+    "Exp-Golomb, ANS, and what each codec costs"
+)
+
 
 def register(sub: Any) -> None:
-    from gradzip.analyze.whatif import DEFAULT_CODECS
+    from gradzip.analyze import DEFAULT_CODECS
 
-    p = sub.add_parser("analyze", help="compressibility of captured gradients: entropy, "
-                                       "zip, Exp-Golomb, ANS, and what each codec costs",
+    p = sub.add_parser("analyze", help=HELP,
                        description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="capture archive, directory of .pt buckets, or a .pt/.npy")

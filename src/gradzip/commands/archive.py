@@ -14,9 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+HELP = "list, verify, export and pack gradient archives"  # shown by `gradzip --help`
+
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("archive", help="list, verify, export and pack gradient archives",
+    p = sub.add_parser("archive", help=HELP,
                        description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)

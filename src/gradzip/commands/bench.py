@@ -18,8 +18,11 @@ BENCH_MODULES = [
 ]
 
 
+HELP = "measure codecs, entropy coders, communication and training"  # shown by `gradzip --help`
+
+
 def register(sub: Any) -> None:
-    p = sub.add_parser("bench", help="measure codecs, entropy coders, communication and training")
+    p = sub.add_parser("bench", help=HELP)
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     for name in BENCH_MODULES:
         importlib.import_module(name).register(bsub)

@@ -7,9 +7,11 @@ import json
 import sys
 from typing import Any
 
+HELP = "list codec stages and their parameters"  # shown by `gradzip --help`
+
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("codecs", help="list codec stages and their parameters")
+    p = sub.add_parser("codecs", help=HELP)
     csub = p.add_subparsers(dest="codecs_command", metavar="ACTION", required=True)
     lst = csub.add_parser("list", help="print every codec stage with its parameters and defaults")
     lst.add_argument("--json", action="store_true", help="machine-readable output")

@@ -19,12 +19,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+HELP = "race methods to a target loss over a rate-limited link; report"  # shown by `gradzip --help`
+
 
 def register(sub: Any) -> None:
     from gradzip.compare.matrix import PRESETS
 
     p = sub.add_parser(
-        "compare", help="race methods to a target loss over a rate-limited link; report",
+        "compare", help=HELP,
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="presets:\n" + "\n".join(f"  {k:<6} {v.doc}" for k, v in PRESETS.items())
         + "\n\nThe link (no root needed): 'shared' is one tc token bucket on the loopback "

@@ -11,9 +11,11 @@ import argparse
 import json
 from typing import Any
 
+HELP = "validation loss / perplexity of a checkpoint"  # shown by `gradzip --help`
+
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("eval", help="validation loss / perplexity of a checkpoint",
+    p = sub.add_parser("eval", help=HELP,
                        description=__doc__)
     p.add_argument("--ckpt", required=True, metavar="DIR", help="run or checkpoint directory")
     p.add_argument("--dataset", nargs="+", metavar="SOURCE",

@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+HELP = "sample text from a checkpoint"  # shown by `gradzip --help`
+
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("generate", help="sample text from a checkpoint", description=__doc__)
+    p = sub.add_parser("generate", help=HELP, description=__doc__)
     p.add_argument("--ckpt", required=True, metavar="DIR", help="run or checkpoint directory")
     p.add_argument("--prompt", help="text to continue (omit for an interactive prompt loop)")
     p.add_argument("--max-new-tokens", type=int, default=200, help="(default: 200)")

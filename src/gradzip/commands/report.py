@@ -21,9 +21,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+HELP = "report.md and plots comparing runs from results.jsonl"  # shown by `gradzip --help`
+
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("report", help="report.md and plots comparing runs from results.jsonl",
+    p = sub.add_parser("report", help=HELP,
                        description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", metavar="RESULTS.jsonl",

@@ -15,8 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
+
+HELP = "train a GPT language model (one process or torchrun)"  # shown by `gradzip --help`
 
 
 def add_config_args(p: argparse.ArgumentParser, sections: list[str] | None = None) -> None:
@@ -59,7 +62,7 @@ def register(sub: Any) -> None:
     from gradzip.train.config import presets
 
     p = sub.add_parser(
-        "train", help="train a GPT language model (one process or torchrun)",
+        "train", help=HELP,
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # --model must never be mistaken for --model-vocab-size
         epilog=f"model presets: {', '.join(presets())}. A preset may also set data and optim\n"
@@ -161,6 +164,15 @@ def check_environment(cfg: Any) -> None:
     _check_run_dir(cfg)
 
 
+def _say_if_one_rank(parallel: str) -> None:
+    """``--parallel ddp|fsdp`` without torchrun runs as a 1-rank group: useful for
+    checking a codec end to end, but never what someone expecting several ranks wants."""
+    if parallel != "none" and "WORLD_SIZE" not in os.environ:
+        print(f"gradzip train: --parallel {parallel} without torchrun runs ONE rank (a "
+              f"1-rank group); for N ranks start it as: torchrun --nproc_per_node N -m "
+              f"gradzip train ...", file=sys.stderr)
+
+
 def _check_devices(t: Any) -> None:
     """The device and precision exist here; more than one process needs --parallel."""
     import torch
@@ -249,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
+    _say_if_one_rank(cfg.train.parallel)
     from gradzip.train.loop import train
 
     train(cfg)

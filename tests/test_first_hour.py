@@ -1,0 +1,64 @@
+"""A newcomer's first commands: fast help, and a plain word where a run is not what it
+looks like."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from train_helpers import flags
+
+from gradzip.cli import main
+
+IMPORTS_AFTER = """
+import sys
+from gradzip.cli import main
+try:
+    main({argv!r})
+except SystemExit:
+    pass
+print("LOADED", *sorted(m for m in ("torch", "numba", "numpy") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["train", "--help"],
+                                  ["analyze", "--help"], ["compare", "--help"],
+                                  ["archive", "--help"], ["report", "--help"]])
+def test_help_imports_neither_torch_nor_numba(argv: list[str]) -> None:
+    """`gradzip --help` took 7-13 s on a cold machine because it imported torch."""
+    out = subprocess.run([sys.executable, "-c", IMPORTS_AFTER.format(argv=argv)],
+                         capture_output=True, text=True, check=True).stdout
+    loaded = out.split("LOADED", 1)[1].split()
+    assert "torch" not in loaded and "numba" not in loaded, (argv, loaded)
+    assert "usage: gradzip" in out or "gradzip 0" in out
+
+
+def test_import_gradzip_is_light_until_a_name_is_used() -> None:
+    code = ("import sys, gradzip; a = 'torch' in sys.modules; "
+            "c = gradzip.codec('int8'); print(a, 'torch' in sys.modules, c)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "True", "int8"]
+
+
+def test_the_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    shown = capsys.readouterr().out
+    for command in ("codecs", "bench", "train", "compare", "eval", "generate", "report",
+                    "archive", "analyze"):
+        assert f"    {command}" in shown
+
+
+def test_ddp_without_torchrun_says_it_runs_one_rank(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    argv = flags(tmp_path / "cache", tmp_path / "run", "--max-steps", "1", "--parallel",
+                 "ddp")
+    assert main(["train", *argv]) == 0
+    err = capsys.readouterr().err
+    assert "without torchrun runs ONE rank" in err and "torchrun --nproc_per_node" in err
