@@ -93,6 +93,30 @@ def test_packs_roll_over_at_the_cap(tmp_path: Path) -> None:
     assert verify(tmp_path)[1] == []
 
 
+def test_verify_tells_steps_captured_again_after_a_resume_from_unfinished_ones(
+        tmp_path: Path) -> None:
+    """A run resumed from an earlier checkpoint captures its last steps again: the first
+    captures are superseded, not "never completed"."""
+    _capture_steps(tmp_path, count=4)  # steps 0-3; the run is then resumed from step 1
+    capture = Capture(tmp_path)
+    capture.start(0, codec="none")
+    for step in (2, 3):
+        capture.begin_step(step)
+        capture.record(0, ["a.w", "b/x"], [(2, 3), (4,)], torch.zeros(10))
+        capture.end_step()
+    capture.begin_step(4)  # and this one never ends (the writer gets its bucket)
+    capture.record(0, ["a.w", "b/x"], [(2, 3), (4,)], torch.zeros(10))
+    capture._writer.close()  # type: ignore[union-attr]  # killed: no commit of step 4
+    checked, problems = verify(tmp_path)
+    notes = "\n".join(str(p) for p in problems)
+    assert not [p for p in problems if p.fatal], notes
+    assert "4 dataset(s) of steps captured again after a resume" in notes  # 2 steps x 2
+    assert "R_0_E_0_S_2" in notes
+    assert "never completed" in notes and "R_0_E_0_S_4" in notes, notes
+    with Archive(tmp_path) as a:
+        np.testing.assert_array_equal(a.bucket(0, 0, 3, 0), np.zeros(10))  # the later one
+
+
 def test_verify_names_the_corrupt_dataset(tmp_path: Path) -> None:
     _capture_steps(tmp_path, count=2)
     with Archive(tmp_path) as a:

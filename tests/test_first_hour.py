@@ -3,6 +3,7 @@ looks like."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +63,28 @@ def test_ddp_without_torchrun_says_it_runs_one_rank(
     assert main(["train", *argv]) == 0
     err = capsys.readouterr().err
     assert "without torchrun runs ONE rank" in err and "torchrun --nproc_per_node" in err
+
+
+README_SNIPPETS = re.findall(r"```python\n(.*?)```",
+                             (Path(__file__).parents[1] / "README.md").read_text(), re.S)
+
+
+@pytest.mark.parametrize("snippet", README_SNIPPETS,
+                         ids=[f"block{i}" for i in range(len(README_SNIPPETS))])
+def test_every_readme_python_snippet_runs_as_pasted(snippet: str, tmp_path: Path) -> None:
+    """Pasted into a fresh interpreter (the DDP ones start a one-process gloo group)."""
+    proc = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_the_readme_has_python_snippets_to_run() -> None:
+    assert len(README_SNIPPETS) >= 3
+
+
+def test_no_doc_installs_gradzip_from_the_package_index() -> None:
+    """gradzip is installed from the clone; `pip install gradzip[hf]` would look it up on
+    PyPI."""
+    root = Path(__file__).parents[1]
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        assert not re.search(r"pip install [\"']?gradzip\b", doc.read_text()), doc

@@ -106,31 +106,91 @@ def gone(out: Path, within: float = 10) -> bool:
     return True
 
 
-def test_ctrl_c_stops_a_training_process_cleanly(cache: Path, tmp_path: Path) -> None:
+def _stopped_record(out: Path) -> dict:
+    """The run's last results record, which a stopped run writes (marked interrupted)."""
+    return json.loads((out / "results.jsonl").read_text().splitlines()[-1])
+
+
+def test_ctrl_c_finishes_the_step_checkpoints_records_and_resumes(cache: Path,
+                                                                  tmp_path: Path) -> None:
+    """With the default --ckpt-every 0 nothing used to be kept at a Ctrl-C."""
     out = tmp_path / "run"
     run = Run([sys.executable, "-m", "gradzip", "train",
-               *flags(cache, out, "--max-steps", "100000", "--ckpt-every", "5")], out)
-    run.wait_for("checkpoint")  # mid-run, prefetch thread busy, TensorBoard/log files open
+               *flags(cache, out, "--max-steps", "100000")], out)
+    run.wait_for("tok/s")  # mid-run, prefetch thread busy, TensorBoard/log files open
     os.killpg(run.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
     code, text = run.finish()
-    assert code == 130 and "interrupted" in text, text
+    assert code == 130, text
     assert "Traceback" not in text and "Exception in thread" not in text, text
     assert gone(out)
-    assert ckpt.step_dirs(out)  # the checkpoints written before the interrupt are intact
+    record = _stopped_record(out)
+    step = record["steps"]
+    assert record["interrupted"] == "SIGINT" and 0 < step < 100000
+    assert f"stopped by SIGINT at step {step}" in text
+    assert f"go on with: gradzip train --resume --out {out}" in text, text
+    assert [d.name for d in ckpt.step_dirs(out)] == [f"step_{step:07d}"]
+
+    run = Run([sys.executable, "-m", "gradzip", "train", "--resume", "--out", str(out),
+               "--max-steps", str(step + 3), "--decay-steps", "100000"], out)
+    code, text = run.finish(timeout=120)
+    assert code == 0 and f"resuming {out}" in text, text
+    resumed = _stopped_record(out)
+    assert resumed["steps"] == step + 3 and resumed["resumed_from_step"] == step
+    assert resumed["interrupted"] is None
+
+
+def test_sigterm_stops_a_run_the_same_way(cache: Path, tmp_path: Path) -> None:
+    """What a cluster scheduler sends before it kills a job."""
+    out = tmp_path / "run"
+    run = Run([sys.executable, "-m", "gradzip", "train",
+               *flags(cache, out, "--max-steps", "100000")], out)
+    run.wait_for("tok/s")
+    os.kill(run.proc.pid, signal.SIGTERM)
+    code, text = run.finish()
+    assert code == 130 and "Traceback" not in text, text
+    assert _stopped_record(out)["interrupted"] == "SIGTERM"
+    assert ckpt.step_dirs(out)
 
 
 @pytest.mark.dist
-def test_ctrl_c_and_a_failed_rank_end_every_torchrun_process(cache: Path, tmp_path: Path
+@pytest.mark.parametrize("extra", [["--codec", "ef | topk(ratio=0.1)"],
+                                   ["--outer", "diloco", "--sync-every", "3"]],
+                         ids=["ddp", "diloco"])
+def test_ctrl_c_under_torchrun_stops_every_rank_at_the_same_step(
+        cache: Path, tmp_path: Path, extra: list[str]) -> None:
+    """Every rank stops at the same logged step (--log-every 5; DiLoCo too), checkpoints
+    and exits 130; the launcher's own SignalException is torchrun's."""
+    out = tmp_path / "run"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", "2", "-m", "gradzip", "train"]
+    run = Run([*torchrun, *flags(cache, out, "--max-steps", "100000", "--parallel", "ddp",
+                                 *extra)], out)
+    run.wait_for("tok/s")
+    os.killpg(run.proc.pid, signal.SIGINT)  # the launcher forwards it to its workers
+    code, text = run.finish()
+    assert code != 0 and gone(out), text
+    tracebacks = text.split("Traceback")[1:]  # the launcher's, none of a rank's
+    assert all("SignalException" in tb and "gradzip/" not in tb for tb in tracebacks), text
+    record = _stopped_record(out)
+    step = record["steps"]
+    assert record["interrupted"] == "SIGINT" and record["replicas_identical"] is not False
+    assert step % 5 == 0, step  # the log step whose all-reduce carried the flag
+    [saved] = ckpt.step_dirs(out)
+    assert saved.name == f"step_{step:07d}"
+    assert sorted(p.name for p in saved.glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
+    assert "torchrun --nproc_per_node 2 -m gradzip train --resume" in text
+
+
+@pytest.mark.dist
+def test_a_failed_rank_on_resume_ends_every_torchrun_process(cache: Path, tmp_path: Path
                                                              ) -> None:
     out = tmp_path / "run"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node", "2", "-m", "gradzip", "train"]
-    run = Run([*torchrun, *flags(cache, out, "--max-steps", "100000", "--ckpt-every", "5",
+    run = Run([*torchrun, *flags(cache, out, "--max-steps", "5", "--decay-steps", "100000",
                                  "--parallel", "ddp", "--codec", "ef | topk(ratio=0.1)")], out)
-    run.wait_for("checkpoint")  # step 5 is saved by both ranks
-    os.killpg(run.proc.pid, signal.SIGINT)  # the launcher stops its workers
-    code, text = run.finish()
-    assert code != 0 and gone(out), text
+    code, text = run.finish(timeout=120)
+    assert code == 0, text
 
     # Rank 1 fails on resume (its checkpoint file is garbage) while rank 0 goes on into a
     # collective: the launcher must notice and end rank 0 too, not leave it waiting. (With

@@ -131,8 +131,10 @@ def verify(directory: str | os.PathLike[str]) -> tuple[int, list[Problem]]:
         by_pack: dict[str, list[Entry]] = {}
         for entry in entries:
             by_pack.setdefault(entry.pack, []).append(entry)
+        committed = {e.dataset.split("/")[1] for e in entries}  # R_r_E_e_S_s groups
         for pack in sorted(_packs(archive.directory) | set(by_pack)):
-            problems += _check_structure(archive.directory, pack, by_pack.get(pack, []))
+            problems += _check_structure(archive.directory, pack, by_pack.get(pack, []),
+                                         committed)
     return len(entries), problems
 
 
@@ -153,8 +155,13 @@ def _check_bytes(archive: Archive, e: Entry) -> list[Problem]:
     return []
 
 
-def _check_structure(directory: Path, pack: str, entries: list[Entry]) -> list[Problem]:
-    """The pack opens with HDF5 and holds each indexed dataset at the indexed offset."""
+def _check_structure(directory: Path, pack: str, entries: list[Entry],
+                     committed: set[str]) -> list[Problem]:
+    """The pack opens with HDF5 and holds each indexed dataset at the indexed offset.
+
+    ``committed`` names every step group the index holds (in any pack): a dataset the
+    index does not list belongs to a step that never completed, or to one captured again
+    after a resume from an earlier checkpoint (the index keeps the later capture)."""
     import h5py
 
     path = directory / pack
@@ -183,8 +190,15 @@ def _check_structure(directory: Path, pack: str, entries: list[Entry]) -> list[P
         f.visititems(lambda name, obj: found.append("/" + name)
                      if isinstance(obj, h5py.Dataset) else None)
         orphans = [d for d in found if d not in listed]
-        if orphans:
-            problems.append(Problem(pack, f"{len(orphans)} dataset(s) of steps that never "
-                                          f"completed (ignored), e.g. {orphans[0]}",
+        again = [d for d in orphans if d.split("/")[1] in committed]
+        unfinished = [d for d in orphans if d not in again]
+        if again:
+            problems.append(Problem(pack, f"{len(again)} dataset(s) of steps captured again "
+                                          f"after a resume from an earlier checkpoint; the "
+                                          f"index holds the later capture (ignored), e.g. "
+                                          f"{again[0]}", fatal=False))
+        if unfinished:
+            problems.append(Problem(pack, f"{len(unfinished)} dataset(s) of steps that never "
+                                          f"completed (ignored), e.g. {unfinished[0]}",
                                     fatal=False))
     return problems

@@ -33,10 +33,11 @@ def register(sub: Any) -> None:
     verify = actions.add_parser(
         "verify", help="check every tensor's checksum and its pack",
         description="Check every indexed tensor's bytes against its CRC-32 and its dataset "
-                    "in the pack's HDF5 structure. Leftovers of steps that never completed "
-                    "(datasets no committed step lists, a fresh pack no committed step "
-                    "uses) are notes. Exit status: 0 all good (notes allowed), 1 a problem "
-                    "found, 2 not an archive.")
+                    "in the pack's HDF5 structure. Datasets no committed step lists are "
+                    "notes: steps captured again after a resume from an earlier checkpoint "
+                    "(the index holds the later capture) and leftovers of steps that never "
+                    "completed (also a fresh pack no committed step uses). Exit status: 0 all "
+                    "good (notes allowed), 1 a problem found, 2 not an archive.")
     verify.add_argument("archive", help="archive directory (gradzip train --capture DIR)")
     verify.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     verify.set_defaults(func=_verify)

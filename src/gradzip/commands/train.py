@@ -262,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
     _say_if_one_rank(cfg.train.parallel)
+    from gradzip.train.interrupt import EXIT_INTERRUPTED
     from gradzip.train.loop import train
 
-    train(cfg)
-    return 0
+    record = train(cfg)
+    return EXIT_INTERRUPTED if record.get("interrupted") else 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from gradzip.train.config import (
     parse_profile_steps,
 )
 from gradzip.train.evaluate import autocast_for, evaluate
+from gradzip.train.interrupt import StopRequest
 from gradzip.train.metrics import (
     MetricLogger,
     PhaseTimer,
@@ -331,9 +333,15 @@ class Trainer:
         self.model.train()
         step, train_loss, val = self.start_step, math.nan, {}
         clock0 = time.perf_counter()
-        with maybe_enable_profiling(r.profile, parse_profile_steps(r.profile_steps),
-                                    self.run_dir, self.info.rank, self.start_step,
-                                    self.log.info) as profiler:
+        several = self.info.world_size > 1
+        stop = StopRequest(announce=self.info.is_main, when=(
+            f"up to the next logged step (--log-every {r.log_every})" if several
+            else "this step")).install()
+        with contextlib.ExitStack() as scope:
+            scope.callback(stop.restore)
+            profiler = scope.enter_context(maybe_enable_profiling(
+                r.profile, parse_profile_steps(r.profile_steps), self.run_dir,
+                self.info.rank, self.start_step, self.log.info))
             while step < t.max_steps:
                 step += 1
                 t0 = time.perf_counter()
@@ -349,17 +357,22 @@ class Trainer:
                 self.progress["train_time_s"] += step_ms / 1e3
                 profiler.step(step, phases, step_ms)
                 last = step == t.max_steps or self._out_of_time(clock0)
-                if step % r.log_every == 0 or last:
-                    train_loss = self._log_interval(step, loss_sum, lr, step_ms, phases,
-                                                    grad_norm)
-                if self._evaluation_due(step, last):
+                interrupted = False
+                if step % r.log_every == 0 or last or (stop.requested and not several):
+                    # every rank learns here whether any was signalled (see interrupt.py)
+                    train_loss, interrupted = self._log_interval(
+                        step, loss_sum, lr, step_ms, phases, grad_norm, stop.requested)
+                    interrupted = interrupted and step < t.max_steps  # else it finished
+                    last = last or interrupted
+                if self._evaluation_due(step, last and not interrupted):  # stop promptly
                     val = self._evaluate(step, train_loss)
                 if r.ckpt_every and step % r.ckpt_every == 0 or last:
                     self._save_checkpoint(step)
                 self.log.advance()
                 if last:
                     break
-        return self._finish(step, train_loss, val)
+        return self._finish(step, train_loss, val,
+                            interrupted=stop.signal_name if interrupted else None)
 
     # ------------------------------------------------------------ loop helpers
     def _out_of_time(self, clock0: float) -> bool:
@@ -370,9 +383,12 @@ class Trainer:
         return any_rank(done, self.device)
 
     def _log_interval(self, step: int, loss_sum: torch.Tensor, lr: float, step_ms: float,
-                      phases: dict[str, float], grad_norm: float | None) -> float:
-        """Log the interval that ends at ``step``; returns the mean train loss."""
-        (train_loss,) = all_reduce_mean([loss_sum.item()], self.device)  # .item() syncs
+                      phases: dict[str, float], grad_norm: float | None,
+                      stop_requested: bool = False) -> tuple[float, bool]:
+        """Log the interval that ends at ``step``; returns the mean train loss and whether
+        any rank was asked to stop (one all-reduce carries both; .item() syncs)."""
+        train_loss, stops = all_reduce_mean([loss_sum.item(), float(stop_requested)],
+                                            self.device)
         if not math.isfinite(train_loss):
             raise RuntimeError(f"training loss is {train_loss} at step {step}; "
                                f"try a lower --lr or --dtype fp32")
@@ -384,7 +400,7 @@ class Trainer:
         self.log.scalars(step, self._interval)
         if not self._evaluation_due(step, step == self.cfg.train.max_steps):
             self.log.info(format_line(step, self.cfg.train.max_steps, self._interval))
-        return train_loss
+        return train_loss, stops > 0
 
     def _evaluation_due(self, step: int, last: bool) -> bool:
         t = self.cfg.train
@@ -429,9 +445,12 @@ class Trainer:
                          sharded=self.par.sharded, keep=self.cfg.run.keep_ckpts)
         self.log.info(f"checkpoint {path}")
 
-    def _finish(self, step: int, train_loss: float, val: dict[str, float]) -> dict[str, Any]:
-        """Write the results record (rank 0) and the loss plot; returns the record."""
-        record = self.results_record(step, train_loss, val)
+    def _finish(self, step: int, train_loss: float, val: dict[str, float], *,
+                interrupted: str | None = None) -> dict[str, Any]:
+        """Write the results record (rank 0) and the loss plot; returns the record.
+        ``interrupted``: the signal that stopped the run (the record says so, and the
+        last line says how to go on)."""
+        record = {**self.results_record(step, train_loss, val), "interrupted": interrupted}
         if self.info.is_main:
             r = self.cfg.run
             paths = [self.run_dir / "results.jsonl"] + (
@@ -446,6 +465,10 @@ class Trainer:
                           f"{val_text}, "
                           + (f"{tok:,.0f} tok/s, step {p50:.1f} ms (p50); " if tok else "")
                           + f"results in {self.run_dir / 'results.jsonl'}")
+            if interrupted:
+                self.log.info(f"stopped by {interrupted} at step {step} of "
+                              f"{self.cfg.train.max_steps}: checkpoint and record written; "
+                              f"go on with: {resume_command(self.run_dir, self.info)}")
         return record
 
     def results_record(self, step: int, train_loss: float,
@@ -508,6 +531,16 @@ class Trainer:
             else torch.cuda.get_device_name(info.device),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+
+
+def resume_command(run_dir: Path, info: DistInfo) -> str:
+    """The command that continues this run where it stopped (its options are read back
+    from the run directory's config.json)."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    nodes = f"--nnodes {info.world_size // per_node} ... " if per_node < info.world_size else ""
+    launch = (f"torchrun {nodes}--nproc_per_node {per_node} -m gradzip train"
+              if info.world_size > 1 else "gradzip train")
+    return f"{launch} --resume --out {run_dir}"
 
 
 def method_name(t: Any) -> str:
