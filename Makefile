@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet $(PIP_EXTRA) "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet $(PIP_EXTRA) -e ".[dev,compare,hf,parquet]" || \
 	  $(PY) -m pip install --quiet $(PIP_EXTRA) -e ".[dev]"
+	# compile every numba kernel once, now, so that no first run pays for it (~1 min)
+	$(VENV)/bin/gradzip codecs warm
 	touch $(STAMP)
 
 # The main job, on built-in data: the race of `gradzip compare --preset quick` (PyTorch's
@@ -35,6 +37,7 @@ demo: $(STAMP)
 	  --out runs/demo/capture-run --no-progress --no-tensorboard
 	$(VENV)/bin/gradzip archive verify runs/demo/grads
 	$(VENV)/bin/gradzip analyze runs/demo/grads --out runs/demo/analysis --workers 2
+	@echo; echo "The race's answer (runs/demo/report.md):"; cat runs/demo/verdict.txt
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q

@@ -121,7 +121,10 @@ def test_a_captured_two_rank_archive_gives_every_column_and_resumes(tmp_path: Pa
     again = run_analysis(archive, out, workers=1, options=Options(per_param=True))
     assert again.analyzed == 0 and again.resumed == len(rows)
     assert main(["analyze", str(archive), "--out", str(out), "--no-progress"]) == 0
-    assert "Per metric" in (out / "summary.md").read_text()
+    summary = (out / "summary.md").read_text()
+    assert "Per metric" in summary and "## What if each codec sent these gradients" in summary
+    assert "| `int8` |" in summary and "| `topk(ratio=0.1)` |" in summary
+    assert "**first study**" in summary and "**field-entropy bound**" in summary
     assert list(out.glob("*.png"))
 
 
@@ -167,3 +170,17 @@ def test_whatif_steps_must_be_a_count_or_all(tmp_path: Path, capsys: pytest.Capt
                                              ) -> None:
     assert main(["analyze", str(tmp_path), "--whatif-steps", "some", "--no-progress"]) != 0
     assert "--whatif-steps must be a number >= 0 or 'all'" in capsys.readouterr().err
+
+
+def test_histograms_are_titled_and_count_in_whole_buckets() -> None:
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from gradzip.analyze.summary import histogram
+
+    fig = histogram(np.array([1.1, 1.2, 1.2, 1.3]), "lossless_ratio")
+    [ax] = fig.axes
+    assert "4 buckets" in ax.get_title() and "lossless" in ax.get_title()
+    fig.canvas.draw()
+    assert all(float(t).is_integer() for t in ax.get_yticks()), ax.get_yticks()
+    plt.close(fig)

@@ -79,15 +79,56 @@ def load(ref: BucketRef) -> BucketData:
     if ref.kind == "archive":
         return _from_archive(ref)
     if ref.path.endswith(".npy"):
-        values = np.load(ref.path, mmap_mode="r")
-        return _from_arrays({"values": np.asarray(values)})
+        return _from_arrays({"values": np.asarray(_load_npy(ref.path))})
     import torch
 
-    obj = torch.load(ref.path, map_location="cpu", weights_only=True)
+    obj = _load_pt(ref.path)
     tensors = obj if isinstance(obj, dict) else {"tensor": obj}
     if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
         raise ValueError("expected a tensor or a dict name -> tensor")
     return _from_tensors(tensors)
+
+
+def _load_npy(path: str) -> np.ndarray:
+    """A .npy file's array, memory-mapped; never a pickle (it could run code)."""
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic != b"\x93NUMPY":
+        raise ValueError(f"{path}: not a .npy file (no NumPy header); save the values with "
+                         "numpy.save")
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:
+        if "pickled" in str(e) or "Python objects" in str(e):
+            raise ValueError(f"{path}: holds Python objects, which gradzip never loads (a "
+                             "pickle can run code); save a float array with numpy.save"
+                             ) from None
+        raise ValueError(f"{path}: not a readable .npy file ({_first_line(e)})") from None
+
+
+def _load_pt(path: str) -> Any:
+    """A torch.save file, loaded with weights_only=True (tensors and plain containers
+    only: a pickle of anything else could run code)."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError) as e:
+        raise ValueError(f"{path}: not a tensor file gradzip can read safely (a tensor or a "
+                         f"dict name -> tensor saved with torch.save): {_first_line(e)}"
+                         ) from None
+
+
+def _first_line(e: BaseException) -> str:
+    """The gist of a loader's error, without its advice to load unsafely."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:  # PyTorch's weights_only refusal: keep the cause
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = lines[0] if lines else type(e).__name__
+    return first if len(first) <= 160 else first[:157] + "..."
 
 
 def _from_archive(ref: BucketRef) -> BucketData:

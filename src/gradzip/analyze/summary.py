@@ -35,6 +35,49 @@ METRICS = {
 }
 
 
+#: what the less obvious rows of the metric table mean
+EXPLAINED = [
+    "- **first study**: the column of the study this analysis first reproduced: values "
+    "rounded to integers at a fixed scale of 1e6 (q = round(x * 1e6)), each coded as the "
+    "order-0 Exp-Golomb codeword of |q| plus one sign bit; the saving is 1 - bytes / (2 x "
+    "values), i.e. against sending the values as fp16. It is lossy (1e-6 absolute "
+    "precision), so it is not comparable with the lossless ratios.",
+    "- **field-entropy bound**: the ratio an ideal coder would reach coding the sign, "
+    "exponent and mantissa fields each on its own, with one order-0 table per field for "
+    "the whole bucket. It bounds only such coders: gradzip's `lossless` fits up to eight "
+    "exponent tables to the bucket's 16K-value blocks (a bucket's tensors differ in "
+    "scale, so their exponents differ in distribution) and takes zstd's repeats, so it "
+    "can beat this bound.",
+    "- Ratios are captured bytes / coded bytes (higher is better); efficiencies (eta) are "
+    "entropy / bits actually spent (1 is the limit).",
+]
+
+
+def whatif_section(rows: list[dict[str, str]]) -> list[str]:
+    """The what-if as a table: per lossy codec, over the buckets it ran on, link bytes
+    against fp32 and the captured dtype, and the error it made."""
+    specs = [k[:-len(": ratio_fp32")] for k in rows[0] if k.endswith(": ratio_fp32")]
+    if not specs:
+        return []
+    lines = ["## What if each codec sent these gradients", "",
+             "Each lossy codec's real protocol on the captured ranks of a step (a simulated "
+             "group, one row per bucket; `--whatif-steps` chooses the steps). Ratio: link "
+             "bytes of PyTorch's fp32 all-reduce (or of the captured dtype) over the "
+             "codec's; error: relative L2 error of what a rank sent, and of the mean every "
+             "rank received against the exact mean; cosine: of the mean.", ""]
+    table = []
+    for spec in specs:
+        ran = [r for r in rows if r.get(f"{spec}: ratio_fp32")]
+        cells = [column(ran, f"{spec}: {c}") for c in ("ratio_fp32", "ratio_captured",
+                                                       "rel_error", "mean_rel_error",
+                                                       "mean_cosine")]
+        table.append([f"`{spec}`".replace("|", "\\|"), str(len(ran)),
+                      *(f"{c.mean():.4g}" if c.size else "-" for c in cells)])
+    lines += _table(["codec", "buckets", "ratio vs fp32", "ratio vs captured",
+                     "error sent", "error of the mean", "cosine of the mean"], table)
+    return lines
+
+
 def read_rows(path: Path) -> list[dict[str, str]]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
@@ -75,6 +118,24 @@ def _breakdown(rows: list[dict[str, str]], by: str, metric: str) -> list[list[st
              else "-"] for k, g in sorted(groups.items(), key=lambda kv: order(kv[0]))]
 
 
+def histogram(values: np.ndarray, metric: str) -> Any:
+    """A histogram of one metric over buckets: titled, counts on whole-number ticks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.hist(values, bins=min(50, max(5, values.size // 2)))
+    ax.set_title(f"{METRICS[metric]}: {values.size} buckets", fontsize=10)
+    ax.set_xlabel(METRICS[metric])
+    ax.set_ylabel("buckets")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    return fig
+
+
 def _plots(rows: list[dict[str, str]], out: Path) -> list[str]:
     import matplotlib
 
@@ -85,11 +146,7 @@ def _plots(rows: list[dict[str, str]], out: Path) -> list[str]:
     for metric in ("first_study_saving_vs_fp16", "fixed_eg_eta", "lossless_ratio"):
         values = column(rows, metric)
         if values.size:
-            fig, ax = plt.subplots(figsize=(6, 3.5))
-            ax.hist(values, bins=min(50, max(5, values.size // 2)))
-            ax.set_xlabel(METRICS[metric])
-            ax.set_ylabel("buckets")
-            fig.tight_layout()
+            fig = histogram(values, metric)
             fig.savefig(out / f"hist_{metric}.png", dpi=110)
             plt.close(fig)
             made.append(f"hist_{metric}.png")
@@ -124,6 +181,8 @@ def write_summary(out_dir: str | Path) -> Path:
              "## Per metric", ""]
     lines += _table(["metric", "count", "mean", "std", "min", "25%", "50%", "75%", "max"],
                     [[desc, *describe(column(rows, name))] for name, desc in METRICS.items()])
+    lines += ["", *EXPLAINED, ""]
+    lines += whatif_section(rows)
     lines += ["", "## Per step", ""]
     lines += _table(["step", "buckets", "fixed 1e6 best EG bits/value"],
                     _breakdown(rows, "step", "fixed_eg_best_bits"))

@@ -68,22 +68,28 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else source.with_name(source.name + ".analysis")
     options = Options(per_param=args.per_param, codecs=codecs, whatif_steps=steps,
                       slice_elems=max(256, int(args.slice_mb * 2**20 / 4)))
-    bar = tqdm(unit="bucket", desc="analyze", disable=args.no_progress, dynamic_ncols=True)
+    bar: Any = None  # made once the total is known (no "0bucket [00:00, ?bucket/s]" line)
 
     def progress(n: int, total: int) -> None:
-        bar.total = total
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, unit="bucket", desc="analyze", disable=args.no_progress,
+                       dynamic_ncols=True)
         bar.update(n)
 
     try:
         outcome = run_analysis(source, out, workers=args.workers, options=options,
                                on_bucket=progress)
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
     summary = write_summary(out) if (out / "buckets.csv").is_file() else None
     print(f"{outcome.analyzed} bucket(s) analyzed, {outcome.resumed} already done, "
           f"{len(outcome.failed)} failed" + (f" (see {out / 'errors.csv'})"
                                                if outcome.failed else "")
-          + (f"; summary: {summary}" if summary else ""))
+          + (f"; summary: {summary}" if summary else "")
+          + (f" (kernels compiled or loaded from cache first, in {outcome.compile_s:.1f} s)"
+             if outcome.compile_s >= 1 else ""))
     return 1 if outcome.failed and not outcome.analyzed and not outcome.resumed else 0
 
 

@@ -127,6 +127,7 @@ def _race(runs: list[Any], out: Path, budget_s: float | None) -> int:
     from gradzip.compare import harness
     from gradzip.compare.report import print_tables, write_report
     from gradzip.compare.summary import summarize
+    from gradzip.compare.verdict import verdicts
 
     console = Console(stderr=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -163,7 +164,9 @@ def _race(runs: list[Any], out: Path, budget_s: float | None) -> int:
     harness.add_race_figures(records, budget_s)
     harness.rewrite(results, others + records)
     report = write_report(records, out, budget_s, sources=[str(results)])
-    print_tables(summarize(records, budget_s))
+    summaries = summarize(records, budget_s)
+    print_tables(summaries)
+    (out / "verdict.txt").write_text("\n".join(verdicts(summaries)) + "\n")
     console.print(f"{len(todo)} runs in {time.perf_counter() - start:.0f} s; report: "
                   f"{report}, records: {results}")
     return 0

@@ -30,10 +30,16 @@ def _figure(width: float = 7.0, height: float = 4.5) -> tuple[Any, Any]:
 
 
 def _save(fig: Any, path: Path) -> Path:
+    """Write the PNG, grown to hold a legend placed outside the axes."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=_DPI)
+    fig.savefig(path, dpi=_DPI, bbox_inches="tight")
     return path
+
+
+def _legend(ax: Any) -> None:
+    """The legend right of the axes, where it covers neither a curve nor a tick label."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
 
 
 def _colors(summary: SettingSummary) -> dict[str, Any]:
@@ -104,9 +110,12 @@ def plot_loss(summary: SettingSummary, path: Path, x: str = "time") -> Path | No
                    label=f"time budget {summary.budget_s:.1f} s")
     ax.set_xlabel("training time (s, evaluation excluded)" if x == "time" else "step")
     ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title(f"{summary.setting.title()}: mean over seeds, min-max shaded", fontsize=10)
+    seeds = max(len(m.runs) for m in summary.methods)
+    how = ("one seed per method" if seeds <= 1
+           else f"mean over up to {seeds} seeds, min-max shaded")
+    ax.set_title(f"{summary.setting.title()}: {how}", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    _legend(ax)
     return _save(fig, path)
 
 
@@ -144,7 +153,7 @@ def plot_pareto(summary: SettingSummary, path: Path) -> Path | None:
     ax.set_ylabel(f"final validation loss vs {summary.baseline} (%)")
     ax.set_title(f"{summary.setting.title()}: right and low is better", fontsize=10)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    _legend(ax)
     return _save(fig, path)
 
 
@@ -173,7 +182,7 @@ def plot_breakdown(summary: SettingSummary, path: Path) -> Path | None:
     ax.set_ylabel("ms per step (mean over timed steps)")
     ax.set_title(f"{summary.setting.title()}: where a step's time goes", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=7)
+    _legend(ax)
     return _save(fig, path)
 
 

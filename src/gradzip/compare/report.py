@@ -229,8 +229,10 @@ _PLOT_TITLES = {
 
 def setting_section(summary: SettingSummary, plots: dict[str, Path]) -> str:
     """One setting's markdown: link, baseline, table, notes and figures."""
+    from gradzip.compare.verdict import verdict
+
     parts = [f"## {summary.setting.title()}", "\n".join(setting_lines(summary)),
-             markdown_table(*table(summary))]
+             markdown_table(*table(summary)), f"**Verdict.** {verdict(summary)}"]
     if summary.notes:
         parts.append("\n".join(f"- {n}" for n in summary.notes))
     parts += [f"![{_PLOT_TITLES[name]}]({path.name})" for name, path in plots.items()]
@@ -325,5 +327,11 @@ def print_tables(summaries: list[SettingSummary], console: Any = None) -> None:
         console = Console()
         if not console.is_terminal:  # a log file: do not squeeze the table into 80 columns
             console = Console(width=240)
+    from rich.markup import escape
+
+    from gradzip.compare.verdict import verdicts
+
     for t in rich_tables(summaries, console.width):
         console.print(t)
+    for sentence in verdicts(summaries):
+        console.print(escape(sentence))

@@ -1,0 +1,117 @@
+"""The race's one-sentence answer: the winner, its lead over the best 16-bit all-reduce,
+and whether that lead is more than evaluation spacing and seed noise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gradzip.compare.report import write_report
+from gradzip.compare.summary import summarize
+from gradzip.compare.verdict import verdict, verdicts
+
+LOSSES = [5.0, 4.0, 3.5, 3.2, 3.0]  # the baseline's: target 3.0 x 1.01 = 3.03
+
+
+def record(method: str, seed: int, step_s: float, losses: list[float] = LOSSES,
+           evals_every: int = 10) -> dict[str, Any]:
+    """A results record as ``gradzip compare`` writes it: evaluations every 10 steps."""
+    steps = [i * evals_every for i in range(len(losses))]
+    return {
+        "method": method, "codec": "none", "seed": seed, "world_size": 2, "params": 1000,
+        "steps": steps[-1], "val_loss": losses[-1], "train_time_s": steps[-1] * step_s,
+        "step_time_ms_p50": step_s * 1e3, "tokens_per_s": 4096 / step_s,
+        "eval_history": [{"step": s, "train_time_s": s * step_s, "val_loss": v}
+                         for s, v in zip(steps, losses, strict=True)],
+        "compare": {"method": method, "seed": seed, "ranks": 2, "rate": "100mbit",
+                    "link": "shared", "shaped": True, "achieved_rate_bits_per_s": 95e6},
+    }
+
+
+def sentence(records: list[dict[str, Any]]) -> str:
+    [summary] = summarize(records)
+    return verdict(summary)
+
+
+def test_a_lead_beyond_evaluation_spacing_with_one_seed_says_seed_noise_is_unmeasured(
+        ) -> None:
+    text = sentence([record("torch:none", 0, 1.0), record("torch:fp16", 0, 0.6),
+                     record("int8", 0, 0.3)])
+    # target reached at the last evaluation (step 40): 40 s, 24 s and 12 s
+    assert "use `int8`" in text and "in 12.0 s of training" in text, text
+    assert "2.00x as fast as the best 16-bit all-reduce `torch:fp16` (24.0 s, 12.0 s later)" \
+        in text, text
+    assert "more than the 6.0 s between evaluations" in text, text
+    assert "one seed" in text and "--seeds 3" in text, text
+
+
+def test_a_lead_inside_the_evaluation_spacing_is_noise() -> None:
+    text = sentence([record("torch:none", 0, 1.0), record("torch:fp16", 0, 0.32),
+                     record("int8", 0, 0.3)])
+    assert "use `int8`" in text and "within evaluation noise" in text, text
+
+
+def test_seed_noise_decides_with_several_seeds() -> None:
+    base = [record("torch:none", s, 1.0) for s in range(3)]
+    steady = sentence(base + [record("torch:fp16", s, 0.6 + 0.01 * s) for s in range(3)]
+                      + [record("int8", s, 0.3 + 0.01 * s) for s in range(3)])
+    assert "more than the" in steady and "than seed noise" in steady, steady
+    noisy = sentence(base + [record("torch:fp16", s, (0.3, 0.6, 0.9)[s]) for s in range(3)]
+                     + [record("int8", s, (0.1, 0.5, 0.6)[s]) for s in range(3)])
+    assert "within seed noise" in noisy and "over 3 seeds" in noisy, noisy
+
+
+def test_when_the_16bit_all_reduce_wins_no_compression_method_beat_it() -> None:
+    text = sentence([record("torch:none", 0, 1.0), record("torch:fp16", 0, 0.3),
+                     record("int8", 0, 0.5)])
+    assert "use `torch:fp16`" in text and "no compression method beat it" in text, text
+    assert "the next, `int8`, took 20.0 s" in text, text
+
+
+def test_without_a_16bit_run_the_reference_is_the_uncompressed_baseline() -> None:
+    text = sentence([record("torch:none", 0, 1.0), record("int8", 0, 0.5)])
+    assert "as fast as the uncompressed baseline" in text and "`torch:none`" in text, text
+
+
+def test_no_baseline_and_no_target_reached_are_said_plainly() -> None:
+    assert "no verdict" in sentence([record("int8", 0, 0.5)])
+    slow = [5.0, 4.5, 4.2, 4.0, 3.9]
+    text = sentence([record("torch:none", 0, 1.0), record("int8", 0, 0.5, slow)])
+    assert "use `torch:none`" in text  # only the baseline got there
+    text = sentence([record("torch:none", 0, 1.0, slow[:4] + [3.0]),
+                     record("int8", 0, 0.5, slow)])
+    assert "use `torch:none`" in text
+
+
+def test_the_report_carries_the_verdict(tmp_path: Path) -> None:
+    records = [record("torch:none", 0, 1.0), record("torch:fp16", 0, 0.6),
+               record("int8", 0, 0.3)]
+    report = write_report(records, tmp_path).read_text()
+    [text] = verdicts(summarize(records))
+    assert f"**Verdict.** {text}" in report
+
+
+def test_figures_keep_legends_off_the_axes_and_say_how_many_seeds(
+        tmp_path: Path, monkeypatch) -> None:
+    """A legend sample once sat over a tick label; one seed was titled "min-max shaded"."""
+    from gradzip.compare import plots
+
+    figures = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or save(fig, path))
+    records = [record("torch:none", 0, 1.0), record("int8", 0, 0.3)]
+    for r in records:
+        r.update(bytes_raw_total=4e6, bytes_wire_total=1e6 if r["method"] == "int8" else 4e6,
+                 phase_ms_mean={"data": 1.0, "forward": 2.0, "backward": 3.0,
+                                "optimizer": 1.0, "comm": 2.0})
+    write_report(records, tmp_path)
+    assert len(figures) == 4
+    for fig in figures:
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            legend = ax.get_legend()
+            assert legend is not None
+            assert legend.get_window_extent(renderer).x0 >= ax.get_window_extent(renderer).x1
+    titles = [ax.get_title() for fig in figures for ax in fig.axes]
+    assert any("one seed per method" in t for t in titles)
+    assert not any("min-max" in t for t in titles)
