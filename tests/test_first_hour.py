@@ -167,3 +167,15 @@ def test_every_chain_covers_every_compressor_and_lossless_stage() -> None:
         if issubclass(cls, Compressor | LosslessCoder):
             assert name in chains
     assert warm(["int8 | eg", "none", "torch:fp16"]) >= 0.0
+
+
+def test_analyze_draws_its_bar_once_the_total_is_known(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo log used to show `analyze: 0bucket [00:00, ?bucket/s]` before the bar."""
+    import numpy as np
+
+    np.save(tmp_path / "g.npy", np.random.default_rng(0).standard_normal(4096)
+            .astype(np.float32))
+    assert main(["analyze", str(tmp_path / "g.npy"), "--workers", "1", "--codecs", "none"]) == 0
+    err = capsys.readouterr().err
+    assert "0bucket [" not in err and "1/1" in err, err
