@@ -8,7 +8,7 @@ PIP_EXTRA   ?=
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed
 
-.PHONY: venv demo test test-all lint bench clean
+.PHONY: venv demo test test-fast test-dist test-all lint bench clean
 
 venv: $(STAMP)
 
@@ -40,7 +40,15 @@ demo: $(STAMP)
 	@echo; echo "The race's answer (runs/demo/report.md):"; cat runs/demo/verdict.txt
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -q
+	$(PY) -m pytest -n 2 -q --durations=10
+
+# CI's tiers (.ci/run): single-process tests first, then those that spawn real gloo ranks
+# (marked dist); together they are `make test`.
+test-fast: $(STAMP)
+	$(PY) -m pytest -n 2 -q -m "not slow and not dist" --durations=10
+
+test-dist: $(STAMP)
+	$(PY) -m pytest -n 2 -q -m "dist and not slow" --durations=10
 
 test-all: $(STAMP)
 	$(PY) -m pytest -n 2 -q -m "slow or not slow"

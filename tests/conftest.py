@@ -1,6 +1,7 @@
 """Shared test settings: deterministic, CPU-only, few threads (CI has 2 cores)."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,3 +27,10 @@ def _keep_denormals():
     later tests (hypothesis refuses to draw floats without subnormals)."""
     yield
     torch.set_flush_denormal(False)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data cache shared by one module's trainer runs: the tokenizer and token shards
+    of the built-in corpus are built by the first run and read by the others."""
+    return tmp_path_factory.mktemp("data-cache")

@@ -240,11 +240,6 @@ def test_ranks_agree_on_the_checkpoint_and_share_the_error(tmp_path: Path) -> No
 
 
 # ---------------------------------------------------------------- the trainer
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("data-cache")
-
-
 def test_train_resume_skips_a_damaged_latest_checkpoint(cache: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     assert main(["train", *flags(cache, out, "--max-steps", "4", "--decay-steps", "6",

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from train_helpers import launch
 
 from gradzip.capture import Archive, verify
 
@@ -46,8 +46,7 @@ def test_trainer_on_two_ranks_is_captured_and_read_back(tmp_path: Path) -> None:
     script.write_text(SCRIPT)
     archive = tmp_path / "grads"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "2", str(script), str(archive),
+    proc = subprocess.run([*launch(2), str(script), str(archive),
                            str(tmp_path / "hf")], capture_output=True, text=True,
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

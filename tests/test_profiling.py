@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from train_helpers import flags
+from train_helpers import flags, launch
 
 from gradzip.train.profiling import comm_compute_ms
 
@@ -64,11 +63,6 @@ def test_cuda_counts_device_time_of_nccl_kernels_only() -> None:
     assert list(got["comm_ms_by_op"]) == ["ncclDevKernel_AllReduce_Sum_f32_RING_LL"]
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("data-cache")
-
-
 @pytest.mark.dist
 @pytest.mark.parametrize("codec, bucket_mb", [("none", "0.1"), ("fp16", "25")])
 def test_profiler_comm_agrees_with_phase_timers(cache: Path, tmp_path: Path, codec: str,
@@ -95,8 +89,7 @@ def test_profiler_comm_agrees_with_phase_timers(cache: Path, tmp_path: Path, cod
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # No logging or eval inside steps 6-14 (their all-reduces would be profiled but not
     # timed); DDP's bucket rebuild is over by step 6.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", "-m", "gradzip", "train",
+    cmd = [*launch(2), "-m", "gradzip", "train",
            *flags(cache, out, "--parallel", "ddp", "--codec", codec, "--bucket-cap-mb",
                   bucket_mb, "--max-steps", "14", "--log-every", "100", "--eval-every", "0",
                   "--profile", "--profile-steps", "6:14")]

@@ -4,25 +4,18 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from train_helpers import flags, last_result
+from train_helpers import flags, last_result, launch
 
 pytestmark = pytest.mark.dist
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("data-cache")
 
 
 def torchrun(*argv: str) -> None:
     """``torchrun --nproc_per_node 2 -m gradzip train ARGV``; fail with both ranks' output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", "-m", "gradzip", "train", *argv]
+    cmd = [*launch(2), "-m", "gradzip", "train", *argv]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
 

@@ -17,11 +17,6 @@ from gradzip.train.config import OptimConfig
 from gradzip.train.loop import lr_at
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("data-cache")
-
-
 def train(cache: Path, out: Path, *extra: str) -> dict:
     assert main(["train", *flags(cache, out, *extra)]) == 0
     return last_result(out)

@@ -53,7 +53,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -432,13 +431,12 @@ def test_fp16_gradscaler_cell(parallel: str, accum: int, kind: str,
     if not _two_gpus():
         pytest.skip("needs CUDA: --dtype fp16 runs only with the GradScaler on CUDA "
                     "(refused on CPU), and 2 devices for 2 NCCL ranks")
-    from train_helpers import flags, last_result
+    from train_helpers import flags, last_result, launch
 
     codec = "none" if kind == "none" else CODECS[kind][parallel]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", "-m", "gradzip", "train",
+    cmd = [*launch(2), "-m", "gradzip", "train",
            *flags(tmp_path / "cache", out, "--device", "cuda", "--dtype", "fp16",
                   "--parallel", parallel, "--grad-accum", str(accum), "--codec", codec,
                   "--max-steps", "5", "--eval-every", "0")]

@@ -19,14 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
-from train_helpers import default_sigint, flags
+from train_helpers import default_sigint, flags, launch
 
 from gradzip.train import checkpoint as ckpt
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("data-cache")
 
 
 def processes_of(out: Path) -> list[int]:
@@ -161,8 +156,7 @@ def test_ctrl_c_under_torchrun_stops_every_rank_at_the_same_step(
     """Every rank stops at the same logged step (--log-every 5; DiLoCo too), checkpoints
     and exits 130; the launcher's own SignalException is torchrun's."""
     out = tmp_path / "run"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node", "2", "-m", "gradzip", "train"]
+    torchrun = [*launch(2), "-m", "gradzip", "train"]
     run = Run([*torchrun, *flags(cache, out, "--max-steps", "100000", "--parallel", "ddp",
                                  *extra)], out)
     run.wait_for("tok/s")
@@ -185,8 +179,7 @@ def test_ctrl_c_under_torchrun_stops_every_rank_at_the_same_step(
 def test_a_failed_rank_on_resume_ends_every_torchrun_process(cache: Path, tmp_path: Path
                                                              ) -> None:
     out = tmp_path / "run"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node", "2", "-m", "gradzip", "train"]
+    torchrun = [*launch(2), "-m", "gradzip", "train"]
     run = Run([*torchrun, *flags(cache, out, "--max-steps", "5", "--decay-steps", "100000",
                                  "--parallel", "ddp", "--codec", "ef | topk(ratio=0.1)")], out)
     code, text = run.finish(timeout=120)

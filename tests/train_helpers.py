@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,13 @@ DATA_FLAGS = ["--model", "tiny", "--dataset", "stdlib", "--max-tokens", "40000",
               "--vocab-size", "384", "--batch-size", "4", "--seq-len", "32",
               "--eval-steps", "2", "--log-every", "5", "--no-progress", "--no-tensorboard",
               "--threads", "1"]
+
+
+def launch(nproc: int = 2) -> list[str]:
+    """``torchrun --standalone --nproc_per_node N`` as this interpreter runs it (add
+    ``-m gradzip train ...`` or a script)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc_per_node", str(nproc)]
 
 
 def flags(cache: Path, out: Path, *extra: str) -> list[str]:
