@@ -27,6 +27,11 @@ COMMAND_MODULES = [
 ]
 
 
+#: modules only the ``lab`` extra installs (pyproject.toml): a command that needs one
+#: says which extra to install instead of a traceback
+LAB_MODULES = ("h5py", "tqdm", "rich", "tokenizers", "ijson", "matplotlib", "tensorboard")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole parser, or (``only``) one command's in full and the rest by name."""
     from gradzip import __version__
@@ -64,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
                        f"{' '.join(extras)} (see gradzip {command} --help)\n")
     try:
         result = args.func(args)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in LAB_MODULES or getattr(args, "debug", False):
+            raise
+        print(f"gradzip {args.command}: error: this command needs the lab extra, which is "
+              f"not installed (no module {e.name!r}): pip install 'gradzip[lab]' (in the "
+              f"clone: pip install -e '.[lab]', or make venv)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
