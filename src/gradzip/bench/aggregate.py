@@ -471,7 +471,7 @@ def _print_tables(runs: list[Run], summaries: list[CodecSummary], errors: dict[A
 
 def markdown(runs: list[Run], summaries: list[CodecSummary], errors: dict[Any, float],
              worlds: list[int], error_worlds: list[int]) -> str:
-    """The three tables as Markdown (for docs/benchmarks.md)."""
+    """The three tables as Markdown (for docs/benchmarks/aggregate.md)."""
     out = []
     for hdr, body in zip(headers(worlds, error_worlds),
                          table_rows(runs, summaries, errors, worlds, error_worlds), strict=True):

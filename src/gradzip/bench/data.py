@@ -111,7 +111,7 @@ def measure(sources: list[str], vocab_size: int, max_tokens: int | None, batch_s
 
 
 def markdown(r: DataBenchResult) -> str:
-    """The result as a Markdown table (pasted into docs/benchmarks.md)."""
+    """The result as a Markdown table (pasted into docs/benchmarks/data.md)."""
     rows = [
         ("tokenizer training", f"{r.tokenizer_seconds:.1f} s for {r.corpus_chars_tokenizer:,}"
          f" chars ({r.tokenizer_chars_per_s / 1e6:.2f} M chars/s), vocab {r.vocab_size}"),

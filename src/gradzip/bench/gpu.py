@@ -342,7 +342,7 @@ def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
 
 
 def markdown(record: dict[str, Any]) -> str:
-    """The three tables (for docs/benchmarks.md)."""
+    """The three tables (for docs/benchmarks/gpu.md)."""
     parts = [f"Device: {record['device']}; torch {record['torch']}; backend "
              f"{record['backend']}; {record['date']}", "", "Stream order:", ""]
     if record["stream_order"]:

@@ -14,6 +14,7 @@ BENCH_MODULES = [
     "gradzip.bench.entropy",  # gradzip bench entropy
     "gradzip.bench.gpu",  # gradzip bench gpu
     "gradzip.bench.linkbytes",  # gradzip bench link
+    "gradzip.bench.page",  # gradzip bench page NAME [--run]
     "gradzip.bench.train",  # gradzip bench train
 ]
 
