@@ -64,3 +64,12 @@ def test_a_lab_command_without_the_lab_extra_names_the_extra(argv: list[str]) ->
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "pip install" in proc.stderr and "[lab]" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_numba_is_imported_only_when_a_chain_names_an_entropy_coder() -> None:
+    code = ("import sys, gradzip\n"
+            "gradzip.codec('ef | topk(ratio=0.01) | qsgd'); a = 'numba' in sys.modules\n"
+            "gradzip.codec('qsgd | eg'); print(a, 'numba' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "True"]

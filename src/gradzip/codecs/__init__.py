@@ -1,6 +1,9 @@
 """Gradient codecs: pure tensor -> payload -> tensor; no torch.distributed here.
 
-Importing this package registers every built-in stage.
+Importing this package registers every built-in stage but the entropy coders (``ans``,
+``eg``, ``zstd``, ``lz4``, ``lossless``), which register when a spec first names one
+(``registry.lookup``) or ``registered()`` lists them all: so a chain without them never
+imports numba, constriction or zstandard.
 """
 
 # importing a stage module registers its stages
@@ -8,7 +11,6 @@ from gradzip.codecs import (  # noqa: F401
     casts,
     demo,
     dgc,
-    entropy,
     feedback,
     gradiveq,
     powersgd,

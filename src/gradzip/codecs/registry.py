@@ -7,6 +7,7 @@ that names the stage, the parameter and what is allowed.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -102,6 +103,12 @@ def positive(x: Any) -> str | None:
 # ---------------------------------------------------------------- registry
 _REGISTRY: dict[str, type[Stage]] = {}
 
+#: built-in stages registered when first looked up: the entropy coders import numba,
+#: constriction and zstandard, which a chain without them never needs
+_LAZY = {"ans": "gradzip.codecs.entropy", "eg": "gradzip.codecs.entropy",
+         "zstd": "gradzip.codecs.entropy", "lz4": "gradzip.codecs.entropy",
+         "lossless": "gradzip.codecs.entropy"}
+
 
 def register(name: str) -> Callable[[type[Stage]], type[Stage]]:
     """Class decorator: make a stage available to specs under ``name``."""
@@ -117,13 +124,17 @@ def register(name: str) -> Callable[[type[Stage]], type[Stage]]:
 
 
 def lookup(name: str) -> type[Stage]:
+    if name not in _REGISTRY and name in _LAZY:
+        importlib.import_module(_LAZY[name])  # registers it
     try:
         return _REGISTRY[name]
     except KeyError:
-        known = ", ".join(sorted(_REGISTRY))
+        known = ", ".join(sorted(set(_REGISTRY) | set(_LAZY)))
         raise SpecError(f"unknown codec stage {name!r}; known stages: {known}") from None
 
 
 def registered() -> dict[str, type[Stage]]:
-    """All registered stages by name, sorted."""
+    """All stages by name, sorted (the lazily registered ones imported now)."""
+    for module in sorted(set(_LAZY.values())):
+        importlib.import_module(module)
     return dict(sorted(_REGISTRY.items()))

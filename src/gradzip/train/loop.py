@@ -7,7 +7,8 @@
     unscale -> clip -> AdamW step -> zero grads
 
 Setup is in ``Trainer.__init__``; the parallelism is one ``Parallelism`` object
-(``parallel.parallelize``), so the loop has no branch on the strategy; every number
+(``parallel.parallelize``), so the step loop has no branch on the strategy (setup has
+one: ``LocalUpdates`` gets the inner optimizer for its checkpoints); every number
 comes from one ``RunMetrics`` (``metrics.py``), whose communication source is the
 codec's ``CommStats``.
 """
