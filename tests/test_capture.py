@@ -117,6 +117,24 @@ def test_verify_tells_steps_captured_again_after_a_resume_from_unfinished_ones(
         np.testing.assert_array_equal(a.bucket(0, 0, 3, 0), np.zeros(10))  # the later one
 
 
+def test_a_step_that_never_ended_is_not_committed_by_close(tmp_path: Path) -> None:
+    """An error in the middle of a step (a NaN, Ctrl-C twice) closes the capture with
+    the step half recorded: its buckets must not enter the index as a whole step."""
+    capture = Capture(tmp_path)
+    capture.start(0, codec="none")
+    capture.begin_step(1)
+    capture.record(0, ["a.w"], [(4,)], torch.ones(4))
+    capture.end_step()
+    capture.begin_step(2)
+    capture.record(0, ["a.w"], [(4,)], torch.ones(4))  # bucket 1 of step 2 never comes
+    capture.close()
+    with Archive(tmp_path) as a:
+        assert [s for _, _, s in a.steps()] == [1]
+    checked, problems = verify(tmp_path)
+    assert checked == 1 and not [p for p in problems if p.fatal]
+    assert any("never completed" in str(p) and "S_2" in str(p) for p in problems), problems
+
+
 def test_verify_names_the_corrupt_dataset(tmp_path: Path) -> None:
     _capture_steps(tmp_path, count=2)
     with Archive(tmp_path) as a:

@@ -109,17 +109,17 @@ class Capture:
         return self._active
 
     def close(self) -> None:
-        """End the current step, write everything queued, close the archive. Idempotent;
-        also runs at interpreter exit."""
+        """Write everything queued and close the archive. Idempotent; also runs at
+        interpreter exit. A step that began but never ended (an error or a kill in the
+        middle of it) is not committed: its buckets may be partial, so its datasets stay
+        out of the index, and ``verify`` notes them as a step that never completed."""
         if self._writer is None:
             return
         atexit.unregister(self.close)
-        try:
-            self.end_step()
-        finally:
-            writer, self._writer = self._writer, None
-            self._stats = writer.stats
-            writer.close()
+        self._key, self._active = None, False  # an unended step: not committed
+        writer, self._writer = self._writer, None
+        self._stats = writer.stats
+        writer.close()
 
     # ---- the tap ---------------------------------------------------------------------------
 
