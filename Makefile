@@ -39,11 +39,10 @@ demo: $(STAMP)
 	$(VENV)/bin/gradzip analyze runs/demo/grads --out runs/demo/analysis --workers 2
 	@echo; echo "The race's answer (runs/demo/report.md):"; cat runs/demo/verdict.txt
 
-test: $(STAMP)
-	$(PY) -m pytest -n 2 -q --durations=10
+# The tests in two tiers, in order: single-process tests first (about 2 minutes), then
+# those that spawn real gloo ranks (marked dist; about 7), so a plain bug fails fast.
+test: test-fast test-dist
 
-# CI's tiers (.ci/run): single-process tests first, then those that spawn real gloo ranks
-# (marked dist); together they are `make test`.
 test-fast: $(STAMP)
 	$(PY) -m pytest -n 2 -q -m "not slow and not dist" --durations=10
 
