@@ -7,14 +7,17 @@ environment that never installed them, and the library must still compress a DDP
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
 
-#: what only the ``lab`` extra (and the other extras) install
-LAB_MODULES = ("h5py", "tqdm", "rich", "tokenizers", "ijson", "matplotlib", "tensorboard",
-               "transformers", "accelerate", "zipnn", "pyarrow")
+from gradzip.cli import LAB_MODULES as LAB_EXTRA
+
+#: what only the extras install: the ``lab`` extra's modules, and the others'
+LAB_MODULES = (*LAB_EXTRA, "transformers", "accelerate", "zipnn", "pyarrow")
+
 
 REFUSE = f"""
 import sys
@@ -73,3 +76,15 @@ def test_numba_is_imported_only_when_a_chain_names_an_entropy_coder() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["False", "True"]
+
+
+def test_the_cli_knows_exactly_the_lab_extras_modules() -> None:
+    """cli.LAB_MODULES names the extra to install; it must not drift from pyproject."""
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    lab = project["project"]["optional-dependencies"]["lab"]
+    assert sorted(re.split(r"[<>=!~ \[]", r, maxsplit=1)[0] for r in lab) == sorted(LAB_EXTRA)
+    assert not set(LAB_EXTRA) & {re.split(r"[<>=!~ \[]", r, maxsplit=1)[0]
+                                 for r in project["project"]["dependencies"]}
