@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from gradzip.codecs import run_simulated
-from gradzip.codecs.agreement import (
+from gradzip.collectives import run_simulated
+from gradzip.collectives.agreement import (
     CHECK_BYTES,
     StateDivergenceError,
     check_same_on_all_ranks,

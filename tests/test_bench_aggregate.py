@@ -81,11 +81,11 @@ def test_crossover_interpolates_in_log2_w():
 
 def test_reduce_once_counts_the_gather_of_every_payload():
     import gradzip
-    from gradzip.codecs.linkmodel import link_bytes
+    from gradzip.collectives.linkmodel import link_bytes
 
     xs = [torch.randn(1000, generator=torch.Generator().manual_seed(r)) for r in range(4)]
     r = bench.reduce_once("topk(ratio=0.1)", "gather", xs, None)
-    sizes = [gradzip.codec("topk(ratio=0.1)")._encode_body(x, "k").wire_bytes for x in xs]
+    sizes = [gradzip.codec("topk(ratio=0.1)").encode_body(x, "k").wire_bytes for x in xs]
     assert r.wire_bytes == link_bytes("all_gather", max(sizes), 4) + link_bytes("all_gather", 8, 4)
     assert r.path == "gather" and r.spec.endswith("aggregate=gather")
 

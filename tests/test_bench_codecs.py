@@ -163,7 +163,7 @@ def test_sketch_is_measured_by_its_two_round_reduce():
     assert r.encode_mbps is None and r.decode_mbps is None and r.roundtrip_mbps > 0
     # link bytes of the rounds: the sketch, the candidate check, the candidates' values
     # (a ring all-reduce of 2 ranks puts its input size on the link)
-    from gradzip.codecs.agreement import CHECK_BYTES
+    from gradzip.collectives.agreement import CHECK_BYTES
 
     assert r.wire_bytes == (5 * 120 + 40) * 4 + CHECK_BYTES
     assert r.ratio_fp32 == pytest.approx(20_000 * 4 / r.wire_bytes)

@@ -14,14 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradzip
+from gradzip.aggregation import reduce
 from gradzip.codecs import (
     Compressor,
     LosslessCoder,
     Payload,
     PayloadError,
     registered,
-    run_simulated,
 )
+from gradzip.collectives import run_simulated
 
 COMPRESSORS = sorted(n for n, c in registered().items() if issubclass(c, Compressor))
 CODERS = sorted(n for n, c in registered().items() if issubclass(c, LosslessCoder))
@@ -121,7 +122,7 @@ def test_reduce_over_simulated_group(name):
         outs = []
         for step in range(3):
             x = heavy_tailed((24, 10), seed=100 * step + rank)
-            mean, local = c.reduce(x, "w", comm, want_local=True)
+            mean, local = reduce(c, x, "w", comm, want_local=True)
             assert mean.shape == x.shape and local is not None and local.shape == x.shape
             outs.append(mean)
         return outs, comm.counter.total_handed
@@ -144,7 +145,7 @@ def test_reduce_of_scalars_and_empty_tensors(name, shape):
         outs = []
         for step in range(2):
             x = heavy_tailed(shape, seed=10 * step + rank, dtype=dtype)
-            mean, local = c.reduce(x, "w", comm, want_local=True)
+            mean, local = reduce(c, x, "w", comm, want_local=True)
             assert mean.shape == x.shape and mean.dtype == x.dtype
             assert local is not None and local.shape == x.shape
             assert torch.isfinite(mean.float()).all()
@@ -174,7 +175,7 @@ def test_summable_codecs_sum(name, shape, seed):
         own = c.decode(c.encode(xs[rank] / 3, key="w"))
         c2 = gradzip.codec(name, rank=rank)
         assert c2.summable, name
-        mean, _ = c2.reduce(xs[rank], "w", comm)
+        mean, _ = reduce(c2, xs[rank], "w", comm)
         assert set(comm.counter.handed) == {"all_reduce"}, "summable payloads are all-reduced"
         return own, mean
 

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import gradzip
-from gradzip.codecs.simulated import run_simulated
+from gradzip.aggregation import reduce
+from gradzip.collectives.simulated import run_simulated
 from gradzip.comm.launch import run_ranks
 
 SHAPES = [torch.Size([16, 24]), torch.Size([24]), torch.Size([8, 3, 4])]
@@ -110,7 +111,7 @@ def test_updates_equal_an_independent_optimizer_form_on_two_ranks() -> None:
         param = torch.zeros(sum(s.numel() for s in SHAPES))
         for step in steps:
             flat = torch.cat([t.reshape(-1) for t in step[r]])
-            update, _ = codec.reduce(flat, "bucket0", comm, shapes=SHAPES)  # type: ignore[arg-type]
+            update, _ = reduce(codec, flat, "bucket0", comm, shapes=SHAPES)  # type: ignore[arg-type]
             param -= 0.01 * update
         return param
 
@@ -196,7 +197,7 @@ def test_one_64x64_tile_with_overlapping_top_k_matches_the_reference_sign_for_si
 
     def rank(r: int, comm: object) -> torch.Tensor:
         codec = gradzip.codec("demo(chunk=64, topk=32, decay=0.9)", rank=r)
-        update, _ = codec.reduce(grads[r].reshape(-1), "w", comm,  # type: ignore[arg-type]
+        update, _ = reduce(codec, grads[r].reshape(-1), "w", comm,  # type: ignore[arg-type]
                                  shapes=[shape])
         return update.reshape(shape)
 

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import gradzip
-from gradzip.codecs import Compressor, registered, run_simulated
+from gradzip.aggregation import reduce
+from gradzip.codecs import Compressor, registered
+from gradzip.collectives import run_simulated
 
 #: the variant ``ef`` may wrap: signsgd's default +-1 is refused behind ``ef``
 _UNDER_EF = {"signsgd": "signsgd(scale=l1)"}
@@ -61,7 +63,7 @@ def test_reduce_with_feedback_keeps_local_residual():
     def work(rank, comm):
         c = gradzip.codec("ef | bf16", rank=rank)
         x = torch.full((8,), 1.0 + 1e-3 * (rank + 1))
-        mean, _ = c.reduce(x, "w", comm)
+        mean, _ = reduce(c, x, "w", comm)
         residual = c.state.slot(0, "w").data["residual"]
         return x, mean, residual
 
@@ -77,7 +79,7 @@ def test_nonfinite_propagates_through_reduce_when_asked():
         x = torch.ones(6)
         if rank == 1:
             x[2] = float("inf")
-        return c.reduce(x, "w", comm)[0]
+        return reduce(c, x, "w", comm)[0]
 
     for out in run_simulated(2, work):
         assert torch.isnan(out).all()
@@ -104,7 +106,7 @@ def test_feedback_through_reduce_conserves_the_gradient_and_stays_bounded(name):
         total_in, total_out, norms = torch.zeros(24, 20), torch.zeros(24, 20), []
         for step in range(steps):
             x = torch.randn(24, 20, generator=g) * (1 + step % 3)
-            mean, _ = c.reduce(x, "w", comm)
+            mean, _ = reduce(c, x, "w", comm)
             total_in += x / world
             total_out += mean
             norms.append(float(c.state.slot(0, "w").data["residual"].norm()))

@@ -135,7 +135,7 @@ def test_compiling_the_codec_happens_before_the_clock_and_is_recorded(
     evaluation at 9.0 s of training instead of 0.9 s); it is now paid before step 1."""
     import time
 
-    import gradzip.codecs.warm as warm_module
+    import gradzip.aggregation.warm as warm_module
 
     seen: list[list[str]] = []
 
@@ -157,8 +157,8 @@ def test_compiling_the_codec_happens_before_the_clock_and_is_recorded(
 
 
 def test_every_chain_covers_every_compressor_and_lossless_stage() -> None:
+    from gradzip.aggregation.warm import every_chain, warm
     from gradzip.codecs import Compressor, LosslessCoder, registered
-    from gradzip.codecs.warm import every_chain, warm
 
     chains = every_chain()
     stages = registered()

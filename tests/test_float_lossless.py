@@ -216,7 +216,7 @@ def test_exponent_plane_search_is_accelerated_for_16_bit_floats_only(dtype):
     """bf16/fp16 exponent planes take zstd's accelerated match search (half the input,
     no long runs to find); fp32 keeps the full search, whose matches keep its ratio."""
     from gradzip.codecs.entropy import _zstd_plane
-    from gradzip.codecs.entropy.floatcodec import _ACCELERATION
+    from gradzip.codecs.entropy.floatcodec import ACCELERATION
 
     if not _zstd_plane.accelerated():
         pytest.skip("cffi is not installed: no accelerated search")
@@ -230,7 +230,7 @@ def test_exponent_plane_search_is_accelerated_for_16_bit_floats_only(dtype):
     assert full != fast  # the input tells the two searches apart
     sent = bytes(LosslessFloat(exponent="zstd").encode(x, None).child("p0").fields["d"])
     assert sent == (full if dtype == torch.float32 else fast)
-    assert (_ACCELERATION[dtype] > 0) == (dtype != torch.float32)
+    assert (ACCELERATION[dtype] > 0) == (dtype != torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

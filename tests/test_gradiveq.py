@@ -4,9 +4,11 @@ import pytest
 import torch
 
 import gradzip
-from gradzip.codecs import Payload, PayloadError, SpecError, run_simulated
-from gradzip.codecs.agreement import CHECK_BYTES, StateDivergenceError
+from gradzip.aggregation import reduce
+from gradzip.codecs import Payload, PayloadError, SpecError
 from gradzip.codecs.gradiveq import fit_basis
+from gradzip.collectives import run_simulated
+from gradzip.collectives.agreement import CHECK_BYTES, StateDivergenceError
 
 D, K = 16, 3
 
@@ -104,7 +106,7 @@ def test_codes_are_summable_under_the_shared_basis():
         out = []
         for xs in steps:
             before = comm.counter.handed["all_reduce"]
-            mean, local = c.reduce(xs[rank], "w", comm, want_local=True)
+            mean, local = reduce(c, xs[rank], "w", comm, want_local=True)
             out.append((mean, local, comm.counter.handed["all_reduce"] - before))
         return out, c.state.slot(0, "w").data["basis"]
 
@@ -136,7 +138,7 @@ def test_error_feedback_conserves_the_gradient_sum():
         c = gradzip.codec(f"ef | {SPEC}", rank=rank)
         sent = torch.zeros(32 * D)
         for xs in steps:
-            sent += c.reduce(xs[rank], "w", comm)[0]
+            sent += reduce(c, xs[rank], "w", comm)[0]
         return sent, c.state.slot(0, "w").data["residual"]
 
     results = run_simulated(2, work)
@@ -194,7 +196,7 @@ def _refresh_twice(perturb_rank: int | None):
                 slot.data["basis"][0, 0] += 1e-6
 
             stage._refit = nudged
-        return [c.reduce(xs[rank], "w", comm)[0] for _ in range(2)]
+        return [reduce(c, xs[rank], "w", comm)[0] for _ in range(2)]
 
     return run_simulated(2, work)
 

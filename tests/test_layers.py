@@ -1,9 +1,10 @@
 """The dependency rule of docs/architecture.md, checked on the source.
 
-Imports point downwards only: ``codecs`` knows nothing of ``torch.distributed`` or the
-rest of gradzip, ``comm`` nothing of training, benchmarks or the CLI, ``train`` nothing
-of benchmarks or the CLI. Function-local imports count too: a lazy import is still a
-dependency.
+Imports point downwards only: ``collectives`` knows nothing of codecs, ``codecs``
+nothing above collectives, ``aggregation`` (reductions) nothing of the hooks, and none
+of the three ``torch.distributed``; ``comm`` nothing of training, benchmarks or the CLI,
+``train`` nothing of benchmarks or the CLI. Function-local imports count too: a lazy
+import is still a dependency.
 """
 
 from __future__ import annotations
@@ -17,8 +18,18 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "gradzip"
 
 #: layer -> gradzip modules it must not import (prefix match)
 FORBIDDEN = {
-    "codecs": ("gradzip.comm", "gradzip.train", "gradzip.bench", "gradzip.commands",
-               "gradzip.cli", "torch.distributed"),
+    # how ranks exchange tensors and what it costs on the link: nothing of codecs
+    "collectives": ("gradzip.codecs", "gradzip.comm", "gradzip.train", "gradzip.bench",
+                    "gradzip.commands", "gradzip.cli", "gradzip.capture", "gradzip.analyze",
+                    "gradzip.compare", "torch.distributed"),
+    # tensor -> payload -> tensor; multi-round stages talk through collectives
+    "codecs": ("gradzip.aggregation", "gradzip.comm", "gradzip.train", "gradzip.bench",
+               "gradzip.commands", "gradzip.cli", "gradzip.capture", "gradzip.analyze",
+               "gradzip.compare", "torch.distributed"),
+    # reductions over any Communicator: above codecs, below the hooks
+    "aggregation": ("gradzip.comm", "gradzip.train", "gradzip.bench", "gradzip.commands",
+                    "gradzip.cli", "gradzip.capture", "gradzip.analyze", "gradzip.compare",
+                    "torch.distributed"),
     "comm": ("gradzip.train", "gradzip.bench", "gradzip.commands", "gradzip.cli"),
     "train": ("gradzip.bench", "gradzip.commands", "gradzip.cli"),
     "bench": ("gradzip.commands", "gradzip.cli"),
@@ -65,7 +76,7 @@ def test_imports_point_downwards(layer: str) -> None:
         rel = f.relative_to(PACKAGE.parent)
         problems += [f"{rel}:{line} imports {mod}" for line, mod in imported_modules(tree)
                      if _breaks(mod, FORBIDDEN[layer])]
-        if layer == "codecs":
+        if layer in ("codecs", "collectives", "aggregation"):
             problems += [f"{rel}:{line} uses torch.distributed"
                          for line in distributed_attributes(tree)]
     assert not problems, "\n".join(problems)

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradzip.codecs.payload import _DTYPES, Payload, PayloadError
+from gradzip.codecs.payload import DTYPES, Payload, PayloadError
 
 meta_values = st.one_of(
     st.integers(-(2**62), 2**62),
@@ -20,7 +20,7 @@ def payloads(draw, depth=2):
     for i in range(draw(st.integers(0, 3))):
         kind = draw(st.sampled_from(["tensor", "bytes", "child"] if depth else ["tensor", "bytes"]))
         if kind == "tensor":
-            dtype = draw(st.sampled_from(_DTYPES))
+            dtype = draw(st.sampled_from(DTYPES))
             shape = draw(st.lists(st.integers(0, 4), max_size=3))
             fields[f"f{i}"] = (torch.randn(shape) * 100).to(dtype)
         elif kind == "bytes":

@@ -16,8 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradzip
-from gradzip.codecs import Compressor, Payload, registered, run_simulated
+from gradzip.codecs import Compressor, Payload, registered
 from gradzip.codecs.layout import SMALL, tensor_layout
+from gradzip.collectives import run_simulated
 
 PER_TENSOR = ["terngrad", "efsignsgd", "onebit", "qsgd", "int8"]
 COMPRESSORS = sorted(n for n, c in registered().items() if issubclass(c, Compressor))

@@ -4,8 +4,10 @@ import pytest
 import torch
 
 import gradzip
-from gradzip.codecs import Payload, PayloadError, SpecError, run_simulated
+from gradzip.aggregation import reduce
+from gradzip.codecs import Payload, PayloadError, SpecError
 from gradzip.codecs.powersgd import matrix_view
+from gradzip.collectives import run_simulated
 
 
 def low_rank(n, m, r, seed=0, scale=1.0):
@@ -101,7 +103,7 @@ def _work(spec, xs_by_step, want_local=True):
         c = gradzip.codec(spec, rank=rank)
         out = []
         for xs in xs_by_step:
-            mean, local = c.reduce(xs[rank], "w", comm, want_local=want_local)
+            mean, local = reduce(c, xs[rank], "w", comm, want_local=want_local)
             out.append((mean, local))
         return out, c, comm.counter
 
@@ -171,7 +173,7 @@ def test_error_feedback_residual_stays_bounded_and_nothing_is_lost():
         c = gradzip.codec("ef | powersgd(rank=2)", rank=rank)
         sent, norms = torch.zeros(32, 32), []
         for xs in steps:
-            mean, _ = c.reduce(xs[rank], "w", comm)
+            mean, _ = reduce(c, xs[rank], "w", comm)
             sent += mean
             norms.append(float(c.state.slot(0, "w").data["residual"].norm()))
         return sent, c.state.slot(0, "w").data["residual"], norms
@@ -213,7 +215,7 @@ def test_a_whole_bucket_in_two_all_reduces():
     """``reduce_tensors``: all P in one all-reduce, all Q in another (as powerSGD_hook),
     vectors sent as they are inside the first; exact for rank <= r sums, and the
     same mean on every rank."""
-    from gradzip.codecs import run_simulated
+    from gradzip.collectives import run_simulated
 
     shapes = [torch.Size((20, 30)), torch.Size((7,)), torch.Size((16, 8))]
 
@@ -226,7 +228,7 @@ def test_a_whole_bucket_in_two_all_reduces():
 
     def work(rank, comm):
         c = gradzip.codec("powersgd(rank=2)", rank=rank)
-        mean, _ = c.reduce(bucket(rank), "b", comm, shapes=shapes)
+        mean, _ = reduce(c, bucket(rank), "b", comm, shapes=shapes)
         return mean, dict(comm.counter.calls)
 
     results = run_simulated(2, work)
@@ -239,7 +241,7 @@ def test_a_whole_bucket_in_two_all_reduces():
 def test_bucket_feedback_converges_like_per_tensor():
     """``ef | powersgd`` over a bucket: the residual stays bounded and what was applied
     is what came in minus what is held back (the EF bookkeeping per bucket)."""
-    from gradzip.codecs import run_simulated
+    from gradzip.collectives import run_simulated
 
     shapes = [torch.Size((12, 10)), torch.Size((10,)), torch.Size((10, 6))]
     n = sum(s.numel() for s in shapes)
@@ -250,7 +252,7 @@ def test_bucket_feedback_converges_like_per_tensor():
         total_in, total_out = torch.zeros(n), torch.zeros(n)
         for _ in range(25):
             x = torch.randn(n, generator=g)
-            mean, _ = c.reduce(x, "b", comm, shapes=shapes)
+            mean, _ = reduce(c, x, "b", comm, shapes=shapes)
             total_in += x / 2
             total_out += mean
         return total_in, total_out, c.state.slot(0, "b").data["residual"]
@@ -274,7 +276,7 @@ def test_min_compression_rate_sends_barely_smaller_matrices_whole():
     def work(rank, comm):
         c = gradzip.codec("powersgd(rank=2, min_compression_rate=3)", rank=rank)
         flat = torch.cat([x.reshape(-1), torch.ones(40, 30).reshape(-1)]) * (rank + 1)
-        mean, _ = c.reduce(flat, "b", comm, shapes=[torch.Size([10, 10]),
+        mean, _ = reduce(c, flat, "b", comm, shapes=[torch.Size([10, 10]),
                                                     torch.Size([40, 30])])
         return mean
 

@@ -15,8 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import gradzip
-from gradzip.codecs import Payload, SpecError, bitpack, run_simulated
+from gradzip.aggregation import reduce
+from gradzip.codecs import Payload, SpecError, bitpack
 from gradzip.codecs.quantize import int_dtype
+from gradzip.collectives import run_simulated
 
 
 def heavy(shape, seed=0):
@@ -140,7 +142,7 @@ def test_int8_shared_scale_reduce_is_close_to_exact_mean(mode, dtype, levels):
     def work(rank, comm):
         c = gradzip.codec(f"int8(block={block}, shared={mode})", rank=rank)
         assert c.multi_round and not c.summable
-        mean, local = c.reduce(xs[rank], "w", comm, want_local=True)
+        mean, local = reduce(c, xs[rank], "w", comm, want_local=True)
         return mean, local, dict(comm.counter.handed)
 
     out = run_simulated(world, work)
@@ -162,7 +164,7 @@ def test_int8_narrow_sum_cannot_overflow():
     x = torch.full((64,), 5.0)
 
     def work(rank, comm):
-        return gradzip.codec("int8(shared=narrow)").reduce(x, "w", comm)[0]
+        return reduce(gradzip.codec("int8(shared=narrow)"), x, "w", comm)[0]
 
     for mean in run_simulated(3, work):
         torch.testing.assert_close(mean, x)

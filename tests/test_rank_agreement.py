@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip
+from gradzip.aggregation import path_for, reduce, reduce_scatter
 from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.launch import run_ranks
 
@@ -56,35 +57,35 @@ def _reduce_everything(rank: int, nan_rank: int) -> dict:
         codec.observer = None
         means = []
         for step in range(2):
-            mean, _ = codec.reduce(_data(rank, step), "w", comm, shapes=SHAPES)
+            mean, _ = reduce(codec, _data(rank, step), "w", comm, shapes=SHAPES)
             means.append(mean)
-            paths.append(codec.aggregation(_data(rank, step), world, SHAPES,
+            paths.append(path_for(codec, _data(rank, step), world, SHAPES,
                                            comm.counter.backend))
         bad = _data(rank, 2)
         if rank == nan_rank:
             bad[5] = float("nan")
         try:
-            codec.reduce(bad, "w", comm, shapes=SHAPES)
+            reduce(codec, bad, "w", comm, shapes=SHAPES)
             error = None
         except gradzip.NonFiniteGradientError as e:
             error = str(e)
         # the next, finite step goes on on every rank: no NaN stayed in any rank's state
-        after, _ = codec.reduce(_data(rank, 3), "w", comm, shapes=SHAPES)
+        after, _ = reduce(codec, _data(rank, 3), "w", comm, shapes=SHAPES)
         out[spec] = {"means": means, "paths": paths, "error": error, "after": after}
     for spec in SCATTER_SPECS:
         codec = gradzip.codec(spec, rank=rank, seed=7)
         chunks = _data(rank, 0).reshape(world, -1) if N % world == 0 else \
             _data(rank, 0)[: N - N % world].reshape(world, -1)
-        shard = codec.reduce_scatter(chunks, "fsdp", comm)
+        shard = reduce_scatter(codec, chunks, "fsdp", comm)
         bad = chunks.clone()
         if rank == nan_rank:
             bad[world - 1, 0] = float("inf")
         try:
-            codec.reduce_scatter(bad, "fsdp", comm)
+            reduce_scatter(codec, bad, "fsdp", comm)
             error = None
         except gradzip.NonFiniteGradientError as e:
             error = str(e)
-        after = codec.reduce_scatter(chunks, "fsdp", comm)  # and the next step goes on
+        after = reduce_scatter(codec, chunks, "fsdp", comm)  # and the next step goes on
         out["scatter " + spec] = {"shard": shard, "error": error, "after": after}
     return out
 
@@ -149,7 +150,7 @@ def test_a_nan_on_one_ddp_rank_stops_every_rank(spec: str) -> None:
 def test_propagate_on_one_rank_returns_nan_and_keeps_the_state_clean(spec: str) -> None:
     """World size 1 (one GPU with AMP): a NaN step comes back all NaN (so a GradScaler
     skips it) and the next, finite step is finite: no NaN entered the codec's state."""
-    from gradzip.codecs import run_simulated
+    from gradzip.collectives import run_simulated
 
     def work(rank: int, comm: object) -> list[bool]:
         codec = gradzip.codec(spec, nonfinite="propagate")
@@ -158,7 +159,7 @@ def test_propagate_on_one_rank_returns_nan_and_keeps_the_state_clean(spec: str) 
             x = _data(1, step)
             if step == 1:
                 x[7] = float("nan")
-            mean, _ = codec.reduce(x, "w", comm, shapes=SHAPES)  # type: ignore[arg-type]
+            mean, _ = reduce(codec, x, "w", comm, shapes=SHAPES)  # type: ignore[arg-type]
             finite.append(bool(mean.isfinite().all()))
             if step == 1:
                 assert mean.isnan().all()

@@ -6,7 +6,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import gradzip
-from gradzip.codecs import Payload, SpecError, bitpack, run_simulated
+from gradzip.aggregation import reduce
+from gradzip.codecs import Payload, SpecError, bitpack
+from gradzip.collectives import run_simulated
 
 
 def heavy(shape, seed=0):
@@ -100,7 +102,7 @@ def test_majority_vote(world):
 
     def work(rank, comm):
         c = gradzip.codec("signsgd", rank=rank)
-        mean, local = c.reduce(xs[rank], "w", comm, want_local=True)
+        mean, local = reduce(c, xs[rank], "w", comm, want_local=True)
         return mean, local, comm.counter.handed["all_gather"]
 
     out = run_simulated(world, work)
@@ -117,7 +119,7 @@ def test_majority_vote_l1_scale_is_mean_of_scales():
     xs = [heavy((40,), seed=r) * (r + 1) for r in range(3)]
 
     def work(rank, comm):
-        return gradzip.codec("signsgd(scale=l1)").reduce(xs[rank], "w", comm)[0]
+        return reduce(gradzip.codec("signsgd(scale=l1)"), xs[rank], "w", comm)[0]
 
     votes = torch.sign(sum(torch.where(torch.signbit(x), -1.0, 1.0) for x in xs))
     scale = sum(float(x.abs().mean()) for x in xs) / 3
@@ -131,7 +133,7 @@ def test_signsgd_without_vote_averages_signs():
     def work(rank, comm):
         c = gradzip.codec("signsgd(vote=false)", rank=rank)
         assert not c.multi_round
-        return c.reduce(xs[rank], "w", comm)[0]
+        return reduce(c, xs[rank], "w", comm)[0]
 
     expected = sum(torch.where(torch.signbit(x), -1.0, 1.0) for x in xs) / 3
     for mean in run_simulated(3, work):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gradzip.codecs import run_simulated
+from gradzip.collectives import run_simulated
 
 
 def test_collectives_and_byte_counts():

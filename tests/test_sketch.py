@@ -4,9 +4,11 @@ import pytest
 import torch
 
 import gradzip
-from gradzip.codecs import Payload, PayloadError, SpecError, run_simulated
-from gradzip.codecs.agreement import CHECK_BYTES, StateDivergenceError
+from gradzip.aggregation import reduce
+from gradzip.codecs import Payload, PayloadError, SpecError
 from gradzip.codecs.sketch import _median, _top, count_sketch, estimate
+from gradzip.collectives import run_simulated
+from gradzip.collectives.agreement import CHECK_BYTES, StateDivergenceError
 
 N = 20_000
 SPEC = "sketch(ratio=0.0005)"  # k = 10, a 5 x 120 sketch, 40 candidates
@@ -78,7 +80,7 @@ def _reduce_all(spec, xs_by_step, world):
         out = []
         for xs in xs_by_step:
             before = comm.counter.handed["all_reduce"]
-            mean, local = c.reduce(xs[rank], "w", comm, want_local=True)
+            mean, local = reduce(c, xs[rank], "w", comm, want_local=True)
             out.append((mean, local, comm.counter.handed["all_reduce"] - before))
         return out, c
 
@@ -111,7 +113,7 @@ def test_error_feedback_accumulates_what_was_not_sent():
         c = gradzip.codec("ef | sketch(ratio=0.01, width=4)", rank=rank)
         sent = torch.zeros(4000)
         for xs in steps:
-            sent += c.reduce(xs[rank], "w", comm)[0]
+            sent += reduce(c, xs[rank], "w", comm)[0]
         return sent, c.state.slot(0, "w").data["residual"]
 
     results = run_simulated(2, work)
@@ -175,7 +177,7 @@ def test_ranks_whose_candidate_sets_differ_fail_loudly():
 
     def work(rank, comm):
         c = gradzip.codec(SPEC, rank=rank, seed=rank)  # misconfigured: seeds differ
-        return c.reduce(xs[rank], "w", comm)
+        return reduce(c, xs[rank], "w", comm)
 
     with pytest.raises(StateDivergenceError, match="sketch.*candidate set for key 'w'"):
         run_simulated(2, work)

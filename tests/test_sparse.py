@@ -8,9 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import gradzip
-from gradzip.codecs import Payload, PayloadError, SpecError, indices, run_simulated, sparse
+from gradzip.aggregation import reduce
+from gradzip.codecs import Payload, PayloadError, SpecError, indices, sparse
 from gradzip.codecs.indices import Selection, index_dtype, sparse_decode, sparse_payload
 from gradzip.codecs.sparse import EXACT_BELOW, random_positions, topk_positions
+from gradzip.collectives import run_simulated
 
 
 def heavy_tailed(n, seed=0):
@@ -239,7 +241,7 @@ def test_randomk_indices_identical_across_ranks_and_summable():
         p = c.encode(xs[rank], key="w")
         positions = (c.decode(p) != 0).nonzero().reshape(-1)
         c2 = gradzip.codec("randomk(ratio=0.05)", rank=rank)
-        mean, _ = c2.reduce(xs[rank], "w", comm)
+        mean, _ = reduce(c2, xs[rank], "w", comm)
         return p.meta["seed"], positions, mean, comm.counter.total_handed
 
     out = run_simulated(3, work)

@@ -60,7 +60,7 @@ def test_a_coded_field_cannot_name_a_dtype_its_coder_never_writes(dtype) -> None
     """Before: numba compiled new decoders inside the receiver (18 s for float32)."""
     codec = gradzip.codec("int8 | ans")
     p = codec.encode(X, "k")
-    p.fields["q"].meta["dt"] = gradzip.codecs.payload._DTYPE_CODE[dtype]  # type: ignore
+    p.fields["q"].meta["dt"] = gradzip.codecs.payload.DTYPE_CODE[dtype]  # type: ignore
     codec.decode(Payload.deserialize(reseal(codec.encode(X, "k2")).serialize()))  # warm
     before = compiled_signatures()
     assert sum(before.values()) > 0  # the kernels are found, so the check can fail

@@ -15,13 +15,13 @@ if TYPE_CHECKING:  # the names are real; they are imported on first use (see __g
     from gradzip.codecs import (
         Codec,
         CodecState,
-        Communicator,
         NonFiniteGradientError,
         Payload,
         PayloadError,
         SpecError,
         registered,
     )
+    from gradzip.collectives import Communicator
     from gradzip.comm import attach, ddp_hook
 
 __version__ = "0.1.0"
@@ -41,8 +41,9 @@ def codec(spec: str | list[Any] | dict[str, Any] | Codec, **kwargs: Any) -> Code
 
 
 _LAZY = {
-    **dict.fromkeys(("Codec", "CodecState", "Communicator", "NonFiniteGradientError",
+    **dict.fromkeys(("Codec", "CodecState", "NonFiniteGradientError",
                      "Payload", "PayloadError", "SpecError", "registered"), "gradzip.codecs"),
+    "Communicator": "gradzip.collectives",
     **dict.fromkeys(("attach", "ddp_hook"), "gradzip.comm"),
 }
 

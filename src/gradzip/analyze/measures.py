@@ -51,7 +51,6 @@ import zstandard
 from gradzip.analyze import _kernels as _k
 from gradzip.analyze.sources import as_float32
 from gradzip.capture.packs import storage_dtype
-from gradzip.codecs.entropy import _kernels as entropy_kernels
 from gradzip.codecs.entropy import ans
 from gradzip.codecs.entropy import measures as em
 
@@ -219,7 +218,7 @@ def quantize_with_histogram(x: np.ndarray, q: str
     ints = np.empty(x.size, np.int32)
     lo, hi = _k.quantize_fixed(x, np.float32(FIXED_SCALE), ints)
     if x.size and 0 <= hi - lo < (1 << 24):  # (1, 0): a value does not fit int32
-        counts = entropy_kernels.hist(ints, lo, hi - lo + 1)
+        counts = em.range_histogram(ints, lo, hi - lo + 1)
         present = np.nonzero(counts)[0]
         return ints, (present.astype(np.int64) + lo, counts[present])
     # beyond int32 or a very wide alphabet: numpy in int64 (rare: abs-max > 2,147)

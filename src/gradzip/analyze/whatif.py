@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 import gradzip
-from gradzip.codecs.simulated import run_simulated
+from gradzip.aggregation import reduce
+from gradzip.collectives.simulated import run_simulated
 
 
 def error(x: torch.Tensor, y: torch.Tensor | None) -> tuple[float, float]:
@@ -39,7 +40,7 @@ def _reduce(spec: str, xs: list[torch.Tensor], shapes: list[torch.Size]
             ) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
     def work(rank: int, comm: Any) -> tuple[int, torch.Tensor, torch.Tensor | None]:
         codec = gradzip.codec(spec, seed=0, rank=rank)
-        mean, local = codec.reduce(xs[rank].clone(), "whatif", comm, want_local=True,
+        mean, local = reduce(codec, xs[rank].clone(), "whatif", comm, want_local=True,
                                    shapes=shapes)
         return comm.counter.total_wire, mean, local
 

@@ -24,7 +24,7 @@ non-summable single-round codecs run both ``| aggregate=gather`` (every rank's
 payload all-gathered: (W-1) x payload per rank) and ``| aggregate=two_phase``
 (compressed chunks to their owners, fp32 sum, compressed all-gather: about 2(W-1)/W x
 payload); multi-round codecs (PowerSGD, sketch, ...) run their own protocol. For each
-codec the table also says which path ``aggregate=auto`` picks (``Codec.aggregation``,
+codec the table also says which path ``aggregate=auto`` picks (``gradzip.aggregation.path_for``,
 from the link byte model). Bytes are given as a ratio against PyTorch's uncompressed
 ring all-reduce of the same gradient, 2(W-1)/W x 4n bytes for fp32 and x 2n for
 fp16 (higher is better; 1.0 = the same traffic).
@@ -64,6 +64,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from gradzip.aggregation import path_for, reduce
 
 WORLDS = (2, 4, 8, 16, 64)
 ERROR_WORLDS = (2, 4, 8, 16)
@@ -159,7 +161,7 @@ class Inputs:
         """The ``world`` ranks' gradients of reduction ``step`` (rank r: gradient
         r + step), each cut to its first ``numel`` values, and the tensor shapes inside
         that cut."""
-        from gradzip.codecs.aggregate import piece_shapes
+        from gradzip.aggregation.layout import piece_shapes
 
         if world + step > len(self.tensors):
             raise ValueError(f"{world} ranks at reduction {step} need {world + step} "
@@ -189,8 +191,8 @@ def reduce_once(spec: str, path: str, xs: list[torch.Tensor], shapes: list[torch
     state (residuals, warm starts, fitted bases) is in steady state.
     """
     import gradzip
-    from gradzip.codecs import run_simulated
-    from gradzip.codecs.linkmodel import link_bytes
+    from gradzip.collectives import run_simulated
+    from gradzip.collectives.linkmodel import link_bytes
 
     world, numel = len(xs), xs[0].numel()
     steps = [*(warmup or []), xs]
@@ -201,7 +203,7 @@ def reduce_once(spec: str, path: str, xs: list[torch.Tensor], shapes: list[torch
 
     def work(rank: int, comm: Any) -> tuple[torch.Tensor | None, int, dict[str, int]]:
         codec = codecs[rank]  # one instance for every step: its state carries over
-        got = codec.aggregation(xs[rank], world, shapes)
+        got = path_for(codec, xs[rank], world, shapes)
         if got != path:
             raise RuntimeError(f"{spec}: expected path {path}, the codec takes {got}")
         mean = xs[rank]
@@ -237,12 +239,12 @@ def _reduce(codec: Any, x: torch.Tensor, comm: Any, shapes: list[torch.Size] | N
     tensor of the bucket in its own shape (``Reducer.reduce_each``), others the flat
     bucket with its ``shapes``."""
     if not codec.multi_round or shapes is None:
-        return codec.reduce(x, "grad", comm, shapes=shapes)[0]
+        return reduce(codec, x, "grad", comm, shapes=shapes)[0]
     out, offset = torch.empty_like(x), 0
     for j, shape in enumerate(shapes):
         n = shape.numel()
-        out[offset:offset + n] = codec.reduce(
-            x[offset:offset + n].view(shape), f"grad/p{j}", comm)[0].reshape(-1)
+        part = x[offset:offset + n].view(shape)
+        out[offset:offset + n] = reduce(codec, part, f"grad/p{j}", comm)[0].reshape(-1)
         offset += n
     return out
 
@@ -250,8 +252,9 @@ def _reduce(codec: Any, x: torch.Tensor, comm: Any, shapes: list[torch.Size] | N
 def auto_path(spec: str, x: torch.Tensor, world: int, shapes: list[torch.Size] | None) -> str:
     """The path ``aggregate=auto`` takes for ``x`` over ``world`` ranks."""
     import gradzip
+    from gradzip.aggregation import path_for
 
-    return gradzip.codec(spec).aggregation(x, world, shapes)
+    return path_for(gradzip.codec(spec), x, world, shapes)
 
 
 def crossover(points: list[tuple[int, float]]) -> tuple[int | None, float | None]:
@@ -383,7 +386,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def _machine() -> dict[str, Any]:
-    from gradzip.bench.codecs import _machine as machine
+    from gradzip.bench.codecs import machine
 
     return machine()
 

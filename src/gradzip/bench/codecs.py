@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from gradzip.aggregation import reduce
+
 BAR_MBPS = 200.0  # encode+decode per core: faster than a 1 Gbit/s link needs
 SIGN_BAR_RATIO = 30.0
 EXEMPT_FROM_SPEED_BAR = ("gradiveq", "sketch")
@@ -229,8 +231,8 @@ def measure_reduce(spec: str, steps: Steps, label: str, clock: str = "cpu",
     with the wall clock, elapsed seconds; encode and decode are not separable there.
     """
     import gradzip
-    from gradzip.codecs import run_simulated
-    from gradzip.codecs.linkmodel import link_bytes
+    from gradzip.collectives import run_simulated
+    from gradzip.collectives.linkmodel import link_bytes
 
     _checked_steps(steps)
     now = _clock(clock)
@@ -241,7 +243,7 @@ def measure_reduce(spec: str, steps: Steps, label: str, clock: str = "cpu",
         """Every rank reduces its gradient of step t: (rank 0's means, its link bytes)."""
         def work(rank: int, comm: Any) -> tuple[dict[str, torch.Tensor], int]:
             held = steps[(t + rank) % n]
-            means = {key: codecs[rank].reduce(x, key, comm, shapes=(shapes or {}).get(key))[0]
+            means = {key: reduce(codecs[rank], x, key, comm, shapes=(shapes or {}).get(key))[0]
                      for key, x in held.items()}
             return means, comm.counter.total_wire
         return run_simulated(world, work)[0]
@@ -300,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         record = {
-            "machine": _machine(), "threads": args.threads, "repeats": args.repeats,
+            "machine": machine(), "threads": args.threads, "repeats": args.repeats,
             "clock": args.clock,
             "results": [asdict(r) for r in results], "bar_failures": failures,
         }
@@ -361,7 +363,7 @@ def _bars(results: list[CodecResult]) -> list[str]:
     return out
 
 
-def _machine() -> dict[str, Any]:
+def machine() -> dict[str, Any]:
     import os
     import platform
 

@@ -56,14 +56,14 @@ def measure(sources: list[str], vocab_size: int, max_tokens: int | None, batch_s
     """Run every stage once in ``cache_dir`` (must be empty) and time it."""
     from gradzip.train.data import BatchLoader, DataConfig, prepare_data
     from gradzip.train.data.mixture import interleave
-    from gradzip.train.data.prepare import _Plan, _train_tokenizer
+    from gradzip.train.data.prepare import Plan, train_tokenizer
     from gradzip.train.data.sources import split_of
 
     cfg = DataConfig(sources=sources, cache_dir=str(cache_dir), vocab_size=vocab_size,
                      max_tokens=max_tokens)
-    plan = _Plan(cfg)
+    plan = Plan(cfg)
     t0 = time.perf_counter()
-    tok = _train_tokenizer(plan)
+    tok = train_tokenizer(plan)
     tok_s = time.perf_counter() - t0
     tok_file = tok.save(cache_dir / "bench-tokenizer")
     # the characters the trainer saw: the same stream again, counted (not timed)

@@ -248,8 +248,8 @@ def bench_exponent_tables(seed: int, repeat: int) -> list[dict[str, Any]]:
     apart, as ``lossless`` and ZipNN do.
     """
     from gradzip.bench import samples
-    from gradzip.codecs.entropy import _huffman, _zstd_plane, measures
-    from gradzip.codecs.entropy.floatcodec import _ACCELERATION, split_with_counts
+    from gradzip.codecs.entropy import measures
+    from gradzip.codecs.entropy.floatcodec import plane_coders, split_with_counts
 
     rows = []
     for source, fn in FLOAT_SOURCES.items():
@@ -260,9 +260,8 @@ def bench_exponent_tables(seed: int, repeat: int) -> list[dict[str, Any]]:
             bounds = np.cumsum([0] + [t.numel() for t in parts])
             pieces = [planes[0][a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
             raw = int(bounds[-1]) * parts[0].element_size()
-            zstd = (partial(_zstd_plane.compress, acceleration=_ACCELERATION[dtype]),
-                    _zstd_plane.decompress)
-            huff = (_huffman.compress, _huffman.decompress)
+            coders = plane_coders(dtype)
+            zstd, huff = coders["zstd"], coders["huffman"]
             for tables, blobs, (enc, dec) in (
                     ("zstd, one per 128 KB", [planes[0]], zstd),
                     ("zstd, one per tensor", pieces, zstd),

@@ -7,7 +7,7 @@ sum over ranks of ``CommStats``' ``bytes_wire`` with what ``lo``'s tx counter sa
 over the same steps (TCP/IP headers, ACKs and gloo's preambles included). A ratio
 near 1 says the link model is right for that codec's aggregation path (the model
 includes gloo's measured per-call transport cost and its all-reduce-based
-reduce-scatter, see ``gradzip.codecs.linkmodel``).
+reduce-scatter, see ``gradzip.collectives.linkmodel``).
 
 Default codecs: the default spec of every registered stage (a lossless-only stage
 runs as ``none | X``), plus ``ef | topk(ratio=0.01)``, two-phase ``qsgd`` and four

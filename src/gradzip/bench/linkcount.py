@@ -26,7 +26,7 @@ sends against the link model, and the fixed cost of a call) and prints one JSON 
 per collective.
 
 What it found (gloo, torch 2.13, W = 2 and 4): all_reduce, all_gather(_into_tensor),
-all_to_all and broadcast send what ``gradzip.codecs.linkmodel`` says to within 0.4 %
+all_to_all and broadcast send what ``gradzip.collectives.linkmodel`` says to within 0.4 %
 at 1 MiB, plus a fixed cost per call (TCP/IP headers, ACKs, gloo's preambles and
 ring notifications, ~90 bytes per packet): per rank, all_reduce ~1.3 kB (W=2) /
 ~4.1 kB (W=4), all_gather ~0.65 / ~2.1 kB, all_to_all ~0.34 / ~1.0 kB, a barrier
@@ -117,7 +117,7 @@ class _CountAllGather:
     def __enter__(self) -> _CountAllGather:
         import torch.distributed as dist
 
-        from gradzip.codecs.linkmodel import link_bytes
+        from gradzip.collectives.linkmodel import link_bytes
 
         self._saved = dist.all_gather_single
         saved = self._saved
@@ -243,7 +243,7 @@ _MODEL_OP = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "r
 def _probe_rank(rank: int, sizes: list[int], repeats: int) -> None:
     import torch.distributed as dist
 
-    from gradzip.codecs.linkmodel import link_bytes
+    from gradzip.collectives.linkmodel import link_bytes
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # *_tensor names: deprecated
     world = dist.get_world_size()

@@ -21,14 +21,11 @@ from gradzip.codecs import (  # noqa: F401
 )
 from gradzip.codecs.base import CodecState, Compressor, LosslessCoder, Slot, Stage, Wrapper
 from gradzip.codecs.chain import Codec, NonFiniteGradientError
-from gradzip.codecs.communicator import CommCounter, Communicator
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, SpecError, register, registered
-from gradzip.codecs.simulated import SimulatedCommunicator, run_simulated, simulated_group
 
 __all__ = [
-    "Codec", "CodecState", "CommCounter", "Communicator", "Compressor", "LosslessCoder",
-    "NonFiniteGradientError", "Param", "Payload", "PayloadError", "SimulatedCommunicator",
-    "Slot", "SpecError", "Stage", "Wrapper", "register", "registered", "run_simulated",
-    "simulated_group",
+    "Codec", "CodecState", "Compressor", "LosslessCoder", "NonFiniteGradientError", "Param",
+    "Payload", "PayloadError", "Slot", "SpecError", "Stage", "Wrapper", "register",
+    "registered",
 ]

@@ -26,7 +26,7 @@ from gradzip.codecs.payload import Payload
 from gradzip.codecs.registry import Param, SpecError
 
 if TYPE_CHECKING:
-    from gradzip.codecs.communicator import Communicator
+    from gradzip.collectives.communicator import Communicator
 
 
 #: shapes of the tensors inside a flat bucket, back to back (numels sum to the bucket's)

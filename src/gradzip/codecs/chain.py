@@ -1,4 +1,4 @@
-"""``Codec``: a validated chain of stages, and the public encode/decode/reduce.
+"""``Codec``: a validated chain of stages: encode, decode, and the body API reductions use.
 
 Rules of a chain (checked when it is built, so a bad spec fails before training):
 
@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from gradzip.codecs import aggregate
-from gradzip.codecs.aggregate import AGGREGATIONS
 from gradzip.codecs.base import (
     CodecState,
     Compressor,
@@ -37,14 +35,21 @@ from gradzip.codecs.base import (
     Stage,
     Wrapper,
 )
-from gradzip.codecs.communicator import Communicator
 from gradzip.codecs.limits import DEFAULT_MAX_NUMEL, check_declared, decode_budget
-from gradzip.codecs.nonfinite import NonFiniteGradientError, agreed_nonfinite_error
-from gradzip.codecs.payload import _DTYPE_CODE, _DTYPES, Payload, PayloadError
+from gradzip.codecs.nonfinite import NonFiniteGradientError
+from gradzip.codecs.payload import DTYPE_CODE, DTYPES, Payload, PayloadError
 from gradzip.codecs.registry import SpecError, lookup
 from gradzip.codecs.spec import parse_options
+from gradzip.collectives.communicator import Communicator
 
 NONFINITE_POLICIES = ("error", "propagate")
+#: ``aggregate=`` settings of a chain; ``auto`` lets the link byte model choose per
+#: tensor size and world size (the reductions themselves: ``gradzip.aggregation``)
+AGGREGATIONS = ("auto", "gather", "two_phase")
+#: (mean over ranks, this rank's own decoded contribution or None)
+Reduced = tuple[torch.Tensor, torch.Tensor | None]
+#: a reduction of the chain's body: (input, want_local) -> Reduced
+ReduceBody = Callable[[torch.Tensor, bool], Reduced]
 _CODED = "@"  # meta key marking a field re-coded by lossless stage N
 
 
@@ -64,7 +69,7 @@ class CodecObserver:
         """One decode took ``seconds``."""
 
     def aggregated(self, path: str) -> None:
-        """One reduction went through aggregation ``path`` (see ``aggregate.py``)."""
+        """One reduction went through aggregation ``path`` (``gradzip.aggregation``)."""
 
 
 class Codec:
@@ -91,9 +96,8 @@ class Codec:
             raise SpecError(f"aggregate must be one of {', '.join(AGGREGATIONS)}, "
                             f"got {aggregate!r}")
         #: how non-summable payloads are aggregated: auto (by the link byte model),
-        #: gather or two_phase (see ``aggregate.py``)
+        #: gather or two_phase (``gradzip.aggregation``)
         self.aggregate = aggregate
-        self._chosen: dict[tuple[int, int], str] = {}
         self.stages = self._validated(list(stages))
         self.state = CodecState(seed=seed, rank=rank)
         self.nonfinite = nonfinite
@@ -215,7 +219,7 @@ class Codec:
     # ------------------------------------------------------------ encode
     def _check_input(self, x: torch.Tensor, key: str) -> bool:
         """True if ``x`` is finite; raises for bad input under the 'error' policy."""
-        finite = self._is_finite(x)
+        finite = self.is_finite(x)
         if not finite and self.nonfinite == "error":
             bad = int((~torch.isfinite(x)).sum())
             raise NonFiniteGradientError(
@@ -226,13 +230,13 @@ class Codec:
         return finite
 
     @staticmethod
-    def _is_finite(x: torch.Tensor) -> bool:
+    def is_finite(x: torch.Tensor) -> bool:
         """Validate ``x`` and say whether it is finite (one host read; none on meta)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"codec input must be a torch.Tensor, got {type(x).__name__}")
         if not x.dtype.is_floating_point:
             raise TypeError(f"codec input must be a floating-point tensor, got {x.dtype}")
-        if x.dtype not in _DTYPE_CODE:
+        if x.dtype not in DTYPE_CODE:
             raise TypeError(f"codec input dtype {x.dtype} is not supported")
         # one vectorised pass and one host read: NaN and +-inf make a sum non-finite, so
         # a finite sum proves every element finite (for fp32/fp64 the sum is the
@@ -254,21 +258,21 @@ class Codec:
         x = x.detach()
         shapes = checked_shapes(shapes, x.numel())
         if not finite:
-            return Payload({}, {"shape": tuple(x.shape), "dtype": _DTYPE_CODE[x.dtype], "nan": 1})
-        p = self._encode_with_feedback(x, key, shapes)
+            return Payload({}, {"shape": tuple(x.shape), "dtype": DTYPE_CODE[x.dtype], "nan": 1})
+        p = self.encode_with_feedback(x, key, shapes)
         p.meta["shape"] = tuple(x.shape)
-        p.meta["dtype"] = _DTYPE_CODE[x.dtype]
+        p.meta["dtype"] = DTYPE_CODE[x.dtype]
         return p
 
-    def _encode_body(self, x: torch.Tensor, key: str, shapes: Shapes | None = None) -> Payload:
+    def encode_body(self, x: torch.Tensor, key: str, shapes: Shapes | None = None) -> Payload:
         if self.observer is None:
-            return self._encode_stages(x, key, shapes)
+            return self.encode_stages(x, key, shapes)
         start = time.perf_counter()
-        p = self._encode_stages(x, key, shapes)
+        p = self.encode_stages(x, key, shapes)
         self.observer.encoded(x.numel(), p, time.perf_counter() - start)
         return p
 
-    def _encode_stages(self, x: torch.Tensor, key: str, shapes: Shapes | None) -> Payload:
+    def encode_stages(self, x: torch.Tensor, key: str, shapes: Shapes | None) -> Payload:
         index, first = self.compressors[0]
         slot = self.state.slot(index, key)
         x = x if first.keeps_dtype else x.float()
@@ -287,7 +291,7 @@ class Codec:
             child = comp.encode(values.float(), slot)
             slot.advance()
             child.meta["n"] = values.numel()
-            child.meta["vdtype"] = _DTYPE_CODE[values.dtype]
+            child.meta["vdtype"] = DTYPE_CODE[values.dtype]
             parent.fields[name] = child
             parent, prev = child, comp
         for index, coder in self.coders:
@@ -343,10 +347,10 @@ class Codec:
         if p.meta.get("nan"):
             return torch.full(shape, float("nan"), dtype=dtype, device=device)
         shapes = checked_shapes(shapes, shape.numel())
-        out = _cast(self._decode_body(p, key, shape, shapes), dtype)
+        out = saturating_cast(self.decode_body(p, key, shape, shapes), dtype)
         return out if device is None else out.to(device)
 
-    def _decode_body(self, p: Payload, key: str | None, shape: torch.Size,
+    def decode_body(self, p: Payload, key: str | None, shape: torch.Size,
                      shapes: Shapes | None = None) -> torch.Tensor:
         """Decode a payload for a tensor of ``shape`` (the receiver's, not the wire's):
         every size the payload declares inside is bounded by it (``limits.py``), and
@@ -414,150 +418,49 @@ class Codec:
                 fields[name] = value
         return Payload(fields, dict(p.meta))
 
-    # ------------------------------------------------------------ reduce
-    def reduce(
-        self, x: torch.Tensor, key: str, comm: Communicator, want_local: bool = False,
-        shapes: Shapes | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Average ``x`` over the ranks of ``comm`` through this codec.
+    # ------------------------------------------------------------ the body API
+    # What a reduction (``gradzip.aggregation``) needs from a chain, besides
+    # ``encode_body``/``decode_body``: its wrapper, its multi-round protocol, and the
+    # whole chain with error feedback for a payload that is sent on (two-phase's owner).
+    def reduce_with_feedback(self, x: torch.Tensor, key: str, body: ReduceBody,
+                             want_local: bool) -> Reduced:
+        """``body(x, want_local) -> (mean, local)`` inside the chain's wrapper.
 
-        Returns (mean, local) where ``local`` is this rank's own decoded
-        contribution when ``want_local`` (error feedback needs it), else None.
-        Summable codecs all-reduce their payload tensors (input pre-divided by the
-        world size, as PyTorch's built-in hooks do); multi-round codecs run their
-        own protocol; everything else is gathered or aggregated in two phases
-        (``aggregate``; see ``aggregate.py``). ``shapes``: the tensors inside a flat
-        bucket, for ``per_tensor`` compressors.
+        Error feedback adds its residual for ``key`` to ``x`` first and keeps what
+        ``local`` says was lost; without a wrapper this is ``body`` on ``x`` as given.
         """
-        finite = self._is_finite(x)
-        x = x.detach()
-        shapes = checked_shapes(shapes, x.numel())
-        if self._propagated(finite, key, comm, x.device):
-            nan = torch.full_like(x, float("nan"))  # NaN everywhere, no state touched
-            return nan, (nan if want_local else None)
-        if not finite:  # 'error': this rank still takes part (its peers wait for it) and
-            x = torch.zeros_like(x)  # says so in a collective; no NaN reaches its state
-        carry = self.multi_round and self.nonfinite == "error" and comm.world_size > 1
-        if carry:  # the flag rides on the protocol's first collective (carry_flag)
-            comm.carry_flag(not finite, lambda: agreed_nonfinite_error(key), x.device)
-            finite = True  # the protocol runs on the zeros above; the flag says the rest
-        try:
-            if self.wrapper is not None:
-                slot = self.state.slot(0, key)
-                mean, local = self.wrapper.reduce(
-                    x.float(), slot,
-                    lambda t, wl: self._reduce_body(t, key, comm, wl, shapes, finite),
-                    want_local)
-                slot.advance()
-            else:
-                mean, local = self._reduce_body(x, key, comm, want_local, shapes, finite)
-            if carry:
-                comm.settle_flag()
-        finally:
-            comm.drop_flag()
-        return _cast(mean, x.dtype), (_cast(local, x.dtype) if local is not None else None)
+        if self.wrapper is None:
+            return body(x, want_local)
+        slot = self.state.slot(0, key)
+        out = self.wrapper.reduce(x.float(), slot, body, want_local)
+        slot.advance()
+        return out
 
-    def _propagated(self, finite: bool, key: str, comm: Communicator,
-                    device: torch.device) -> bool:
-        """Under 'propagate': whether any rank's input was non-finite, so every rank
-        returns NaN before anything is encoded (one rank needs no collective)."""
-        if self.nonfinite != "propagate":
-            return False
-        if comm.world_size == 1:
-            return not finite
-        return self._any_nonfinite(finite, key, comm, device)
+    def reduce_rounds(self, x: torch.Tensor, key: str, comm: Communicator,
+                      want_local: bool, shapes: Shapes | None) -> Reduced:
+        """The multi-round stage's own protocol over ``comm`` (PowerSGD's P and Q, ...):
+        (mean over ranks, this rank's own estimate when ``want_local``)."""
+        if not self.multi_round:
+            raise TypeError(f"{self} has no multi-round stage")
+        index, comp = self.compressors[0]
+        slot = self.state.slot(index, key)
+        if shapes is not None:
+            out = comp.reduce_tensors(x.float(), slot, comm, want_local, shapes)
+        else:
+            out = comp.reduce(x.float(), slot, comm, want_local)
+        slot.advance()
+        return out
 
-    def _any_nonfinite(self, finite: bool, key: str, comm: Communicator,
-                       device: torch.device) -> bool:
-        """Max all-reduce of this rank's flag: True if any rank's input was non-finite.
-
-        'propagate' agrees this way, before anything is encoded (NaN is returned with no
-        state changed). Under 'error' the news rides on a collective that runs anyway: a
-        NaN in the all-reduced payload or a missing payload in a size exchange
-        (``aggregate.py``), or the flag a multi-round protocol's first collective carries
-        (``Communicator.carry_flag``); this is their fallback.
-        """
-        flag = torch.tensor([0.0 if finite else 1.0], device=device)
-        if float(comm.all_reduce([flag], op="max")[0]) == 0:
-            return False
-        if self.nonfinite == "error":
-            raise agreed_nonfinite_error(key)
-        return True
-
-    def aggregation(self, x: torch.Tensor, world: int, shapes: Shapes | None = None,
-                    backend: str = "ideal", comm: Communicator | None = None) -> str:
-        """How ``x`` is reduced over ``world`` ranks: all_reduce, multi_round, gather or
-        two_phase (``auto`` asks the link byte model of ``backend``, once per size and
-        world size). With ``comm``, the payload sizes the choice rests on are agreed
-        over its ranks first (their maximum), so every rank takes the same path even
-        when its sizes depend on its data (``aggregate.choose``)."""
-        if self.multi_round:
-            return "multi_round"
-        if self.aggregate != "auto":  # also for summable codecs: two-phase sums in fp32
-            return self.aggregate
-        if self.summable:
-            return "all_reduce"
-        k = (x.numel(), world)
-        if k not in self._chosen:
-            self._chosen[k] = aggregate.choose(self, x, world, shapes, backend, comm)
-        return self._chosen[k]
-
-    def _reduce_body(
-        self, x: torch.Tensor, key: str, comm: Communicator, want_local: bool,
-        shapes: Shapes | None, finite: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if comm.world_size == 1 and not finite and self.nonfinite == "error":
-            raise agreed_nonfinite_error(key)
-        path = self.aggregation(x, comm.world_size, shapes, comm.counter.backend, comm)
-        if self.observer is not None:
-            self.observer.aggregated(path)
-        if path == "multi_round":
-            index, comp = self.compressors[0]
-            slot = self.state.slot(index, key)
-            if shapes is not None:
-                out = comp.reduce_tensors(x.float(), slot, comm, want_local, shapes)
-            else:
-                out = comp.reduce(x.float(), slot, comm, want_local)
-            slot.advance()
-            return out
-        way = {"all_reduce": aggregate.all_reduce_mean, "gather": aggregate.gather_mean,
-               "two_phase": aggregate.two_phase_mean}[path]
-        return way(self, x, key, comm, want_local, shapes, finite)
-
-    def reduce_scatter(self, chunks: torch.Tensor, key: str, comm: Communicator,
-                       shapes: Shapes | None = None) -> torch.Tensor:
-        """This rank's chunk of the sum over ranks of ``chunks`` (``[world_size, n]``).
-
-        FSDP's reduce-scatter: chunk j is compressed for rank j (state key
-        ``{key}/to{j}``). Multi-round codecs reduce the whole flat tensor with their
-        own protocol and keep this rank's chunk. ``shapes``: the tensors in a chunk.
-        """
-        world, n = comm.world_size, chunks.shape[1]
-        if self.multi_round:  # ``reduce`` agrees on finiteness and reports the path
-            mean, _ = self.reduce(chunks.reshape(-1), key, comm)
-            return mean.reshape(world, n)[comm.rank] * world
-        finite = self._is_finite(chunks)
-        if self._propagated(finite, key, comm, chunks.device):
-            return torch.full((n,), float("nan"), dtype=chunks.dtype, device=chunks.device)
-        if not finite:  # as in ``reduce``: zeros, and the news in a collective
-            chunks = torch.zeros_like(chunks)
-        if world == 1 and not finite and self.nonfinite == "error":
-            raise agreed_nonfinite_error(key)
-        if self.observer is not None:
-            self.observer.aggregated("reduce_scatter")
-        out = aggregate.reduce_scatter_sum(self, chunks.detach(), key, comm, shapes, finite)
-        return _cast(out, chunks.dtype)
-
-    def _encode_with_feedback(self, x: torch.Tensor, key: str,
-                              shapes: Shapes | None) -> Payload:
+    def encode_with_feedback(self, x: torch.Tensor, key: str,
+                             shapes: Shapes | None) -> Payload:
         """Encode through the whole chain, error feedback included (no input checks)."""
         if self.wrapper is None:
-            return self._encode_body(x, key, shapes)
+            return self.encode_body(x, key, shapes)
         slot = self.state.slot(0, key)
         p = self.wrapper.encode(
             x.float(), slot,
-            lambda t: self._encode_body(t, key, shapes),
-            lambda q: self._decode_body(q, key, x.shape, shapes),
+            lambda t: self.encode_body(t, key, shapes),
+            lambda q: self.decode_body(q, key, x.shape, shapes),
         )
         slot.advance()
         return p
@@ -646,7 +549,7 @@ def checked_shapes(shapes: Shapes | None, numel: int) -> tuple[torch.Size, ...] 
     return sizes
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def saturating_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A decoded tensor in the caller's ``dtype``, saturating instead of overflowing.
 
     A codec may decode a finite fp16 input to a little more than fp16 can hold
@@ -673,6 +576,6 @@ def _out_of_memory(e: BaseException) -> bool:
 
 
 def _dtype(code: int) -> torch.dtype:
-    if not 0 <= code < len(_DTYPES):
+    if not 0 <= code < len(DTYPES):
         raise PayloadError(f"payload names unknown dtype code {code}")
-    return _DTYPES[code]
+    return DTYPES[code]

@@ -38,10 +38,10 @@ import math
 import torch
 
 from gradzip.codecs.base import Compressor, Shapes, Slot
-from gradzip.codecs.communicator import Communicator
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.quantize import numels
 from gradzip.codecs.registry import Param, at_least, in_range, register
+from gradzip.collectives.communicator import Communicator
 
 
 @functools.lru_cache(maxsize=64)

@@ -44,11 +44,11 @@ from __future__ import annotations
 
 import torch
 
-from gradzip.codecs.agreement import check_same_on_all_ranks
 from gradzip.codecs.base import Compressor, Slot
-from gradzip.codecs.communicator import Communicator
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, SpecError, at_least, register
+from gradzip.collectives.agreement import check_same_on_all_ranks
+from gradzip.collectives.communicator import Communicator
 
 
 def fit_basis(slices: torch.Tensor, k: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradzip.codecs.payload import Field, Payload, PayloadError, _varint_len
+from gradzip.codecs.payload import Field, Payload, PayloadError, varint_len
 
 SEL = "sel"          # meta key naming the form
 DELTA = "delta"      # sorted positions as gaps
@@ -167,7 +167,7 @@ def unpackbits(bits: torch.Tensor, numel: int) -> torch.Tensor:
 
 def _field_len(name: str, count: int, itemsize: int) -> int:
     """Serialized bytes of a 1-D tensor field (see ``payload.py``'s layout)."""
-    return _varint_len(len(name)) + len(name) + 3 + _varint_len(count) + count * itemsize
+    return varint_len(len(name)) + len(name) + 3 + varint_len(count) + count * itemsize
 
 
 # ---------------------------------------------------------------- selection

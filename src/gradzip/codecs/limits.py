@@ -4,7 +4,7 @@ Payloads come from other ranks over the network and from archives on disk: a few
 bytes may declare a shape of 2^28 values. Every size a payload declares is checked
 before anything of that size is allocated, against a budget the receiver sets from
 what it expects: decoding a tensor of n values may allocate O(n + b) for b payload
-bytes. ``Codec._decode_body`` opens ``decode_budget(n)`` for the whole chain; any
+bytes. ``Codec.decode_body`` opens ``decode_budget(n)`` for the whole chain; any
 field inside it (a coded integer field, a nested compressor's values) may declare
 at most ``FIELD_FACTOR * n + FIELD_SLACK`` values (generous: a payload's fields never
 hold more values than its tensor, bar small tables and PowerSGD's factors of tiny

@@ -47,11 +47,11 @@ _DIGEST_BYTES = 4
 MetaValue = int | float | str | tuple[int, ...]
 Field = Union[torch.Tensor, bytes, "Payload"]  # noqa: UP007 (forward reference)
 
-_DTYPES: list[torch.dtype] = [
+DTYPES: list[torch.dtype] = [
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
 ]
-_DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
 
 
 class PayloadError(ValueError):
@@ -59,7 +59,7 @@ class PayloadError(ValueError):
 
 
 # ---------------------------------------------------------------- varints
-def _varint_len(n: int) -> int:
+def varint_len(n: int) -> int:
     length = 1
     while n >= 0x80:
         n >>= 7
@@ -86,17 +86,17 @@ def _unzigzag(n: int) -> int:
 
 def _str_len(s: str) -> int:
     b = len(s.encode())
-    return _varint_len(b) + b
+    return varint_len(b) + b
 
 
 def _meta_len(v: MetaValue) -> int:
     if isinstance(v, bool | int):
-        return 1 + _varint_len(_zigzag(int(v)))
+        return 1 + varint_len(_zigzag(int(v)))
     if isinstance(v, float):
         return 1 + 8
     if isinstance(v, str):
         return 1 + _str_len(v)
-    return 1 + _varint_len(len(v)) + sum(_varint_len(_zigzag(int(x))) for x in v)
+    return 1 + varint_len(len(v)) + sum(varint_len(_zigzag(int(x))) for x in v)
 
 
 @dataclass
@@ -200,16 +200,16 @@ class Payload:
 
     # ------------------------------------------------------------ size
     def _node_len(self) -> builtins.int:
-        n = _varint_len(len(self.meta)) + _varint_len(len(self.fields))
+        n = varint_len(len(self.meta)) + varint_len(len(self.fields))
         for k, v in self.meta.items():
             n += _str_len(k) + _meta_len(v)
         for k, f in self.fields.items():
             n += _str_len(k) + 1
             if isinstance(f, torch.Tensor):
-                n += 1 + _varint_len(f.dim()) + sum(_varint_len(d) for d in f.shape)
+                n += 1 + varint_len(f.dim()) + sum(varint_len(d) for d in f.shape)
                 n += f.numel() * f.element_size()
             elif isinstance(f, bytes | bytearray | memoryview):
-                n += _varint_len(len(f)) + len(f)
+                n += varint_len(len(f)) + len(f)
             else:
                 n += f._node_len()
         return n
@@ -245,10 +245,10 @@ class Payload:
         for k, f in self.fields.items():
             _put_str(out, k)
             if isinstance(f, torch.Tensor):
-                if f.dtype not in _DTYPE_CODE:
+                if f.dtype not in DTYPE_CODE:
                     raise TypeError(f"field {k!r} has unsupported dtype {f.dtype}")
                 out.append(0)
-                out.append(_DTYPE_CODE[f.dtype])
+                out.append(DTYPE_CODE[f.dtype])
                 _put_varint(out, f.dim())
                 for d in f.shape:
                     _put_varint(out, d)
@@ -414,9 +414,9 @@ class _Reader:
             kind = self.u8()
             if kind == 0:
                 code = self.u8()
-                if code >= len(_DTYPES):
+                if code >= len(DTYPES):
                     raise PayloadError(f"payload corrupt: unknown dtype code {code}")
-                dtype = _DTYPES[code]
+                dtype = DTYPES[code]
                 shape = [self.varint() for _ in range(self.varint())]
                 numel = 1
                 for d in shape:

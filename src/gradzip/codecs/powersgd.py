@@ -49,9 +49,9 @@ from __future__ import annotations
 import torch
 
 from gradzip.codecs.base import Compressor, Shapes, Slot
-from gradzip.codecs.communicator import Communicator
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, at_least, register
+from gradzip.collectives.communicator import Communicator
 
 
 def matrix_view(shape: torch.Size, rank: int, min_rate: float = 1.0

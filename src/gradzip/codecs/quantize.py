@@ -31,7 +31,6 @@ from gradzip.codecs.bitpack import (
     trits_to_values,
     unpack_trits,
 )
-from gradzip.codecs.communicator import Communicator
 from gradzip.codecs.layout import (
     Layout,
     block_stats,
@@ -40,9 +39,10 @@ from gradzip.codecs.layout import (
     tensor_layout,
     uniform_layout,
 )
-from gradzip.codecs.linkmodel import link_bytes
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, SpecError, at_least, in_range, register
+from gradzip.collectives.communicator import Communicator
+from gradzip.collectives.linkmodel import link_bytes
 
 #: values per chunk of work: 512 KB of fp32, inside this machine's 1 MB L2 per core
 #: (measured: 2^17 beats 2^16 by ~15% and 2^14 by ~2x on the 16M-value benchmark)

@@ -21,11 +21,11 @@ from gradzip.codecs.bitpack import (
     pack_signs,
     unpack_bits,
 )
-from gradzip.codecs.communicator import Communicator
 from gradzip.codecs.layout import Layout, block_stats, scale_pieces, spread, tensor_layout
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.quantize import numels
 from gradzip.codecs.registry import Param, register
+from gradzip.collectives.communicator import Communicator
 
 #: values per chunk for the reductions below (512 KB of fp32: stays in L2)
 _CHUNK = 1 << 17

@@ -58,11 +58,11 @@ from dataclasses import dataclass
 
 import torch
 
-from gradzip.codecs.agreement import check_same_on_all_ranks
 from gradzip.codecs.base import Compressor, Slot
-from gradzip.codecs.communicator import Communicator
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, at_least, in_range, register
+from gradzip.collectives.agreement import check_same_on_all_ranks
+from gradzip.collectives.communicator import Communicator
 
 #: coordinates per hash block: the random per-coordinate hashes are drawn for one
 #: block and re-used, shifted, by every block (see module docstring); small enough

@@ -195,7 +195,7 @@ def apply_ddp(model: Any, policy: Policy, codecs: list[Codec],
     return Handle("ddp", codecs, state.stats, policy, ddp_state=state)
 
 
-def _refuse_flat(codecs: list[Codec], path: str) -> None:
+def refuse_flat(codecs: list[Codec], path: str) -> None:
     """A codec that compresses only matrices would send FSDP's flat shards uncompressed."""
     for codec in codecs:
         for _, comp in codec.compressors:
@@ -213,7 +213,7 @@ def apply_fsdp1(model: Any, policy: Policy, codecs: list[Codec],
     if policy.groups or policy.start_step:
         raise SpecError("per-parameter groups and start_step need DDP or FSDP2; FSDP1 "
                         "runs one comm hook over flat parameters of every unit")
-    _refuse_flat(codecs, "FSDP1")
+    refuse_flat(codecs, "FSDP1")
     stats = CommStats()
     group = process_group if process_group is not None else model.process_group
     fstate = FSDP1CommState(Reducer(codecs[0], stats, diagnose), group)
@@ -226,7 +226,7 @@ def apply_fsdp2(model: nn.Module, policy: Policy, codecs: list[Codec], diagnose:
     from torch.distributed.fsdp import FSDPModule
 
     used = {policy.group_of(name) for name, _ in model.named_parameters()}
-    _refuse_flat([codecs[g] for g in sorted(used)], "FSDP2")
+    refuse_flat([codecs[g] for g in sorted(used)], "FSDP2")
     stats = CommStats()
     reducers = [Reducer(c, stats, diagnose) for c in codecs]
     comms = CommCache()
@@ -236,7 +236,7 @@ def apply_fsdp2(model: nn.Module, policy: Policy, codecs: list[Codec], diagnose:
     for index, (name, unit) in enumerate(units):
         module = cast(nn.Module, unit)
         params = [names[id(p)] for p in unit_parameters(module)]
-        g = _unit_group(policy, name, params)
+        g = unit_group(policy, name, params)
         rs = CompressedReduceScatter(reducers[g], comms, key=f"fsdp2/{index}",
                                      start_step=policy.start_step, shapes=shard_shapes(module),
                                      index=index, names=params)
@@ -254,7 +254,7 @@ def apply_fsdp2(model: nn.Module, policy: Policy, codecs: list[Codec], diagnose:
     return handle
 
 
-def _unit_group(policy: Policy, unit: str, params: list[str]) -> int:
+def unit_group(policy: Policy, unit: str, params: list[str]) -> int:
     """The one policy group of an FSDP2 unit's parameters (reduced in one flat shard)."""
     found = {policy.group_of(n) for n in params} or {0}
     if len(found) > 1:

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from gradzip.codecs.chain import Codec
-from gradzip.codecs.linkmodel import link_bytes
 from gradzip.codecs.nonfinite import agreed_nonfinite_error
+from gradzip.collectives.linkmodel import link_bytes
 from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import CommStats, Reduction
@@ -120,13 +120,13 @@ def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor
         leaves = [buffer.div_(world)]
         payload = None
     else:
-        payload = codec._encode_stages(buffer, key, shapes)  # no observer: stats below
+        payload = codec.encode_stages(buffer, key, shapes)  # no observer: stats below
         leaves = [t for _, t in payload.leaves()]
         if all(t.dtype.is_floating_point for t in leaves):
             for t in leaves:  # the average, as PyTorch's fp16 hook: cast, then divide
                 t.div_(world)  # (``none``'s leaf is the bucket itself)
         else:  # integer leaves do not divide: divide the input and encode again
-            payload = codec._encode_stages(buffer.div_(world), key, shapes)
+            payload = codec.encode_stages(buffer.div_(world), key, shapes)
             leaves = [t for _, t in payload.leaves()]
     heads = [t.view(-1)[:1] for t in leaves if t.numel() and t.dtype.is_floating_point]
     if bad is not None and heads:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gradzip.codecs.communicator import Communicator
-from gradzip.codecs.linkmodel import backend_model
+from gradzip.collectives.communicator import Communicator
+from gradzip.collectives.linkmodel import backend_model
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 

@@ -1,7 +1,7 @@
 """``Reducer``: runs one codec over a ``TorchCommunicator`` and records what it cost.
 
 Both integrations use it: the DDP hook reduces whole buckets to their mean
-(``reduce_mean``, which is ``Codec.reduce`` — summable payloads all-reduced,
+(``reduce_mean``, which is ``gradzip.aggregation.reduce`` — summable payloads all-reduced,
 multi-round codecs' own protocol, everything else gathered or aggregated in two
 phases), and the FSDP paths reduce-scatter (``reduce_scatter``: each rank encodes
 one payload per destination chunk; summable payloads are reduce-scattered leaf by
@@ -18,10 +18,11 @@ import time
 
 import torch
 
+from gradzip.aggregation import reduce, reduce_scatter
 from gradzip.codecs.base import Shapes
 from gradzip.codecs.chain import Codec, CodecObserver
-from gradzip.codecs.linkmodel import link_bytes
 from gradzip.codecs.payload import Payload
+from gradzip.collectives.linkmodel import link_bytes
 from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.stats import CommStats, Reduction
 
@@ -157,11 +158,11 @@ class Reducer(CodecObserver):
 
     def reduce_mean(self, x: torch.Tensor, key: str, comm: TorchCommunicator,
                     shapes: Shapes | None = None) -> torch.Tensor:
-        """Mean of ``x`` over ranks through the codec (``Codec.reduce``); ``shapes`` are
-        the tensors inside a flat bucket."""
+        """Mean of ``x`` over ranks through the codec (``gradzip.aggregation.reduce``);
+        ``shapes`` are the tensors inside a flat bucket."""
         ref = self._exact_mean(x, comm) if self.diagnose else None
         start = self._begin(comm)
-        mean, _ = self.codec.reduce(x, key, comm, shapes=shapes)
+        mean, _ = reduce(self.codec, x, key, comm, shapes=shapes)
         self._finish(comm, x, start)
         self._record_residual(key)
         if ref is not None:
@@ -182,7 +183,7 @@ class Reducer(CodecObserver):
         offset = 0
         for j, shape in enumerate(shapes):
             view = buffer[offset:offset + shape.numel()].view(shape)
-            view.copy_(self.codec.reduce(view, f"{key}/p{j}", comm)[0])
+            view.copy_(reduce(self.codec, view, f"{key}/p{j}", comm)[0])
             offset += shape.numel()
         self._finish(comm, buffer, start)
         self._record_residual(key)
@@ -206,7 +207,7 @@ class Reducer(CodecObserver):
         """out = this rank's chunk of sum_r(inp_r / divisor * factor), through the codec.
 
         ``inp`` holds ``world_size`` contiguous chunks of ``out.numel()`` entries
-        (FSDP's layout); ``Codec.reduce_scatter`` does the work, or, with ``plain``,
+        (FSDP's layout); ``aggregation.reduce_scatter`` does the work, or, with ``plain``,
         PyTorch's uncompressed reduce-scatter. ``shapes``: the tensors in a chunk.
         """
         world, n = comm.world_size, out.numel()
@@ -224,7 +225,7 @@ class Reducer(CodecObserver):
         if plain:
             result = comm.reduce_scatter_sum(chunks)
         else:
-            result = self.codec.reduce_scatter(chunks, key, comm, shapes=shapes)
+            result = reduce_scatter(self.codec, chunks, key, comm, shapes=shapes)
         out.copy_(result.reshape(out.shape))
         self._finish(comm, inp, start, plain=plain, baseline="reduce_scatter")
         self._record_residual(key)

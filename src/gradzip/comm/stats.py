@@ -5,7 +5,7 @@ and times), never from a codec's nominal ratio:
 
 * ``bytes_wire``: the bytes this rank put on its links, per collective it ran, from
   the real tensor sizes and the algorithm the backend runs for that collective
-  (``gradzip.codecs.linkmodel``: ring all-reduce 2(W-1)/W x n, all-gather
+  (``gradzip.collectives.linkmodel``: ring all-reduce 2(W-1)/W x n, all-gather
   (W-1) x n, all-to-all (W-1)/W x n, reduce-scatter (W-1)/W x n on NCCL but
   2(W-1)/W x n on gloo, which runs a whole all-reduce; on gloo every call adds its
   measured transport cost): payloads, padding, size exchanges, every extra round.

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradzip.codecs.linkmodel import backend_model, link_bytes
+from gradzip.collectives.linkmodel import backend_model, link_bytes
 from gradzip.comm.stats import CommStats, Reduction
 
 PREFIX = "torch:"

@@ -94,8 +94,8 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def run_warm(args: argparse.Namespace) -> int:
+    from gradzip.aggregation.warm import warm_all
     from gradzip.analyze.runner import Options, warm_up
-    from gradzip.codecs.warm import warm_all
 
     chains, seconds = warm_all()
     from gradzip.analyze import DEFAULT_CODECS

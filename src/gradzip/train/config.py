@@ -508,13 +508,13 @@ def _check_fsdp_codecs(m: ModelConfig, policy: Any, codecs: list[Any]) -> None:
     """What ``gradzip.attach`` refuses on FSDP2, checked on the model's parameter names:
     one codec per ``fully_shard`` unit, and no codec that compresses only matrices
     (each unit's gradients reach it as one flat shard)."""
-    from gradzip.comm.attach import _refuse_flat, _unit_group
+    from gradzip.comm.attach import refuse_flat, unit_group
 
     units: dict[str, list[str]] = {}
     for name in _parameter_names(m):
         units.setdefault(fsdp_unit_of(name), []).append(name)
-    used = {_unit_group(policy, unit, names) for unit, names in units.items()}
-    _refuse_flat([codecs[g] for g in sorted(used)], "FSDP2")
+    used = {unit_group(policy, unit, names) for unit, names in units.items()}
+    refuse_flat([codecs[g] for g in sorted(used)], "FSDP2")
 
 
 def fsdp_unit_of(param: str) -> str:

@@ -542,7 +542,7 @@ def warm_codecs(t: Any) -> float:
     on codecs of their own (the run's state is untouched); returns the seconds. A cold
     cache took ~26 s for ``qsgd | eg`` on 2 cores, which used to land in the first steps'
     times, the codec's encode_ms and the time to target."""
-    from gradzip.codecs.warm import warm
+    from gradzip.aggregation.warm import warm
 
     specs = [t.outer_codec]
     if t.codec != "none" and not is_torch_method(t.codec):

@@ -24,17 +24,17 @@ from isal.isal_zlib import crc32  # zlib's CRC-32 (ISA-L): the checksum of earli
 
 from gradzip.codecs.limits import check_declared
 from gradzip.codecs.payload import (
-    _DTYPE_CODE,
-    _DTYPES,
+    DTYPE_CODE,
+    DTYPES,
     MetaValue,
     Payload,
     PayloadError,
-    _varint_len,
+    varint_len,
 )
 
 STORED = "raw"
 _CHECKED_META = ("m", "dt", "sh", "k", "map", "lo", "cw", "ck", "np", "lvl", "v", "fl")
-_NP_DTYPES = {
+NP_DTYPES = {
     torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
     torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_,
     torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
@@ -69,22 +69,22 @@ def from_numpy(a: np.ndarray, dtype: torch.dtype, shape: Iterable[int],
         bits = a.view(np.int16)
         t = torch.from_numpy(bits if take else bits.copy()).view(torch.bfloat16)
     else:
-        typed: np.ndarray = a.astype(_NP_DTYPES[dtype], copy=False)
+        typed: np.ndarray = a.astype(NP_DTYPES[dtype], copy=False)
         t = torch.from_numpy(typed if take and typed is a else typed.copy())
     return t.reshape(tuple(shape))
 
 
 def dtype_code(t: torch.Tensor) -> int:
-    if t.dtype not in _DTYPE_CODE:
+    if t.dtype not in DTYPE_CODE:
         raise TypeError(f"dtype {t.dtype} cannot be put on the wire")
-    return _DTYPE_CODE[t.dtype]
+    return DTYPE_CODE[t.dtype]
 
 
 #: the dtypes an integer coder writes, and so the only ones it reads: a payload cannot
 #: make the receiver compile kernels for a dtype it names
 INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 #: every dtype the wire carries (the byte coders code any field's raw bytes)
-WIRE_DTYPES = frozenset(_DTYPES)
+WIRE_DTYPES = frozenset(DTYPES)
 #: the floating dtypes the lossless float codec writes
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
@@ -95,8 +95,8 @@ def header(p: Payload, allowed: frozenset[torch.dtype] = INTEGER_DTYPES
     coder writes, and the size fits the decode budget (``limits.py``)."""
     code = p.meta.get("dt")
     shape = p.meta.get("sh")
-    if not isinstance(code, int) or not 0 <= code < len(_DTYPES) \
-            or _DTYPES[code] not in allowed:
+    if not isinstance(code, int) or not 0 <= code < len(DTYPES) \
+            or DTYPES[code] not in allowed:
         raise EntropyCodingError(f"coded field has a bad dtype code {code!r}")
     if not isinstance(shape, tuple) or len(shape) > 8 or any(
             not isinstance(d, int) or d < 0 for d in shape):
@@ -104,7 +104,7 @@ def header(p: Payload, allowed: frozenset[torch.dtype] = INTEGER_DTYPES
     numel = 1
     for d in shape:
         numel *= d
-    return _DTYPES[code], shape, check_declared(numel, "a coded field")
+    return DTYPES[code], shape, check_declared(numel, "a coded field")
 
 
 def meta_int(p: Payload, name: str, stage: str, default: int | None = None) -> int:
@@ -200,7 +200,7 @@ def unstore(p: Payload, stage: str,
         raise EntropyCodingError(f"{stage}: stored field has {len(data)} bytes, expected "
                                  f"{numel * itemsize}")
     a = np.frombuffer(data, dtype=np.uint8)
-    np_dtype = np.uint16 if dtype == torch.bfloat16 else _NP_DTYPES[dtype]
+    np_dtype = np.uint16 if dtype == torch.bfloat16 else NP_DTYPES[dtype]
     return from_numpy(a.view(np_dtype), dtype, shape)
 
 
@@ -209,7 +209,7 @@ def stored_wire_bytes(t: torch.Tensor) -> int:
     nbytes = t.numel() * t.element_size()
     meta: dict[str, MetaValue] = {"m": STORED, "dt": dtype_code(t), "sh": tuple(t.shape)}
     empty = Payload({"d": b""}, meta)
-    return empty.wire_bytes + nbytes + _varint_len(nbytes) - 1
+    return empty.wire_bytes + nbytes + varint_len(nbytes) - 1
 
 
 def pick(coded: Payload | None, t: torch.Tensor) -> Payload:

@@ -19,8 +19,8 @@ from gradzip.codecs.entropy._bytes import load_be64, store_be32
 MODE_SIGN, MODE_SIGN_ALWAYS, MODE_ZIGZAG, MODE_OFFSET, MODE_RANK = range(5)
 
 # leading zero bits of a byte, and bit length of a byte
-_LZ8 = np.array([8 - int(i).bit_length() for i in range(256)], dtype=np.int64)
-_BL8 = np.array([int(i).bit_length() for i in range(256)], dtype=np.int64)
+LZ8 = np.array([8 - int(i).bit_length() for i in range(256)], dtype=np.int64)
+BL8 = np.array([int(i).bit_length() for i in range(256)], dtype=np.int64)
 
 
 @njit(cache=True, nogil=True)

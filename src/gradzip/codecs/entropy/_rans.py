@@ -179,7 +179,7 @@ def decoder_table(freq: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _get(x, table, values, word, out, i):
+def pop_symbol(x, table, values, word, out, i):
     """Decode symbol ``i`` from state ``x`` (32-bit) and refill the state with ``word``
     if it fell below 2**16. Returns (state, 1 if the word was used else 0)."""
     s = x & np.uint32(M - 1)
@@ -192,7 +192,7 @@ def _get(x, table, values, word, out, i):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _load(words, j):
+def load_state(words, j):
     return (np.uint32(words[2 * j]) << np.uint32(16)) | np.uint32(words[2 * j + 1])
 
 
@@ -203,34 +203,36 @@ def decode(words, table, values, out):
     nw = np.uint64(words.size)
     if nw < 2 * STATES:
         return -1
-    x0, x1, x2, x3 = _load(words, 0), _load(words, 1), _load(words, 2), _load(words, 3)
-    x4, x5, x6, x7 = _load(words, 4), _load(words, 5), _load(words, 6), _load(words, 7)
+    x0, x1 = load_state(words, 0), load_state(words, 1)
+    x2, x3 = load_state(words, 2), load_state(words, 3)
+    x4, x5 = load_state(words, 4), load_state(words, 5)
+    x6, x7 = load_state(words, 6), load_state(words, 7)
     p = np.uint64(2 * STATES)
     n = np.uint64(out.size)
     i = np.uint64(0)
     eight = np.uint64(STATES)
     while i + eight <= n and p + eight <= nw:  # a block reads at most 8 words: in bounds
-        x0, k = _get(x0, table, values, words[p], out, i)
+        x0, k = pop_symbol(x0, table, values, words[p], out, i)
         p += k
-        x1, k = _get(x1, table, values, words[p], out, i + np.uint64(1))
+        x1, k = pop_symbol(x1, table, values, words[p], out, i + np.uint64(1))
         p += k
-        x2, k = _get(x2, table, values, words[p], out, i + np.uint64(2))
+        x2, k = pop_symbol(x2, table, values, words[p], out, i + np.uint64(2))
         p += k
-        x3, k = _get(x3, table, values, words[p], out, i + np.uint64(3))
+        x3, k = pop_symbol(x3, table, values, words[p], out, i + np.uint64(3))
         p += k
-        x4, k = _get(x4, table, values, words[p], out, i + np.uint64(4))
+        x4, k = pop_symbol(x4, table, values, words[p], out, i + np.uint64(4))
         p += k
-        x5, k = _get(x5, table, values, words[p], out, i + np.uint64(5))
+        x5, k = pop_symbol(x5, table, values, words[p], out, i + np.uint64(5))
         p += k
-        x6, k = _get(x6, table, values, words[p], out, i + np.uint64(6))
+        x6, k = pop_symbol(x6, table, values, words[p], out, i + np.uint64(6))
         p += k
-        x7, k = _get(x7, table, values, words[p], out, i + np.uint64(7))
+        x7, k = pop_symbol(x7, table, values, words[p], out, i + np.uint64(7))
         p += k
         i += eight
     xs = np.array([x0, x1, x2, x3, x4, x5, x6, x7], np.uint32)
     while i < n:  # the last symbols, one at a time, every read checked
         word = words[p] if p < nw else np.uint16(0)
-        xs[i % eight], k = _get(xs[i % eight], table, values, word, out, i)
+        xs[i % eight], k = pop_symbol(xs[i % eight], table, values, word, out, i)
         p += k
         if p > nw:
             return -1

@@ -178,7 +178,7 @@ def _finish(words, p, end, table, values, out, i, xs):
     eight = np.uint64(STATES)
     while i < n:
         word = words[p] if p < end else np.uint16(0)
-        xs[i % eight], used = _rans._get(xs[i % eight], table, values, word, out, i)
+        xs[i % eight], used = _rans.pop_symbol(xs[i % eight], table, values, word, out, i)
         p += used
         if p > end:
             return -1
@@ -200,7 +200,7 @@ def _group(words, bounds, chunk, first, group, table, values, controls, out):
         if ends[c] - begin < 2 * STATES:
             return -1
         for k in range(STATES):
-            xs[c, k] = _rans._load(words[begin:], k)
+            xs[c, k] = _rans.load_state(words[begin:], k)
         ps[c] = begin + 2 * STATES
         offsets[c] = (first + c) * chunk
     if group == 4:

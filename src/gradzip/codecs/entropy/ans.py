@@ -268,7 +268,7 @@ def decode(p: Payload) -> torch.Tensor:
     if mode == _frame.STORED:
         return _frame.unstore(p, "ans")
     dtype, shape, numel = _frame.header(p)
-    np_dtype = _frame._NP_DTYPES[dtype]
+    np_dtype = _frame.NP_DTYPES[dtype]
     lo = p.meta.get("lo")
     if not isinstance(lo, int):
         raise _frame.EntropyCodingError("ans: header lacks the minimum value")

@@ -18,7 +18,7 @@ import zstandard
 
 from gradzip.codecs.base import LosslessCoder, Slot
 from gradzip.codecs.entropy import _frame
-from gradzip.codecs.payload import _DTYPE_CODE, Payload
+from gradzip.codecs.payload import DTYPE_CODE, Payload
 from gradzip.codecs.registry import Param, in_range, register
 
 
@@ -26,7 +26,7 @@ class _ByteCoder(LosslessCoder):
     mode: ClassVar[str]
 
     def accepts(self, t: torch.Tensor) -> bool:
-        return t.dtype in _DTYPE_CODE
+        return t.dtype in DTYPE_CODE
 
     def compress(self, data: bytes) -> bytes:
         raise TypeError("abstract")  # pragma: no cover - every subclass overrides

@@ -184,7 +184,7 @@ def encode(t: torch.Tensor, k: int | str = "auto", mapping: str = "auto") -> Pay
         streams = []
         for part in halves:  # nbytes bounds each half's bytes too
             bits, n = _kernels.eg_encode(part, _MODES[choice.mapping], choice.k, lo, lut,
-                                         nbytes, _kernels._BL8)
+                                         nbytes, _kernels.BL8)
             streams.append(bits)
             sizes.append(bits.size)
             written += n
@@ -238,10 +238,10 @@ def decode(p: Payload) -> torch.Tensor:
     data = _frame.blob(p, "d", "eg")
     buf = np.zeros(len(data) + 16, np.uint8)
     buf[: len(data)] = np.frombuffer(data, np.uint8)
-    np_dtype = _frame._NP_DTYPES[dtype]
+    np_dtype = _frame.NP_DTYPES[dtype]
     out: np.ndarray = np.empty(numel, np_dtype)
     peek = _peek_table(table, k, mapping, lo)
-    args = (out, _MODES[mapping], k, lo, table, _kernels._LZ8, peek)
+    args = (out, _MODES[mapping], k, lo, table, _kernels.LZ8, peek)
     sizes = p.meta.get("cw", (len(data),))
     if (not isinstance(sizes, tuple) or len(sizes) not in (1, 2)
             or any(not isinstance(n, int) or n < 0 for n in sizes) or sum(sizes) != len(data)):

@@ -49,7 +49,7 @@ from gradzip.codecs.entropy import (
     ans,
     bytecoders,
 )
-from gradzip.codecs.payload import _DTYPE_CODE, _DTYPES, MetaValue, Payload, PayloadError
+from gradzip.codecs.payload import DTYPE_CODE, DTYPES, MetaValue, Payload, PayloadError
 from gradzip.codecs.registry import Param, in_range, register
 
 #: tensors smaller than this are sent raw (plane headers would outweigh any saving)
@@ -114,13 +114,22 @@ _FP16_V1_PLANES = 3  # the first fp16 layout
 
 
 _FAST_LEVEL = 1  # recorded in the plane's header
+def plane_coders(dtype: torch.dtype) -> dict[str, tuple[Callable[..., bytes],
+                                                        Callable[..., np.ndarray]]]:
+    """The two exponent-plane coders ``lossless`` chooses between for ``dtype``:
+    name -> (compress(plane), decompress(blob, n)), as the benchmarks compare them."""
+    return {"zstd": (lambda plane: _zstd_plane.compress(plane, ACCELERATION[dtype]),
+                     _zstd_plane.decompress),
+            "huffman": (_huffman.compress, _huffman.decompress)}
+
+
 #: zstd's match-search acceleration (``_zstd_plane.compress``) by dtype. The search finds
 #: runs worth 0.1-1.1% of the exponent plane but takes half its encode time on planes
 #: without runs (a ResNet's). In bf16/fp16 that plane is half the input, so the search
 #: is accelerated: 1.3-2x faster to encode the whole tensor, 0.02-0.2% larger. In fp32
 #: it is a quarter of the input and the full search stays (``gradzip bench entropy``).
-_ACCELERATION = {torch.bfloat16: 4, torch.float16: 4, torch.float32: 0, torch.float64: 0}
-_UINT8 = _DTYPE_CODE[torch.uint8]
+ACCELERATION = {torch.bfloat16: 4, torch.float16: 4, torch.float32: 0, torch.float64: 0}
+_UINT8 = DTYPE_CODE[torch.uint8]
 
 
 @register("lossless")
@@ -149,7 +158,7 @@ class LosslessFloat(Compressor):
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
         if x.dtype not in _PLANES:
             raise TypeError(f"lossless codes fp32/bf16/fp16/fp64 tensors, got {x.dtype}")
-        meta: dict[str, MetaValue] = {"fl": _DTYPE_CODE[x.dtype]}
+        meta: dict[str, MetaValue] = {"fl": DTYPE_CODE[x.dtype]}
         flat = x.detach().reshape(-1)
         if flat.numel() < MIN_NUMEL:
             return _frame.seal(Payload({"raw": _frame.stored(flat)["d"]}, meta))
@@ -161,7 +170,7 @@ class LosslessFloat(Compressor):
         for i, plane in enumerate(planes):
             exponent = coder if i == 0 and x.dtype != torch.float64 else None
             fields[f"p{i}"] = self._code_plane(plane, counts[i], exponent,
-                                               _ACCELERATION[x.dtype])
+                                               ACCELERATION[x.dtype])
         # the checksum covers the dtype code, raw bytes and each plane's own checksum
         return _frame.seal(Payload(dict(fields), meta))
 
@@ -190,10 +199,10 @@ class LosslessFloat(Compressor):
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
         _frame.check(p, "lossless")
         code = p.meta.get("fl")
-        if not isinstance(code, int) or not 0 <= code < len(_DTYPES) \
-                or _DTYPES[code] not in _PLANES:
+        if not isinstance(code, int) or not 0 <= code < len(DTYPES) \
+                or DTYPES[code] not in _PLANES:
             raise PayloadError(f"lossless: bad float dtype code {code!r}")
-        dtype = _DTYPES[code]
+        dtype = DTYPES[code]
         numel = 1
         for d in shape:
             numel *= d

@@ -62,6 +62,12 @@ def histogram(x: np.ndarray | torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     return values, counts.astype(np.int64)
 
 
+def range_histogram(v: np.ndarray, lo: int, size: int) -> np.ndarray:
+    """Counts of ``v - lo`` over an alphabet of ``size`` symbols (every value of ``v``
+    must lie in ``[lo, lo + size)``): the compiled kernel the coders use, ~4x numpy's."""
+    return _kernels.hist(v, lo, size)
+
+
 def entropy_of_counts(counts: np.ndarray) -> float:
     """Order-0 entropy in bits per symbol of a histogram (0 for an empty one)."""
     c = np.asarray(counts, dtype=np.float64)

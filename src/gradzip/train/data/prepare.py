@@ -98,7 +98,7 @@ def _hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
-class _Plan:
+class Plan:
     """The resolved sources, their weights and every cache path, computable on any rank."""
 
     def __init__(self, cfg: DataConfig) -> None:
@@ -146,7 +146,7 @@ class _Plan:
         return out
 
 
-def _train_tokenizer(plan: _Plan) -> Tokenizer:
+def train_tokenizer(plan: Plan) -> Tokenizer:
     vf = plan.cfg.val_fraction
 
     def texts(src: Source) -> Iterator[str]:
@@ -165,7 +165,7 @@ def _progress(status: Callable[[str], None], what: str) -> Callable[[dict[str, A
     return report
 
 
-def _build(plan: _Plan, status: Callable[[str], None]) -> dict[str, Any]:
+def _build(plan: Plan, status: Callable[[str], None]) -> dict[str, Any]:
     cfg = plan.cfg
     if cfg.tokenizer is not None:
         tok = Tokenizer.load(cfg.tokenizer)
@@ -177,7 +177,7 @@ def _build(plan: _Plan, status: Callable[[str], None]) -> dict[str, Any]:
             tok = Tokenizer.load(tok_file)
         else:
             status(f"training a {cfg.vocab_size}-token BPE on {plan.train_chars():,} chars")
-            tok = _train_tokenizer(plan)
+            tok = train_tokenizer(plan)
             tok.save(tok_file)
         tok_path = str(tok_file)
     parts = []
@@ -234,7 +234,7 @@ class _Heartbeat:
         self._thread.join()
 
 
-def _build_locked(plan: _Plan) -> dict[str, Any]:
+def _build_locked(plan: Plan) -> dict[str, Any]:
     plan.cache.mkdir(parents=True, exist_ok=True)
     with open(plan.lock, "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another job building the same key: wait for it
@@ -256,7 +256,7 @@ def _build_locked(plan: _Plan) -> dict[str, Any]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _wait(plan: _Plan, rank: int, poll: float = 0.2) -> dict[str, Any]:
+def _wait(plan: Plan, rank: int, poll: float = 0.2) -> dict[str, Any]:
     started = time.time()
     last_seen: Any = None
     last_change = time.monotonic()
@@ -314,7 +314,7 @@ def prepare_data(cfg: DataConfig, rank: int = 0, world_size: int = 1,
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
-    plan = _Plan(cfg)
+    plan = Plan(cfg)
     manifest = read_json(plan.manifest)
     if manifest is None:
         builder = (local_rank if local_rank is not None else rank) == 0

@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gradzip.aggregation.reduce import reduce
+
 if TYPE_CHECKING:
-    from gradzip.codecs.communicator import Communicator
+    from gradzip.collectives.communicator import Communicator
 
 #: sizes of the warm-up tensors: small, and one past the coders' chunking thresholds
 WARM_SIZES = (4096, 1 << 18)
@@ -31,7 +33,7 @@ def warm(specs: Iterable[str], dtypes: Iterable[torch.dtype] = (torch.float32,))
     """Run each spec's reduction on 2 simulated ranks for each dtype and size; returns
     the seconds it took (mostly compilation when the kernels were not cached yet)."""
     import gradzip
-    from gradzip.codecs.simulated import run_simulated
+    from gradzip.collectives.simulated import run_simulated
 
     start = time.perf_counter()
     dtypes = tuple(dtypes)
@@ -46,7 +48,7 @@ def warm(specs: Iterable[str], dtypes: Iterable[torch.dtype] = (torch.float32,))
                 def work(rank: int, comm: Communicator, spec: str = spec,
                          xs: list[torch.Tensor] = xs) -> None:
                     codec = gradzip.codec(spec, seed=0, rank=rank)
-                    codec.reduce(xs[rank].clone(), "warm", comm, shapes=[xs[rank].shape])
+                    reduce(codec, xs[rank].clone(), "warm", comm, shapes=[xs[rank].shape])
 
                 run_simulated(2, work)
     return time.perf_counter() - start

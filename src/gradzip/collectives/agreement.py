@@ -16,7 +16,7 @@ import hashlib
 
 import torch
 
-from gradzip.codecs.communicator import Communicator
+from gradzip.collectives.communicator import Communicator
 
 #: bytes one check hands to its all-reduce (two int64)
 CHECK_BYTES = 16

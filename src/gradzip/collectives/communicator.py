@@ -2,7 +2,7 @@
 
 Codecs never import torch.distributed. They call these four collectives; the real
 implementation (``gradzip.comm``) maps them onto a process group, and the simulated
-one (``gradzip.codecs.simulated``) runs N virtual workers in threads of one process.
+one (``gradzip.collectives.simulated``) runs N virtual workers in threads of one process.
 
 Byte accounting is done here, once, for every implementation, in two numbers per
 collective: ``handed``, the bytes this rank hands to it (padding included), and
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gradzip.codecs.linkmodel import link_bytes
+from gradzip.collectives.linkmodel import link_bytes
 
 REDUCE_OPS = ("sum", "max", "min")
 

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from gradzip.codecs.communicator import Communicator
+from gradzip.collectives.communicator import Communicator
 
 T = TypeVar("T")
 
