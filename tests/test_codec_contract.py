@@ -271,3 +271,16 @@ def test_mismatched_payloads_raise_payload_errors(name):
 def test_non_float_input_is_a_clear_type_error(bad, message):
     with pytest.raises(TypeError, match=message):
         gradzip.codec("topk").encode(bad, key="w")
+
+
+@pytest.mark.parametrize("name", sorted(registered()))
+def test_fresh_builds_the_same_chain_from_the_stages_without_parsing(name: str) -> None:
+    """``Codec.fresh`` is how a parsed method gives every rank and group its codec: the
+    same stages with the same parameters, new stage objects, empty state."""
+    c = gradzip.codec(name, seed=5, aggregate="gather")
+    c.state.slot(0, "w").data["x"] = torch.ones(1)
+    f = c.fresh(rank=3)
+    assert str(f) == str(c) and f.to_json() == c.to_json()
+    assert (f.state.seed, f.state.rank, f.aggregate) == (5, 3, "gather")
+    assert not f.state.records and all(a is not b for a, b in zip(f.stages, c.stages,
+                                                                  strict=True))

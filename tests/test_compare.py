@@ -143,10 +143,12 @@ def test_local_update_methods_map_to_the_outer_flags() -> None:
     # DeMo steps with the sign it sends: plain SGD without clipping, as DeMo runs
     assert method_flags("demo(topk=8)") == ["--codec", "demo(topk=8)", "--optimizer", "sgd",
                                             "--grad-clip", "0"]
-    assert method_flags("diloco(sync_every=8, fragments=2)")[-2:] == ["--fragments", "2"]
+    assert method_flags("diloco(sync_every=8, fragments=2)")[-4:-2] == ["--fragments", "2"]
+    # every outer option is spelled out, defaults (DiLoCo's) included
     assert method_flags("diloco(sync_every=16, lr=0.5) | int8") == [
-        "--outer", "diloco", "--outer-codec", "int8", "--sync-every", "16", "--outer-lr", "0.5"]
-    assert method_flags("average(sync_every=8)") == [
+        "--outer", "diloco", "--outer-codec", "int8", "--sync-every", "16", "--outer-lr", "0.5",
+        "--outer-momentum", "0.9", "--fragments", "1", "--overlap-steps", "0"]
+    assert method_flags("average(sync_every=8)")[:6] == [
         "--outer", "average", "--outer-codec", "none", "--sync-every", "8"]
     with pytest.raises(ValueError, match="takes sync_every="):
         method_flags("diloco(H=3)")

@@ -27,7 +27,7 @@ ALL_REDUCE = "none"
 ALL_GATHER = "ef | topk(ratio=0.01)"
 MULTI_ROUND = "ef | powersgd(rank=2)"
 REDUCE_SCATTER = "fsdp2: none"
-DILOCO = "diloco 2: int8"  # pseudo-gradients through a codec every 2 steps
+DILOCO = "diloco(sync_every=2) | int8"  # pseudo-gradients through a codec every 2 steps
 
 @pytest.fixture(scope="module")
 def measured() -> dict[str, dict]:

@@ -252,13 +252,12 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_a_diloco_record_is_named_by_its_method_not_taken_for_the_baseline() -> None:
     """A DiLoCo run's codec is ``none`` (no per-step codec): named by ``codec`` it was
     listed as ``none`` and, beside a plain DDP ``none`` run, replaced it silently."""
-    from gradzip.train.config import TrainConfig
-    from gradzip.train.loop import method_name
+    from gradzip.train.config import TrainConfig, method_of
 
     diloco = TrainConfig(outer="diloco", sync_every=32, outer_codec="int8")
-    name = method_name(diloco)
+    name = str(method_of(diloco))
     assert name == "diloco(sync_every=32, lr=0.7, momentum=0.9) | int8"
-    assert method_name(TrainConfig(codec="ef | topk(ratio=0.01)")) == "ef | topk(ratio=0.01)"
+    assert str(method_of(TrainConfig(codec="ef | topk(ratio=0.01)"))) == "ef | topk(ratio=0.01)"
     base = {"seed": 0, "world_size": 2, "steps": 5, "val_loss": 3.0, "eval_history": [],
             "bytes_wire_total": None, "comm_ratio": None}
     ddp = {**base, "method": "none", "codec": "none"}

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gradzip.aggregation.reduce import reduce
+from gradzip.codecs.chain import Codec
 
 if TYPE_CHECKING:
     from gradzip.collectives.communicator import Communicator
@@ -29,29 +30,42 @@ WARM_SIZES = (4096, 1 << 18)
 WARM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def warm(specs: Iterable[str], dtypes: Iterable[torch.dtype] = (torch.float32,)) -> float:
-    """Run each spec's reduction on 2 simulated ranks for each dtype and size; returns
-    the seconds it took (mostly compilation when the kernels were not cached yet)."""
-    import gradzip
+def warm(codecs: Iterable[str | Codec],
+         dtypes: Iterable[torch.dtype] = (torch.float32,)) -> float:
+    """Run each codec's reduction on 2 simulated ranks for each dtype and size; returns
+    the seconds it took (mostly compilation when the kernels were not cached yet).
+
+    ``codecs`` are specs or parsed codecs; a parsed one is copied (``Codec.fresh``), so
+    neither its state nor a second parse of its spec is involved.
+    """
     from gradzip.collectives.simulated import run_simulated
 
     start = time.perf_counter()
     dtypes = tuple(dtypes)
-    for spec in dict.fromkeys(specs):
-        if spec in ("", "none") or spec.startswith("torch:"):
-            continue
+    for codec in _distinct(codecs):
+        if codec.summable and all(s.name == "none" for s in codec.stages):
+            continue  # nothing to compile
         for dtype in dtypes:
             for n in WARM_SIZES:
                 xs = [torch.randn(n, generator=torch.Generator().manual_seed(r)).to(dtype)
                       for r in range(2)]
 
-                def work(rank: int, comm: Communicator, spec: str = spec,
+                def work(rank: int, comm: Communicator, proto: Codec = codec,
                          xs: list[torch.Tensor] = xs) -> None:
-                    codec = gradzip.codec(spec, seed=0, rank=rank)
-                    reduce(codec, xs[rank].clone(), "warm", comm, shapes=[xs[rank].shape])
+                    mine = proto.fresh(seed=0, rank=rank)
+                    reduce(mine, xs[rank].clone(), "warm", comm, shapes=[xs[rank].shape])
 
                 run_simulated(2, work)
     return time.perf_counter() - start
+
+
+def _distinct(codecs: Iterable[str | Codec]) -> list[Codec]:
+    """One codec per distinct chain (specs parsed here, once each)."""
+    built: dict[str, Codec] = {}
+    for c in codecs:
+        codec = c if isinstance(c, Codec) else Codec.from_spec(c)
+        built.setdefault(str(codec), codec)
+    return list(built.values())
 
 
 def every_chain() -> list[str]:

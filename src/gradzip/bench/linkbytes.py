@@ -96,7 +96,7 @@ def _per_rank_step(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: Any) -> int:
-    import gradzip
+    from gradzip.bench.linkcount import parse_case
     from gradzip.comm.netns import netns_available
 
     try:
@@ -113,9 +113,7 @@ def run(args: Any) -> int:
         specs += [s.strip() for s in args.codecs.split(";") if s.strip()]
     specs = specs or default_specs()
     for spec in specs:  # a bad spec fails before any namespace starts
-        kind, sep, codec = spec.partition(":")
-        gradzip.codec(codec.strip() if sep and kind.strip().startswith(("fsdp2", "diloco"))
-                      else spec)
+        parse_case(spec)
     ok, why = netns_available()
     if not ok:
         print(f"gradzip bench link needs a network namespace: {why}", file=sys.stderr)
@@ -170,8 +168,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", default="2,4",
                    help="world sizes to measure, comma-separated (default: 2,4)")
     p.add_argument("--codec", action="append",
-                   help="codec spec for DDP, 'fsdp2: SPEC', or 'diloco H: SPEC' (DiLoCo "
-                        "syncing every H steps; repeatable); default: every "
+                   help="codec spec for DDP, 'fsdp2: SPEC', or 'diloco(sync_every=H) | SPEC' "
+                        "(DiLoCo syncing every H steps; repeatable); default: every "
                         "registered stage's "
                         f"default spec plus {'; '.join(EXTRA_SPECS)}")
     p.add_argument("--codecs", help="codec specs separated by ';' (added to --codec)")

@@ -6,8 +6,9 @@ Run *inside* a fresh network namespace (``gradzip.comm.netns.run_in_netns``), wh
     python -m gradzip.bench.linkcount --ranks 4 --steps 6 --case none --case qsgd
     python -m gradzip.bench.linkcount --ranks 4 --probe
 
-Each ``--case`` is a codec spec for DDP, ``fsdp2: SPEC`` for an FSDP2 (``fully_shard``)
-model, or ``diloco H: SPEC`` for DiLoCo synchronizing every H steps (``none``: fp32).
+Each ``--case`` is a method for DDP (a codec spec, or ``diloco(sync_every=H) | SPEC`` for
+DiLoCo synchronizing every H steps, without a codec: fp32), or ``fsdp2: SPEC`` for an
+FSDP2 (``fully_shard``) model.
 For each case every rank builds the same small MLP, wraps it, ``gradzip.attach``-es the
 codec (setup traffic: parameter broadcast, new process group), and then the counter is
 read around the training steps only. Rank 0 prints one JSON line per case, as soon as it
@@ -136,29 +137,40 @@ class _CountAllGather:
         dist.all_gather_single = self._saved
 
 
+def parse_case(case: str) -> tuple[str, Any]:
+    """``(parallel, method)`` of a case: ``fsdp2: SPEC``, or a method run under DDP
+    (its errors raise here, before any rank starts)."""
+    from gradzip.comm.method import parse_method
+
+    kind, sep, spec = case.partition(":")
+    if sep and kind.strip() == "fsdp2":
+        return "fsdp2", parse_method(spec)
+    return "ddp", parse_method(case)
+
+
 def _build(case: str) -> tuple[Any, Any]:
-    """The model and gradzip's handle of ``case``: ``SPEC`` (DDP), ``fsdp2: SPEC`` or
-    ``diloco H: SPEC`` (DiLoCo, syncing every H steps, ``none``: fp32)."""
+    """The model and gradzip's handle of ``case``: a method (``gradzip.comm.method``'s
+    grammar: a codec spec for DDP, or ``diloco(sync_every=H) | SPEC``), or ``fsdp2: SPEC``
+    for an FSDP2 model."""
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradzip
+    from gradzip.comm.method import LocalUpdateMethod
     from gradzip.comm.outer import DiLoCo
 
-    kind, sep, spec = case.partition(":")
-    kind, spec = kind.strip(), spec.strip()
+    parallel, method = parse_case(case)
     base = _mlp(WIDTH, DEPTH)
-    if sep and kind == "fsdp2":
+    if parallel == "fsdp2":
         for layer in base:
             if any(True for _ in layer.parameters()):
                 fully_shard(layer)
         model = fully_shard(base)
-        return model, gradzip.attach(model, spec)
-    if sep and kind.startswith("diloco"):
-        every = int(kind.removeprefix("diloco").strip() or "4")
-        return base, DiLoCo(base, sync_every=every, codec=None if spec == "none" else spec)
+        return model, gradzip.attach(model, method)
+    if isinstance(method, LocalUpdateMethod):
+        return base, DiLoCo(base, **method.options())
     model = DDP(base, bucket_cap_mb=BUCKET_MB)
-    return model, gradzip.attach(model, case.strip())
+    return model, gradzip.attach(model, method)
 
 
 def _run_case(rank: int, case: str, steps: int, barrier: float) -> dict[str, Any] | None:
@@ -274,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=4, help="local gloo processes")
     p.add_argument("--steps", type=int, default=6, help="training steps per case")
     p.add_argument("--case", action="append", default=[],
-                   help="codec spec for DDP, 'fsdp2: SPEC' or 'diloco H: SPEC' (repeatable)")
+                   help="codec spec for DDP, 'fsdp2: SPEC' or 'diloco(sync_every=H) | SPEC' "
+                        "(repeatable)")
     p.add_argument("--probe", action="store_true", help="measure gloo's collectives instead")
     p.add_argument("--probe-bytes", default="64,4096,1048576",
                    help="bytes handed in per probe call, comma-separated")
@@ -294,11 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.case:
         p.error("give at least one --case SPEC, or --probe")
-    import gradzip
-
     for case in args.case:  # a bad spec fails before any rank starts
-        kind, sep, spec = case.partition(":")
-        gradzip.codec(spec if sep and kind.strip().startswith(("fsdp2", "diloco")) else case)
+        parse_case(case)
     run_ranks(_cases_rank, args.ranks, args.case, args.steps, timeout=args.timeout)
     return 0
 

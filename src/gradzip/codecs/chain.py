@@ -466,10 +466,18 @@ class Codec:
         return p
 
     # ------------------------------------------------------------ state
+    def fresh(self, **kwargs: Any) -> Codec:
+        """A new codec of the same chain with empty state, built from the stages'
+        parameters (no spec is parsed again). ``seed``, ``rank``, ``nonfinite`` and
+        ``aggregate`` are this codec's unless given: one parsed codec serves as the
+        prototype of every rank's and every group's."""
+        options = {"seed": self.state.seed, "rank": self.state.rank,
+                   "nonfinite": self.nonfinite, "aggregate": self.aggregate, **kwargs}
+        return Codec([type(s)(**s.params) for s in self.stages], **options)
+
     def probe(self) -> Codec:
         """A fresh copy of this codec with empty state (for measuring payload sizes)."""
-        return Codec.from_spec(str(self), seed=self.state.seed, rank=self.state.rank,
-                               nonfinite=self.nonfinite)
+        return self.fresh()
 
     def _records(self, prefix: str) -> list[tuple[int, str]]:
         return [k for k in self.state.records

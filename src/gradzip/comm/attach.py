@@ -8,7 +8,7 @@ starts, and a spec that cannot compress on a path is refused here too.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch.distributed as dist
 from torch import nn
@@ -34,6 +34,9 @@ from gradzip.comm.fsdp import (
 from gradzip.comm.policy import Policy
 from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import CommStats
+
+if TYPE_CHECKING:
+    from gradzip.comm.method import CodecMethod
 
 
 class Handle:
@@ -89,7 +92,7 @@ class Handle:
 
 def attach(
     model: nn.Module,
-    spec: str | Codec | dict[str, Any] | Policy,
+    spec: str | Codec | dict[str, Any] | Policy | CodecMethod,
     *,
     process_group: dist.ProcessGroup | None = None,
     seed: int = 0,
@@ -104,7 +107,8 @@ def attach(
 
     ``model`` is a ``DistributedDataParallel`` module, a ``fully_shard``-ed (FSDP2)
     module, or a ``FullyShardedDataParallel`` (FSDP1) root. Call on every rank.
-    ``spec`` is a codec spec or a policy (``policy.py``: per-parameter codecs and a
+    ``spec`` is a codec spec, a parsed ``Method`` of codecs (``method.py``; its specs
+    are not parsed again) or a policy (``policy.py``: per-parameter codecs and a
     start step, e.g. ``{"codec": "ef | topk(ratio=0.01)", "groups": [{"params":
     ["*.bias", "*norm*"], "codec": "none"}], "start_step": 100}``); ``groups``
     (``{"*.bias": "none"}``, name pattern -> spec, before the spec's own groups) and
@@ -115,10 +119,10 @@ def attach(
     ``gradzip.capture.Capture``) records each bucket as it is communicated (DDP and
     FSDP2); the handle's ``close`` closes it.
     """
-    policy = with_overrides(Policy.parse(spec), groups, start_step)
+    policy = _policy_of(spec).with_overrides(groups, start_step)  # SpecError first
     options = {} if aggregate is None else {"aggregate": aggregate}
-    codecs = [build_codec(s, seed=seed, nonfinite=nonfinite, **options)  # SpecError first
-              for s in policy.specs]
+    codecs = [build_codec(c, seed=seed, nonfinite=nonfinite, **options)
+              for c in policy.codecs]
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("gradzip.attach needs torch.distributed initialized")
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -163,18 +167,19 @@ def apply_capture(handle: Handle, model: nn.Module, capture: Any, policy: Policy
         rs.capture = capture
 
 
-def with_overrides(policy: Policy, groups: dict[str, str] | None,
-                   start_step: int | None) -> Policy:
-    """``policy`` with keyword groups put first and ``start_step`` replaced."""
-    extra = [{"params": [p.strip() for p in str(k).split(",")], "codec": v}
-             for k, v in (groups or {}).items()]
-    if not extra and start_step is None:
-        return policy
-    obj = policy.to_json()
-    obj["groups"] = extra + obj["groups"]
-    if start_step is not None:
-        obj["start_step"] = start_step
-    return Policy.parse(obj)
+def _policy_of(spec: Any) -> Policy:
+    """The codec policy ``attach`` was given: a spec, a JSON policy, a ``Policy``, a
+    ``Codec`` or a parsed ``CodecMethod`` (whose codecs are not parsed again)."""
+    from gradzip.comm.method import CodecMethod, TorchHookMethod
+
+    if isinstance(spec, CodecMethod):
+        return spec.policy
+    if isinstance(spec, TorchHookMethod) or (isinstance(spec, str)
+                                             and spec.strip().startswith("torch:")):
+        raise ValueError(f"{spec} is PyTorch's own DDP comm hook: register it on the DDP "
+                         "model (gradzip.comm.torch_hooks.attach_torch measures it), not "
+                         "with gradzip.attach")
+    return Policy.parse(spec)
 
 
 def _group_map(policy: Policy, named: list[tuple[str, nn.Parameter]]) -> dict[int, int]:

@@ -294,7 +294,9 @@ def ddp_hook(
 
 
 def build_codec(spec: str | Codec, *, seed: int, nonfinite: str, **options: Any) -> Codec:
-    """The codec for this rank (spec errors raise here, before any training)."""
+    """The codec for this rank (spec errors raise here, before any training). A ``Codec``
+    is a prototype, copied with empty state (its spec is not parsed again)."""
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    text = str(spec) if isinstance(spec, Codec) else spec
-    return Codec.from_spec(text, seed=seed, rank=rank, nonfinite=nonfinite, **options)
+    if isinstance(spec, Codec):
+        return spec.fresh(seed=seed, rank=rank, nonfinite=nonfinite, **options)
+    return Codec.from_spec(spec, seed=seed, rank=rank, nonfinite=nonfinite, **options)

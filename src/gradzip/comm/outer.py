@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradzip.codecs.chain import Codec
 from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.ddp import build_codec, private_group
 from gradzip.comm.reducer import Reducer
@@ -62,7 +63,7 @@ class DiLoCo:
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer | None = None,
                  *, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True,
-                 codec: str | None = None, outer: str = "diloco",
+                 codec: str | Codec | None = None, outer: str = "diloco",
                  process_group: dist.ProcessGroup | None = None, seed: int = 0,
                  nonfinite: str = "error", fragments: int = 1,
                  overlap_steps: int = 0) -> None:

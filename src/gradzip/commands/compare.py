@@ -99,8 +99,8 @@ def check_runs(runs: list[Any], out: Path) -> None:
 
     parser = build_parser()
     for run in {r.method: r for r in runs}.values():
-        argv = run.argv(out / "check", out / "cache")
         try:
+            argv = run.argv(out / "check", out / "cache")  # parses the method
             resolve_args(parser.parse_args(argv[argv.index("train"):])).validate()
         except (ValueError, SystemExit) as e:
             raise ValueError(f"method {run.method!r}: {e}") from None

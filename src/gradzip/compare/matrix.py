@@ -15,51 +15,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-#: methods that are PyTorch's own DDP comm hooks run through the same trainer
-TORCH_PREFIX = "torch:"
-
-#: local-update methods: ``diloco(sync_every=H, lr=0.7, momentum=0.9, fragments=F,
-#: overlap=S) | CODEC`` and
-#: ``average(sync_every=H) | CODEC`` run ``gradzip train --outer ...`` (the codec, if
-#: any, is the pseudo-gradients')
-OUTER_METHODS = ("diloco", "average")
-_OUTER = re.compile(r"^\s*(diloco|average)\s*(?:\((.*?)\))?\s*(?:\|\s*(.+))?$")
-_OUTER_KEYS = {"sync_every": "--sync-every", "lr": "--outer-lr",
-               "momentum": "--outer-momentum", "fragments": "--fragments",
-               "overlap": "--overlap-steps"}
-
 
 def method_flags(method: str) -> list[str]:
-    """``gradzip train`` flags of a method: ``--codec SPEC`` for per-step methods, the
-    ``--outer`` flags for ``diloco(...)``/``average(...)`` (ValueError if malformed)."""
-    m = _OUTER.match(method)
-    if not m:
-        return ["--codec", method, *_step_flags(method)]
-    kind, params, codec = m.groups()
-    flags = ["--outer", kind, "--outer-codec", (codec or "none").strip()]
-    for item in filter(None, (x.strip() for x in (params or "").split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or key.strip() not in _OUTER_KEYS:
-            raise ValueError(f"method {method!r}: {kind}(...) takes "
-                             f"{', '.join(k + '=' for k in _OUTER_KEYS)}, got {item!r}")
-        flags += [_OUTER_KEYS[key.strip()], value.strip()]
-    return flags
+    """``gradzip train`` flags of a method (``gradzip.comm.method``'s grammar: a codec
+    spec, ``torch:...``, or ``diloco(...)``/``average(...)`` with the pseudo-gradients'
+    codec); ValueError or SpecError if malformed."""
+    from gradzip.comm.method import parse_method
 
-
-def _step_flags(spec: str) -> list[str]:
-    """DeMo steps with the sign its codec sends: plain SGD, no clipping (as DeMo runs)."""
-    if spec.startswith(TORCH_PREFIX):
-        return []
-    from gradzip.codecs.chain import Codec
-    from gradzip.codecs.registry import SpecError
-
-    try:
-        stages = Codec.from_spec(spec).stages
-    except (SpecError, ValueError):
-        return []  # the check before training reports it, naming the method
-    if any(s.name == "demo" for s in stages):
-        return ["--optimizer", "sgd", "--grad-clip", "0"]
-    return []
+    return parse_method(method).train_flags()
 
 
 #: how the ranks of a run reach each other: one token bucket on a loopback shared by

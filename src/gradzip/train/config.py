@@ -281,9 +281,10 @@ class JobConfig:
         _check_data(self.data, self.model)
         _check_optim(self.optim)
         _check_train(self.train, self.run)
-        _check_codec(self)
-        _check_capture(self)
-        _check_outer(self.train, self.model.n_layer)
+        method = method_of(self.train)  # parsed here, once: its errors name the flag
+        check_method(method, parallel=self.train.parallel, optimizer=self.optim.optimizer,
+                     grad_clip=self.optim.grad_clip, model=self.model)
+        _check_capture(self, method)
 
     def schedule_horizon(self) -> int:
         """The step at which the cosine lr reaches its floor: decay_steps, else max_steps."""
@@ -407,30 +408,7 @@ def _check_train(t: TrainConfig, r: RunConfig) -> None:
                          f"{t.max_steps}: nothing would be profiled")
 
 
-def _check_outer(t: TrainConfig, n_layer: int) -> None:
-    """DiLoCo's options: values, and a path it can run on."""
-    if t.outer == "none":
-        return
-    from gradzip.comm.outer import check_options
-
-    check_options(t.sync_every, t.outer_lr, t.outer_momentum, t.outer, t.fragments,
-                  t.overlap_steps)
-    if n_layer % t.fragments:
-        raise ValueError(f"--fragments {t.fragments} does not divide the model's {n_layer} "
-                         f"blocks (--n-layer): choose a divisor of {n_layer}")
-    if t.parallel != "ddp":
-        raise ValueError(f"--outer {t.outer} runs data-parallel processes without DDP: use "
-                         f"--parallel ddp (FSDP2 is not supported with --outer)")
-    if t.codec != "none":
-        raise ValueError("--outer synchronizes rarely instead of every step: give the "
-                         "pseudo-gradients' codec with --outer-codec, not --codec")
-    if t.outer_codec != "none":
-        import gradzip
-
-        gradzip.codec(t.outer_codec)  # a bad spec fails here
-
-
-def _check_capture(cfg: JobConfig) -> None:
+def _check_capture(cfg: JobConfig, method: Any) -> None:
     """Capture options: parseable, and a path that communicates through gradzip."""
     r, t = cfg.run, cfg.train
     if not r.capture:
@@ -440,9 +418,9 @@ def _check_capture(cfg: JobConfig) -> None:
     if t.parallel == "none":
         raise ValueError("--capture records what ranks communicate: use --parallel ddp or "
                          "fsdp (under torchrun, or one process)")
-    if t.codec.strip().startswith("torch:"):
-        raise ValueError(f"--capture wraps gradzip's hooks, not PyTorch's own ({t.codec}); "
-                         "use a gradzip codec (`none` for the plain all-reduce)")
+    if method.kind != "codec":
+        raise ValueError(f"--capture wraps gradzip's per-step hooks, not {method}; use a "
+                         "gradzip codec (`none` for the plain all-reduce)")
     _at_least(0, [("--capture-every", r.capture_every)])
     capture_schedule(r)
 
@@ -465,56 +443,42 @@ def capture_schedule(r: RunConfig) -> dict[str, Any]:
             "aggregated": r.capture_aggregated}
 
 
-def _check_codec(cfg: JobConfig) -> None:
-    """The codec options: parseable, used with a parallel mode, compressible on its path."""
-    t = cfg.train
-    if t.codec == "none":
+def method_of(t: TrainConfig) -> Any:
+    """The run's ``gradzip.comm.method.Method`` from its flags (--codec, --codec-groups,
+    --codec-start-step, --outer and its options), parsed once; errors name the flag."""
+    from gradzip.comm.method import local_method, parse_method
+
+    if t.outer != "none":
+        if t.codec != "none":
+            raise ValueError("--outer synchronizes rarely instead of every step: give the "
+                             "pseudo-gradients' codec with --outer-codec, not --codec")
         if t.codec_groups or t.codec_start_step:
-            raise ValueError("--codec-groups and --codec-start-step need a --codec")
-        return
-    if t.codec.strip().startswith("torch:"):
-        _check_torch_hook(t)
-        return
-    policy = codec_policy(t.codec, t.codec_groups, t.codec_start_step)  # SpecError
-    if t.parallel == "none":
-        raise ValueError("--codec compresses communication between ranks: it needs "
-                         "--parallel ddp or fsdp (ddp also runs as a single process)")
-    from gradzip.codecs.chain import Codec
-
-    codecs = [Codec.from_spec(spec) for spec in policy.specs]  # every group's SpecError
-    if t.parallel == "fsdp":
-        _check_fsdp_codecs(cfg.model, policy, codecs)
-    if any(s.name == "demo" for c in codecs for s in c.stages) and (
-            cfg.optim.optimizer != "sgd" or cfg.optim.grad_clip):
-        raise ValueError("--codec demo sends the sign of its own momentum's top DCT "
-                         "components: the step must be plain, so use --optimizer sgd "
-                         "--grad-clip 0 (AdamW or clipping would rescale the signs)")
+            raise ValueError("--codec-groups and --codec-start-step shape the per-step "
+                             "codec; --outer takes --outer-codec")
+        return local_method(t.outer, sync_every=t.sync_every, lr=t.outer_lr,
+                            momentum=t.outer_momentum, fragments=t.fragments,
+                            overlap_steps=t.overlap_steps, codec=t.outer_codec)
+    if t.codec == "none" and (t.codec_groups or t.codec_start_step):
+        raise ValueError("--codec-groups and --codec-start-step need a --codec")
+    return parse_method(t.codec, groups=codec_groups(t.codec_groups),
+                        start_step=t.codec_start_step or None)
 
 
-def _check_torch_hook(t: TrainConfig) -> None:
-    """PyTorch's own DDP comm hooks (``torch:...``): DDP only, no gradzip policy options."""
-    from gradzip.comm.torch_hooks import parse_torch_method
-
-    parse_torch_method(t.codec)  # ValueError naming the method
-    if t.parallel != "ddp":
-        raise ValueError(f"--codec {t.codec} is a PyTorch DDP comm hook: it needs "
-                         f"--parallel ddp (got {t.parallel})")
-    if t.codec_groups or t.codec_start_step:
-        raise ValueError(f"--codec-groups and --codec-start-step are gradzip policies; "
-                         f"{t.codec} takes its own options (torch:powersgd(start_iter=N))")
+def check_method(method: Any, *, parallel: str, optimizer: str, grad_clip: float,
+                 model: ModelConfig) -> None:
+    """Whether ``method`` can run with these values; on FSDP2 also against the units
+    ``parallel.apply_fsdp`` makes of the model (``CodecMethod.check``)."""
+    units = _fsdp_units(model) if parallel == "fsdp" and method.kind == "codec" else None
+    method.check(parallel=parallel, optimizer=optimizer, grad_clip=grad_clip,
+                 blocks=model.n_layer, fsdp_units=units)
 
 
-def _check_fsdp_codecs(m: ModelConfig, policy: Any, codecs: list[Any]) -> None:
-    """What ``gradzip.attach`` refuses on FSDP2, checked on the model's parameter names:
-    one codec per ``fully_shard`` unit, and no codec that compresses only matrices
-    (each unit's gradients reach it as one flat shard)."""
-    from gradzip.comm.attach import refuse_flat, unit_group
-
+def _fsdp_units(m: ModelConfig) -> dict[str, list[str]]:
+    """The model's parameter names by ``fully_shard`` unit."""
     units: dict[str, list[str]] = {}
     for name in _parameter_names(m):
         units.setdefault(fsdp_unit_of(name), []).append(name)
-    used = {unit_group(policy, unit, names) for unit, names in units.items()}
-    refuse_flat([codecs[g] for g in sorted(used)], "FSDP2")
+    return units
 
 
 def fsdp_unit_of(param: str) -> str:
@@ -542,11 +506,8 @@ def nonfinite_policy(t: TrainConfig) -> str:
     return "propagate" if t.dtype == "fp16" else "error"
 
 
-def codec_policy(codec: str, groups: str, start_step: int) -> Any:
-    """The comm policy of ``--codec``, ``--codec-groups`` and ``--codec-start-step``."""
-    from gradzip.comm.attach import with_overrides
-    from gradzip.comm.policy import Policy
-
+def codec_groups(groups: str) -> dict[str, str]:
+    """``--codec-groups`` "PATTERNS=SPEC;..." as ``{patterns: spec}``, in order."""
     table = {}
     for item in filter(None, (g.strip() for g in groups.split(";"))):
         patterns, sep, spec = item.partition("=")
@@ -554,7 +515,7 @@ def codec_policy(codec: str, groups: str, start_step: int) -> Any:
             raise ValueError(f"--codec-groups: {item!r} is not PATTERNS=SPEC "
                              "(e.g. '*.bias,*norm*=none')")
         table[patterns.strip()] = spec.strip()
-    return with_overrides(Policy.parse(codec), table, start_step or None)
+    return table
 
 
 def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:

@@ -7,8 +7,7 @@
     unscale -> clip -> AdamW step -> zero grads
 
 Setup is in ``Trainer.__init__``; the parallelism is one ``Parallelism`` object
-(``parallel.parallelize``), so the step loop has no branch on the strategy (setup has
-one: ``LocalUpdates`` gets the inner optimizer for its checkpoints); every number
+(``parallel.parallelize``), so the loop has no branch on the strategy; every number
 comes from one ``RunMetrics`` (``metrics.py``), whose communication source is the
 codec's ``CommStats``.
 """
@@ -29,14 +28,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradzip.comm.torch_hooks import describe as describe_torch_method
-from gradzip.comm.torch_hooks import is_torch_method
+from gradzip.comm.method import LocalUpdateMethod, Method, every_codec
 from gradzip.train import checkpoint as ckpt
 from gradzip.train.config import (
     JobConfig,
     OptimConfig,
     capture_schedule,
-    codec_policy,
+    method_of,
     nonfinite_policy,
     parse_profile_steps,
 )
@@ -55,7 +53,6 @@ from gradzip.train.metrics import (
 from gradzip.train.model import GPT
 from gradzip.train.parallel import (
     DistInfo,
-    LocalUpdates,
     Parallelism,
     all_reduce_mean,
     any_rank,
@@ -122,14 +119,14 @@ def train(cfg: JobConfig, *, data: Any = None,
             destroy_distributed()
 
 
-def _check_environment(cfg: JobConfig, info: DistInfo) -> None:
-    """Fail before any work on what the configuration alone could not tell."""
+def _check_environment(cfg: JobConfig, info: DistInfo, method: Method) -> None:
+    """Fail before any work on what the configuration alone could not tell (and on what
+    ``JobConfig.validate`` checks, for a configuration built without it)."""
     t = cfg.train
     if t.dtype == "fp16" and info.device.type != "cuda":
         raise ValueError("--dtype fp16 needs CUDA (its grad scaler); use bf16 on CPU")
-    if t.codec != "none" and t.parallel == "none":
-        raise ValueError("--codec compresses communication between ranks: it needs "
-                         "--parallel ddp or fsdp (ddp also runs as a single process)")
+    method.check(parallel=t.parallel, optimizer=cfg.optim.optimizer,
+                 grad_clip=cfg.optim.grad_clip, blocks=cfg.model.n_layer)
     if cfg.run.wandb and info.is_main:
         require_wandb()  # fail now, not after the data is prepared
 
@@ -163,7 +160,9 @@ class Trainer:
                  make_loader: Callable[..., Any] | None, cleanup: contextlib.ExitStack) -> None:
         self.cfg, self.info, self.device = cfg, info, info.device
         t, o, r, d = cfg.train, cfg.optim, cfg.run, cfg.data
-        _check_environment(cfg, info)
+        #: how gradients cross the link, parsed once for the whole run
+        self.method = method_of(t)
+        _check_environment(cfg, info, self.method)
         if self.device.type == "cpu":
             # Denormal floats in backward made a small GPT 35x slower on CPU; flush to 0.
             torch.set_flush_denormal(True)
@@ -184,21 +183,16 @@ class Trainer:
         self._write_run_files()
         raw = GPT(cfg.model).to(self.device)
         self.n_params = raw.num_params()
-        torch_method = t.codec if is_torch_method(t.codec) else None
-        policy = (None if t.codec == "none" or torch_method
-                  else codec_policy(t.codec, t.codec_groups, t.codec_start_step))
         self.capture = self._make_capture(cleanup)
         self.par: Parallelism = parallelize(
-            raw, info, parallel=t.parallel, policy=policy, bucket_cap_mb=t.bucket_cap_mb,
-            seed=t.seed, diagnose=t.diagnose, nonfinite=nonfinite_policy(t),
-            torch_method=torch_method, capture=self.capture, outer=outer_options(t))
+            raw, info, parallel=t.parallel, method=self.method,
+            bucket_cap_mb=t.bucket_cap_mb, seed=t.seed, diagnose=t.diagnose,
+            nonfinite=nonfinite_policy(t), capture=self.capture)
         self.model = self.par.model
         #: seconds compiling the codecs' kernels, before the clock starts (not training)
-        self.compile_s = warm_codecs(t)
+        self.compile_s = warm_codecs(self.method)
         self.optimizer = build_optimizer(self.model, o)
-        if isinstance(self.par, LocalUpdates):  # per-rank inner state in checkpoints
-            self.par.inner_optimizer = self.optimizer
-            cleanup.callback(self.par.handle.close)  # exchanges in flight end first
+        self.par.bind_optimizer(self.optimizer, cleanup)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.dtype == "fp16")
         self.loader = make_loader(self.data.train, batch_size=d.batch_size, seq_len=d.seq_len,
                                   rank=info.rank, world_size=info.world_size, seed=t.seed,
@@ -500,9 +494,10 @@ class Trainer:
             "grad_accum": cfg.optim.grad_accum,
             "global_batch_tokens": self.tokens_per_step,
             "dtype": t.dtype,
-            "method": method_name(t),
+            "method": str(self.method),
             "codec": t.codec,
-            "codec_config": _codec_config(t),
+            "codec_config": (None if isinstance(self.method, LocalUpdateMethod)
+                             else self.method.to_json()),
             "nonfinite_policy": nonfinite_policy(t),
             "seed": t.seed,
             "steps": step,
@@ -519,7 +514,7 @@ class Trainer:
             "replicas_identical": replicas_identical(self.par.replica_digest()),
             "compile_s": round(self.compile_s, 3),
             "capture": _capture_summary(self.capture),
-            "outer": _outer_summary(self.par, t),
+            "outer": _outer_summary(self.par, self.method),
             **peak_memory(info.device),
             "target_loss": t.target_loss or None,
             "time_to_target_s": p["time_to_target_s"],
@@ -537,18 +532,14 @@ class Trainer:
         }
 
 
-def warm_codecs(t: Any) -> float:
+def warm_codecs(method: Method) -> float:
     """Compile (or load from numba's disk cache) the kernels of every codec this run uses,
     on codecs of their own (the run's state is untouched); returns the seconds. A cold
     cache took ~26 s for ``qsgd | eg`` on 2 cores, which used to land in the first steps'
     times, the codec's encode_ms and the time to target."""
     from gradzip.aggregation.warm import warm
 
-    specs = [t.outer_codec]
-    if t.codec != "none" and not is_torch_method(t.codec):
-        policy = codec_policy(t.codec, t.codec_groups, t.codec_start_step)
-        specs += [policy.spec, *(g.spec for g in policy.groups)]
-    return warm(specs)
+    return warm(every_codec([method]))
 
 
 def resume_command(run_dir: Path, info: DistInfo) -> str:
@@ -561,42 +552,16 @@ def resume_command(run_dir: Path, info: DistInfo) -> str:
     return f"{launch} --resume --out {run_dir}"
 
 
-def method_name(t: Any) -> str:
-    """The run's method, exactly, in ``gradzip compare``'s grammar: the codec spec (or
-    ``torch:...``), or ``diloco(...)``/``average(...)`` with its outer settings and the
-    pseudo-gradients' codec. A DiLoCo run's ``codec`` is ``none`` (no per-step DDP
-    codec), so naming runs by ``codec`` made it look like the uncompressed baseline."""
-    if t.outer == "none":
-        return str(t.codec)
-    params = [f"sync_every={t.sync_every}"]
-    if t.outer == "diloco":
-        params += [f"lr={t.outer_lr:g}", f"momentum={t.outer_momentum:g}"]
-    if t.fragments > 1:
-        params.append(f"fragments={t.fragments}")
-    if t.overlap_steps:
-        params.append(f"overlap={t.overlap_steps}")
-    name = f"{t.outer}({', '.join(params)})"
-    return name if t.outer_codec == "none" else f"{name} | {t.outer_codec}"
-
-
-def outer_options(t: Any) -> dict[str, Any] | None:
-    """``DiLoCo`` keywords of --outer (None: synchronize every step)."""
-    if t.outer == "none":
-        return None
-    return {"sync_every": t.sync_every, "outer_lr": t.outer_lr,
-            "outer_momentum": t.outer_momentum, "outer": t.outer,
-            "codec": None if t.outer_codec == "none" else t.outer_codec,
-            "fragments": t.fragments, "overlap_steps": t.overlap_steps}
-
-
-def _outer_summary(par: Any, t: Any) -> dict[str, Any] | None:
+def _outer_summary(par: Any, method: Method) -> dict[str, Any] | None:
     """What --outer did on this rank: syncs and link bytes per sync (rank 0's record)."""
-    if t.outer == "none":
+    if not isinstance(method, LocalUpdateMethod):
         return None
     outer, totals = par.handle, par.handle.stats.totals()
     here = outer.syncs_here  # the byte totals cover this process's syncs
-    return {"kind": t.outer, "sync_every": t.sync_every, "codec": t.outer_codec,
-            "fragments": t.fragments, "overlap_steps": t.overlap_steps, "syncs": outer.syncs,
+    return {"kind": method.outer, "sync_every": method.sync_every,
+            "codec": str(method.codec) if method.codec is not None else "none",
+            "fragments": method.fragments, "overlap_steps": method.overlap_steps,
+            "syncs": outer.syncs,
             "bytes_wire_per_sync": totals["bytes_wire"] / here if here else None}
 
 
@@ -644,17 +609,3 @@ def plot_history(history: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def _codec_config(t: Any) -> Any:
-    """The codec's JSON form for the record; a policy's when groups or a start step."""
-    if t.codec == "none":
-        return None
-    if is_torch_method(t.codec):
-        return describe_torch_method(t.codec)
-    policy = codec_policy(t.codec, t.codec_groups, t.codec_start_step)
-    if not policy.groups and not policy.start_step:
-        import gradzip
-
-        return gradzip.codec(policy.spec).to_json()
-    return policy.to_json()

@@ -6,7 +6,9 @@
   each block's parameters are gathered just before it runs and freed after;
 * ``attach_codec`` — hands the wrapped model to ``gradzip.attach`` (the comm layer).
 
-``parallelize`` applies the strategy of ``--parallel`` and returns a ``Parallelism``
+``parallelize`` applies the strategy of ``--parallel`` and the run's ``Method``
+(``gradzip.comm.method``: a codec policy, PyTorch's own hook, or local updates) and
+returns a ``Parallelism``
 that answers everything the loop asks (the model to run, gradient sync on or off for
 a micro-batch, the communication stats, what a checkpoint holds, how a resume
 settles), so the loop has no branch on the strategy. Under DDP every run, ``--codec
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradzip.comm.method import CodecMethod, LocalUpdateMethod, Method, TorchHookMethod
 from gradzip.train.model import GPT
 
 
@@ -137,17 +140,13 @@ def apply_fsdp(model: GPT, info: DistInfo) -> nn.Module:
     return model
 
 
-def attach_codec(model: nn.Module, spec: Any, *, seed: int, diagnose: bool,
+def attach_codec(model: nn.Module, method: CodecMethod, *, seed: int, diagnose: bool,
                  nonfinite: str = "error", capture: Any = None) -> Any:
     """Install the gradient codec (and the capture, if any) on a DDP or FSDP2 module;
     returns gradzip's handle."""
-    import gradzip
+    from gradzip.comm.attach import attach
 
-    attach = getattr(gradzip, "attach", None)
-    if attach is None:
-        raise RuntimeError("this gradzip has no gradzip.attach (the comm layer is missing); "
-                           "--codec needs it")
-    return attach(model, spec, seed=seed, diagnose=diagnose, nonfinite=nonfinite,
+    return attach(model, method, seed=seed, diagnose=diagnose, nonfinite=nonfinite,
                   capture=capture)
 
 
@@ -182,6 +181,11 @@ class Parallelism:
         """Restore the codec's state from a checkpoint (see ``DataParallel``)."""
         if self.handle is not None:
             self.handle.load_state_dict(state)
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer,
+                       cleanup: contextlib.ExitStack) -> None:
+        """Called once the optimizer is built (``LocalUpdates`` checkpoints its state and
+        ends its exchanges in flight on ``cleanup``)."""
 
     def after_optimizer_step(self) -> None:
         """Called after every optimizer step (``LocalUpdates`` synchronizes here)."""
@@ -228,6 +232,11 @@ class LocalUpdates(Parallelism):
 
     #: the trainer's (inner) optimizer, set once it is built
     inner_optimizer: Any = None
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer,
+                       cleanup: contextlib.ExitStack) -> None:
+        self.inner_optimizer = optimizer  # per-rank inner state in checkpoints
+        cleanup.callback(self.handle.close)  # exchanges in flight end first
 
     def codec_state(self) -> Any:
         state = self.handle.state_dict()
@@ -284,34 +293,30 @@ class FullyShard(Parallelism):
             module.set_requires_gradient_sync(True)
 
 
-def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, policy: Any,
+def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, method: Method,
                 bucket_cap_mb: float, seed: int, diagnose: bool, nonfinite: str,
-                torch_method: str | None = None, capture: Any = None,
-                outer: dict[str, Any] | None = None) -> Parallelism:
-    """Apply ``parallel`` (none, ddp, fsdp) and the codec ``policy`` (None: no codec), or
-    under DDP PyTorch's own hook ``torch_method`` (``torch:fp16``, ...). ``capture`` (a
-    ``gradzip.capture.Capture``) records the communicated buckets: FSDP then reduces
-    through gradzip's ``none`` when no codec is given."""
+                capture: Any = None) -> Parallelism:
+    """Apply ``parallel`` (none, ddp, fsdp) and ``method``: a codec policy through
+    gradzip's hook, PyTorch's own hook (DDP), or local updates (DiLoCo: no DDP).
+    ``capture`` (a ``gradzip.capture.Capture``) records the communicated buckets: FSDP
+    then reduces through gradzip's ``none`` when no codec is given."""
     if parallel == "none":
         return Parallelism(raw, raw)
-    if parallel == "ddp" and outer is not None:
+    if isinstance(method, LocalUpdateMethod):
         from gradzip.comm.outer import DiLoCo
 
-        return LocalUpdates(raw, raw, DiLoCo(raw, seed=seed, nonfinite=nonfinite, **outer))
-    if parallel == "ddp" and torch_method is not None:
-        return _torch_hook_ddp(raw, info, torch_method, bucket_cap_mb)
+        return LocalUpdates(raw, raw, DiLoCo(raw, seed=seed, nonfinite=nonfinite,
+                                             **method.options()))
+    if isinstance(method, TorchHookMethod):
+        return _torch_hook_ddp(raw, info, method, bucket_cap_mb)
     if parallel == "ddp":
         model = apply_ddp(raw, info, bucket_cap_mb=bucket_cap_mb)
-        policy = policy if policy is not None else "none"
-        return DataParallel(raw, model, attach_codec(model, policy, seed=seed,
+        return DataParallel(raw, model, attach_codec(model, method, seed=seed,
                                                      diagnose=diagnose, nonfinite=nonfinite,
                                                      capture=capture))
     model = apply_fsdp(cast(GPT, raw), info)
-    if capture is not None and policy is None:
-        policy = "none"
-    handle = None if policy is None else attach_codec(model, policy, seed=seed,
-                                                       diagnose=diagnose, nonfinite=nonfinite,
-                                                       capture=capture)
+    handle = None if method.plain and capture is None else attach_codec(
+        model, method, seed=seed, diagnose=diagnose, nonfinite=nonfinite, capture=capture)
     return FullyShard(raw, model, handle)
 
 
@@ -333,13 +338,13 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
-def _torch_hook_ddp(raw: nn.Module, info: DistInfo, method: str,
+def _torch_hook_ddp(raw: nn.Module, info: DistInfo, method: TorchHookMethod,
                     bucket_cap_mb: float) -> DataParallel:
     """DDP with PyTorch's own comm hook (measured); powerSGD gets one bucket on gloo."""
-    from gradzip.comm.torch_hooks import attach_torch, gradient_bytes, parse_torch_method
+    from gradzip.comm.torch_hooks import attach_torch, gradient_bytes
 
-    if parse_torch_method(method)[0] == "powersgd" and dist.get_backend() == "gloo":
+    if method.hook == "powersgd" and dist.get_backend() == "gloo":
         bucket_cap_mb = max(bucket_cap_mb, gradient_bytes(raw) / 2**20 + 1.0)
     model = apply_ddp(raw, info, bucket_cap_mb=bucket_cap_mb)
-    return DataParallel(raw, model, attach_torch(model, method))
+    return DataParallel(raw, model, attach_torch(model, str(method)))
 

@@ -1,0 +1,271 @@
+"""``Method``: how gradients cross the link, parsed once where text enters.
+
+One grammar for the three kinds (``gradzip compare --methods`` and the records use it;
+``gradzip train``'s flags say the same):
+
+* ``CodecMethod`` — gradzip's hooks with a codec policy, every step:
+  ``"ef | topk(ratio=0.01)"``, or a JSON policy (per-parameter codecs, a start step);
+  ``"none"`` is the plain all-reduce through gradzip's hook.
+* ``TorchHookMethod`` — PyTorch's own DDP comm hook: ``"torch:none"``, ``"torch:fp16"``,
+  ``"torch:bf16"``, ``"torch:powersgd(rank=4, start_iter=2)"``.
+* ``LocalUpdateMethod`` — local steps, synchronized every H steps, the pseudo-gradients
+  through an optional codec: ``"diloco(sync_every=32, lr=0.7, momentum=0.9) | int8"``,
+  ``"average(sync_every=8)"`` (post-local SGD, the control).
+
+``parse_method`` is called at the edge (the CLI's flags, compare's ``--methods``,
+``attach``); everything after takes the object, whose codecs are already built (their
+specs are not parsed again). ``check`` validates it against plain values of the run
+(the parallel kind, the optimizer, clipping, the model's blocks), ``to_json`` is what a
+results record stores, ``str`` the canonical text and ``train_flags`` the ``gradzip
+train`` flags that run it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from gradzip.codecs.chain import Codec
+from gradzip.codecs.registry import SpecError
+from gradzip.comm.attach import refuse_flat, unit_group
+from gradzip.comm.outer import OUTER_KINDS, check_options
+from gradzip.comm.policy import Policy
+from gradzip.comm.torch_hooks import HOOKS, PREFIX, parse_torch_method
+
+#: parallel kinds a per-step gradzip codec runs on (``none``: one process, nothing to send)
+CODEC_PARALLEL = ("ddp", "fsdp")
+_LOCAL = re.compile(r"^\s*(\w+)\s*\((.*?)\)\s*(?:\|\s*(.+))?$|^\s*(\w+)\s*(?:\|\s*(.+))?$",
+                    re.DOTALL)
+#: ``diloco(...)`` keys -> (LocalUpdateMethod field, type, ``gradzip train`` flag)
+LOCAL_KEYS: dict[str, tuple[str, Callable[[str], Any], str]] = {
+    "sync_every": ("sync_every", int, "--sync-every"),
+    "lr": ("lr", float, "--outer-lr"),
+    "momentum": ("momentum", float, "--outer-momentum"),
+    "fragments": ("fragments", int, "--fragments"),
+    "overlap": ("overlap_steps", int, "--overlap-steps"),
+}
+
+
+@dataclass(frozen=True)
+class CodecMethod:
+    """Every step through gradzip's hook (DDP or FSDP2), with a codec policy."""
+
+    policy: Policy
+    #: the text ``none``: gradzip need not be in the path at all (FSDP2 then keeps its
+    #: own reduce-scatter); a policy that names ``none`` still attaches gradzip's hook
+    plain: bool = False
+    kind: ClassVar[str] = "codec"
+
+    def __str__(self) -> str:
+        return str(self.policy)
+
+    @property
+    def codecs(self) -> list[Codec]:
+        """The policy's codecs by group (0: the default), built once when parsed."""
+        return self.policy.codecs
+
+    @property
+    def steps_plainly(self) -> bool:
+        """A codec (DeMo) that sends the sign of its own momentum: the optimizer's step
+        must be plain SGD without clipping, or the signs would be rescaled."""
+        return any(s.name == "demo" for c in self.codecs for s in c.stages)
+
+    def to_json(self) -> Any:
+        """The codec's canonical JSON, or the policy's (groups, start step); None for
+        ``none``."""
+        if self.plain or str(self.policy) == "none":
+            return None
+        if not self.policy.groups and not self.policy.start_step:
+            return self.codecs[0].to_json()
+        return self.policy.to_json()
+
+    def check(self, *, parallel: str, optimizer: str, grad_clip: float,
+              fsdp_units: dict[str, list[str]] | None = None, **_: Any) -> None:
+        """What the run's plain values allow (ValueError naming the flag): a parallel
+        kind that communicates, DeMo's plain step, and on FSDP2 (``fsdp_units``: each
+        ``fully_shard`` unit's parameter names) what ``attach`` would refuse there."""
+        if self.plain:
+            return
+        if parallel not in CODEC_PARALLEL:
+            raise ValueError("--codec compresses communication between ranks: it needs "
+                             "--parallel ddp or fsdp (ddp also runs as a single process)")
+        if parallel == "fsdp" and fsdp_units is not None:
+            used = {unit_group(self.policy, unit, names) for unit, names in fsdp_units.items()}
+            refuse_flat([self.codecs[g] for g in sorted(used)], "FSDP2")
+        if self.steps_plainly and (optimizer != "sgd" or grad_clip):
+            raise ValueError("--codec demo sends the sign of its own momentum's top DCT "
+                             "components: the step must be plain, so use --optimizer sgd "
+                             "--grad-clip 0 (AdamW or clipping would rescale the signs)")
+
+    def train_flags(self) -> list[str]:
+        flags = ["--codec", str(self)]
+        if self.steps_plainly:  # as DeMo runs
+            flags += ["--optimizer", "sgd", "--grad-clip", "0"]
+        return flags
+
+
+@dataclass(frozen=True)
+class TorchHookMethod:
+    """PyTorch's own DDP comm hook, measured with gradzip's ``CommStats``."""
+
+    text: str  # as given: records and compare's runs are named by it
+    hook: str  # none, fp16, bf16, powersgd
+    params: dict[str, int] = field(default_factory=dict)
+    kind: ClassVar[str] = "torch"
+
+    @classmethod
+    def parse(cls, text: str) -> TorchHookMethod:
+        hook, params = parse_torch_method(text)
+        return cls(text.strip(), hook, params)
+
+    def __str__(self) -> str:
+        return self.text
+
+    def to_json(self) -> dict[str, Any]:
+        return {"torch_hook": HOOKS[self.hook], **self.params}
+
+    def check(self, *, parallel: str, **_: Any) -> None:
+        if parallel != "ddp":
+            raise ValueError(f"--codec {self} is a PyTorch DDP comm hook: it needs "
+                             f"--parallel ddp (got {parallel})")
+
+    def train_flags(self) -> list[str]:
+        return ["--codec", str(self)]
+
+
+@dataclass(frozen=True)
+class LocalUpdateMethod:
+    """Local steps on every rank, synchronized every ``sync_every`` steps: DiLoCo (an
+    outer Nesterov step on the averaged pseudo-gradient) or plain averaging."""
+
+    outer: str = "diloco"
+    sync_every: int = 32
+    lr: float = 0.7
+    momentum: float = 0.9
+    fragments: int = 1
+    overlap_steps: int = 0
+    #: the pseudo-gradients' codec; None: the fp32 all-reduce
+    codec: CodecMethod | None = None
+    kind: ClassVar[str] = "local"
+
+    def __post_init__(self) -> None:
+        check_options(self.sync_every, self.lr, self.momentum, self.outer, self.fragments,
+                      self.overlap_steps)
+
+    def __str__(self) -> str:
+        params = [f"sync_every={self.sync_every}"]
+        if self.outer == "diloco":
+            params += [f"lr={self.lr:g}", f"momentum={self.momentum:g}"]
+        if self.fragments > 1:
+            params.append(f"fragments={self.fragments}")
+        if self.overlap_steps:
+            params.append(f"overlap={self.overlap_steps}")
+        name = f"{self.outer}({', '.join(params)})"
+        return name if self.codec is None else f"{name} | {self.codec}"
+
+    @property
+    def codecs(self) -> list[Codec]:
+        return self.codec.codecs if self.codec is not None else []
+
+    def to_json(self) -> dict[str, Any]:
+        return {"outer": self.outer, "sync_every": self.sync_every, "lr": self.lr,
+                "momentum": self.momentum, "fragments": self.fragments,
+                "overlap_steps": self.overlap_steps,
+                "codec": self.codec.to_json() if self.codec is not None else None}
+
+    def check(self, *, parallel: str, blocks: int | None = None, **_: Any) -> None:
+        if parallel != "ddp":
+            raise ValueError(f"--outer {self.outer} runs data-parallel processes without "
+                             "DDP: use --parallel ddp (FSDP2 is not supported with --outer)")
+        if blocks is not None and blocks % self.fragments:
+            raise ValueError(f"--fragments {self.fragments} does not divide the model's "
+                             f"{blocks} blocks (--n-layer): choose a divisor of {blocks}")
+
+    def options(self) -> dict[str, Any]:
+        """``DiLoCo``'s keywords (``gradzip.comm.outer``)."""
+        return {"sync_every": self.sync_every, "outer_lr": self.lr,
+                "outer_momentum": self.momentum, "outer": self.outer,
+                "codec": self.codecs[0] if self.codecs else None,
+                "fragments": self.fragments, "overlap_steps": self.overlap_steps}
+
+    def train_flags(self) -> list[str]:
+        flags = ["--outer", self.outer, "--outer-codec",
+                 str(self.codec) if self.codec is not None else "none"]
+        for attr, _, flag in LOCAL_KEYS.values():
+            value = getattr(self, attr)
+            flags += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+        return flags
+
+
+Method = CodecMethod | TorchHookMethod | LocalUpdateMethod
+
+
+def parse_method(text: str | Policy | Codec | dict[str, Any] | list[Any], *,
+                 groups: dict[str, str] | None = None,
+                 start_step: int | None = None) -> Method:
+    """The method a text names (``SpecError``/``ValueError`` saying what is wrong).
+
+    ``groups`` and ``start_step`` refine a codec policy (``gradzip.attach``'s keywords,
+    ``--codec-groups`` and ``--codec-start-step``); other kinds refuse them.
+    """
+    if isinstance(text, str) and text.strip().startswith(PREFIX):
+        _refuse_policy_options(text, groups, start_step)
+        return TorchHookMethod.parse(text)
+    if isinstance(text, str) and (local := _local(text)) is not None:
+        _refuse_policy_options(text, groups, start_step)
+        return local
+    plain = isinstance(text, str) and text.strip() == "none" and not groups \
+        and not start_step
+    return CodecMethod(Policy.parse(text).with_overrides(groups, start_step), plain)
+
+
+def _refuse_policy_options(text: str, groups: dict[str, str] | None,
+                           start_step: int | None) -> None:
+    if groups or start_step:
+        raise ValueError(f"--codec-groups and --codec-start-step are gradzip policies; "
+                         f"{text.strip()} takes its own options")
+
+
+def _local(text: str) -> LocalUpdateMethod | None:
+    """``diloco(...) | CODEC`` or ``average(...)``; None when ``text`` names neither."""
+    m = _LOCAL.match(text)
+    if not m:
+        return None
+    outer, params, codec = (m.group(1), m.group(2), m.group(3)) if m.group(1) \
+        else (m.group(4), "", m.group(5))
+    if outer not in OUTER_KINDS:
+        return None
+    values: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in params.split(","))):
+        key, eq, value = (s.strip() for s in item.partition("="))
+        if not eq or key not in LOCAL_KEYS:
+            raise ValueError(f"method {text.strip()!r}: {outer}(...) takes "
+                             f"{', '.join(k + '=' for k in LOCAL_KEYS)}, got {item!r}")
+        attr, kind, _ = LOCAL_KEYS[key]
+        try:
+            values[attr] = kind(value)
+        except ValueError:
+            raise ValueError(f"method {text.strip()!r}: {key} must be a number, "
+                             f"got {value!r}") from None
+    spec = (codec or "none").strip()
+    pseudo = None if spec == "none" else CodecMethod(Policy.parse(spec))
+    return LocalUpdateMethod(outer=outer, codec=pseudo, **values)
+
+
+def local_method(outer: str, *, sync_every: int, lr: float, momentum: float,
+                 fragments: int, overlap_steps: int, codec: str) -> LocalUpdateMethod:
+    """The local-update method of ``gradzip train``'s --outer flags."""
+    pseudo = None if codec.strip() == "none" else CodecMethod(Policy.parse(codec))
+    return LocalUpdateMethod(outer, sync_every, lr, momentum, fragments, overlap_steps,
+                             pseudo)
+
+
+def every_codec(methods: Iterable[Method]) -> list[Codec]:
+    """The codecs the methods use (to compile their kernels before a run is timed)."""
+    return [c for m in methods if not isinstance(m, TorchHookMethod) for c in m.codecs]
+
+
+__all__ = ["CodecMethod", "LocalUpdateMethod", "Method", "SpecError", "TorchHookMethod",
+           "every_codec", "local_method", "parse_method"]

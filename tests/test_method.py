@@ -1,0 +1,161 @@
+"""``Method``: one grammar for how gradients cross the link, parsed once where text enters.
+
+The units check the grammar (every kind, its canonical text, its JSON, the ``gradzip
+train`` flags it maps to, the errors); the last test counts, from outside the code
+(a profile hook in ``sitecustomize``), how often a 2-rank DDP ``gradzip train`` parses
+a codec spec on each rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from train_helpers import flags, last_result, launch
+
+from gradzip.codecs import Codec, SpecError
+from gradzip.comm.method import (
+    CodecMethod,
+    LocalUpdateMethod,
+    TorchHookMethod,
+    every_codec,
+    parse_method,
+)
+
+
+def test_each_kind_parses_to_its_type_and_back_to_its_text() -> None:
+    codec = parse_method("ef | topk(ratio=0.01)")
+    assert isinstance(codec, CodecMethod) and str(codec) == "ef | topk(ratio=0.01)"
+    assert codec.to_json() == Codec.from_spec("ef | topk(ratio=0.01)").to_json()
+    assert parse_method("none").plain and parse_method("none").to_json() is None
+    # a policy naming `none` still goes through gradzip's hook (FSDP2 attaches it)
+    assert not parse_method('{"codec": "none"}').plain
+
+    hook = parse_method(" torch:powersgd(rank=4) ")
+    assert isinstance(hook, TorchHookMethod) and str(hook) == "torch:powersgd(rank=4)"
+    assert hook.to_json() == {"torch_hook": "powerSGD_hook", "rank": 4, "start_iter": 2}
+
+    local = parse_method("diloco(sync_every=16, lr=0.5) | int8")
+    assert isinstance(local, LocalUpdateMethod)
+    assert (local.sync_every, local.lr, local.momentum) == (16, 0.5, 0.9)
+    assert str(local) == "diloco(sync_every=16, lr=0.5, momentum=0.9) | int8"
+    assert str(parse_method(str(local))) == str(local)  # the canonical text parses back
+    assert parse_method("average(sync_every=8)").codec is None
+
+
+def test_a_policy_with_groups_keeps_every_codec_built_once() -> None:
+    method = parse_method("qsgd", groups={"*.bias,*norm*": "none"}, start_step=3)
+    assert isinstance(method, CodecMethod)
+    assert [str(c) for c in method.codecs] == ["qsgd", "none"]
+    assert method.policy.start_step == 3 and not method.plain
+    assert method.to_json() == {"codec": "qsgd", "start_step": 3,
+                                "groups": [{"params": ["*.bias", "*norm*"], "codec": "none"}]}
+    # the prototypes are copied, never parsed again, and the copies share no state
+    a, b = (c.fresh(rank=r) for r, c in enumerate(method.codecs[:1] * 2))
+    assert str(a) == str(b) == "qsgd" and a.state is not b.state
+
+
+@pytest.mark.parametrize("text, error, match", [
+    ("ef | bogus", SpecError, "bogus"),
+    ("diloco(H=3)", ValueError, "takes sync_every="),
+    ("diloco(sync_every=x)", ValueError, "sync_every must be a number"),
+    ("diloco(sync_every=0)", ValueError, "sync_every"),
+    ("average(sync_every=4) | topk(ratio=7)", SpecError, "ratio"),
+    ("torch:qsgd", ValueError, "unknown PyTorch hook"),
+])
+def test_a_bad_method_says_what_is_wrong(text: str, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        parse_method(text)
+
+
+def test_policy_options_belong_to_codec_methods_only() -> None:
+    with pytest.raises(ValueError, match="gradzip policies; torch:fp16 takes its own"):
+        parse_method("torch:fp16", start_step=3)
+    with pytest.raises(ValueError, match="gradzip policies"):
+        parse_method("diloco(sync_every=4)", groups={"*.bias": "none"})
+
+
+def test_checks_take_plain_values_and_each_rule_is_written_once() -> None:
+    with pytest.raises(ValueError, match="needs --parallel ddp or fsdp"):
+        parse_method("qsgd").check(parallel="none", optimizer="adamw", grad_clip=1.0)
+    # nothing to send, nothing to refuse
+    parse_method("none").check(parallel="none", optimizer="adamw", grad_clip=1.0)
+    with pytest.raises(ValueError, match="--optimizer sgd --grad-clip 0"):
+        parse_method("demo").check(parallel="ddp", optimizer="adamw", grad_clip=1.0)
+    parse_method("demo").check(parallel="ddp", optimizer="sgd", grad_clip=0.0)
+    with pytest.raises(ValueError, match="needs --parallel ddp"):
+        parse_method("torch:fp16").check(parallel="fsdp", optimizer="adamw", grad_clip=1.0)
+    with pytest.raises(ValueError, match="does not divide the model's 4 blocks"):
+        parse_method("diloco(sync_every=8, fragments=3)").check(
+            parallel="ddp", optimizer="adamw", grad_clip=1.0, blocks=4)
+    units = {"": ["emb.weight"], "blocks.0": ["blocks.0.attn.weight", "blocks.0.norm.w"]}
+    with pytest.raises(SpecError, match="different codecs"):
+        parse_method("qsgd", groups={"*norm*": "none"}).check(
+            parallel="fsdp", optimizer="adamw", grad_clip=1.0, fsdp_units=units)
+
+
+def test_demo_runs_with_the_plain_step_it_needs() -> None:
+    assert parse_method("demo(topk=8)").train_flags() == [
+        "--codec", "demo(topk=8)", "--optimizer", "sgd", "--grad-clip", "0"]
+
+
+def test_local_update_defaults_are_the_trainers() -> None:
+    """A compare method that leaves an option out runs with the value ``gradzip train``
+    would use, so a record's method name and its run agree."""
+    from gradzip.train.config import TrainConfig, method_of
+
+    t = TrainConfig(outer="diloco", parallel="ddp")
+    assert method_of(t) == LocalUpdateMethod()
+    assert dataclasses.asdict(method_of(dataclasses.replace(t, outer="average"))) == \
+        dataclasses.asdict(LocalUpdateMethod(outer="average"))
+
+
+def test_every_codec_lists_the_codecs_a_run_compiles() -> None:
+    methods = [parse_method("qsgd | eg", groups={"*norm*": "int8"}),
+               parse_method("torch:fp16"), parse_method("diloco(sync_every=4) | int8 | ans")]
+    assert [str(c) for c in every_codec(methods)] == ["qsgd | eg", "int8", "int8 | ans"]
+
+
+COUNTER = '''
+import os, sys, threading
+_OUT = os.environ["GRADZIP_COUNT_PARSES"]
+_FILE = os.path.join("gradzip", "codecs", "spec.py")
+
+def _count(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "parse_options" \\
+            and frame.f_code.co_filename.endswith(_FILE):
+        with open(os.path.join(_OUT, str(os.getpid())), "a") as f:
+            f.write("parse\\n")
+
+sys.setprofile(_count)
+threading.setprofile(_count)
+'''
+
+
+@pytest.mark.dist
+def test_a_ddp_run_parses_its_spec_at_most_twice_per_rank(cache: Path,
+                                                          tmp_path: Path) -> None:
+    """Counted from outside: a ``sitecustomize`` profile hook writes a line per call of
+    the spec grammar's entry (``codecs.spec.parse_options``) per process. Once when the
+    flags are validated, once when the trainer builds its method; warming the kernels,
+    every rank's codec, the group codecs and the record reuse those (``Codec.fresh``)."""
+    hook_dir, counts = tmp_path / "hook", tmp_path / "counts"
+    hook_dir.mkdir()
+    counts.mkdir()
+    (hook_dir / "sitecustomize.py").write_text(COUNTER)
+    env = {**os.environ, "GRADZIP_COUNT_PARSES": str(counts),
+           "PYTHONPATH": os.pathsep.join([str(hook_dir), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "run"
+    argv = [*launch(2), "-m", "gradzip", "train",
+            *flags(cache, out, "--parallel", "ddp", "--codec", "ef | topk(ratio=0.1) | eg",
+                   "--max-steps", "3")]
+    subprocess.run(argv, check=True, env=env, timeout=300, capture_output=True)
+    per_process = [len(f.read_text().splitlines()) for f in sorted(counts.iterdir())]
+    assert len(per_process) == 2, per_process  # the two ranks (torchrun parses nothing)
+    assert all(1 <= n <= 2 for n in per_process), per_process
+    record = last_result(out)
+    assert record["method"] == "ef | topk(ratio=0.1) | eg"
+    assert record["codec_config"] == Codec.from_spec("ef | topk(ratio=0.1) | eg").to_json()
