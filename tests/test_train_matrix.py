@@ -204,6 +204,7 @@ def _matrix(rank: int, jobs: list[dict[str, Any]], root: str) -> dict[str, Any]:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
     from gradzip.codecs.registry import SpecError
     from gradzip.train import loop, parallel
+    from gradzip.train.components import Components, build_optimizer
     from gradzip.train.model import GPT
 
     made: list[tuple[GPT, dict[str, torch.Tensor]]] = []
@@ -230,35 +231,32 @@ def _matrix(rank: int, jobs: list[dict[str, Any]], root: str) -> dict[str, Any]:
 
     data = _Data()
     results: dict[str, Any] = {}
-    build_optimizer, parallelize, gpt = loop.build_optimizer, loop.parallelize, loop.GPT
-    loop.GPT = Recorded
-    try:
-        for job in jobs:
-            out = Path(root) / job["name"]
-            loop.build_optimizer = sgd if job.get("sgd") else build_optimizer
-            loop.parallelize = ddp_without_hook if job.get("no_hook") else parallelize
-            made.clear()
-            seen.clear()
-            try:
-                rec = loop.train(_job(out, **job["job"]), data=data, make_loader=_Loader)
-            except SpecError as e:
-                if not job.get("expect_error"):
-                    raise
-                results[job["name"]] = {"error": str(e)}
-                continue
-            model, initial = made[-1]
-            results[job["name"]] = {
-                "losses": _logged_losses(out, rank),
-                "record": {k: rec[k] for k in ("train_loss", "val_loss", "aggregation",
-                                               "bytes_raw_total", "bytes_wire_total",
-                                               "comm_time_ms_by_op", "steps", "grad_accum",
-                                               "replicas_identical")},
-                "initial": initial,
-                "weights": {n: _full(p) for n, p in model.named_parameters()},
-                "grads": list(seen),
-            }
-    finally:
-        loop.build_optimizer, loop.parallelize, loop.GPT = build_optimizer, parallelize, gpt
+    for job in jobs:
+        out = Path(root) / job["name"]
+        parts = Components(  # the trainer's parts, injected: the recorded model, ...
+            model=Recorded, optimizer=sgd if job.get("sgd") else build_optimizer,
+            parallelize=ddp_without_hook if job.get("no_hook") else parallel.parallelize,
+            data=data, make_loader=_Loader)
+        made.clear()
+        seen.clear()
+        try:
+            rec = loop.train(_job(out, **job["job"]), components=parts)
+        except SpecError as e:
+            if not job.get("expect_error"):
+                raise
+            results[job["name"]] = {"error": str(e)}
+            continue
+        model, initial = made[-1]
+        results[job["name"]] = {
+            "losses": _logged_losses(out, rank),
+            "record": {k: rec[k] for k in ("train_loss", "val_loss", "aggregation",
+                                           "bytes_raw_total", "bytes_wire_total",
+                                           "comm_time_ms_by_op", "steps", "grad_accum",
+                                           "replicas_identical")},
+            "initial": initial,
+            "weights": {n: _full(p) for n, p in model.named_parameters()},
+            "grads": list(seen),
+        }
     return results
 
 

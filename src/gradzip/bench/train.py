@@ -8,6 +8,14 @@ which overlaps backward under DDP.
 
 The CPU is split evenly: one process gets ``cores`` intra-op threads, each of N ranks
 gets ``cores / N``, so the comparison is the same hardware used two ways.
+
+``--profile`` also runs torch.profiler over the timed steps of each run and holds its
+figures to the trainer's own timers, per rank (``profile_check`` in the JSON): the
+profiler's communication time per step within 0.5x-1.5x of the timers' (or 5 ms above
+them, whichever is looser), and its step time within 10% (or 2 ms). The two measure
+the same collectives differently (gloo's worker-thread ranges against launch-to-
+completion), so on 2 busy cores they differ by scheduling delays: measured
+-0.8..+3.9 ms per step. These are benchmark bars, not test assertions.
 """
 
 from __future__ import annotations
@@ -39,7 +47,31 @@ def register(sub: Any) -> None:
                    help="CPU cores to split between the ranks (default: all)")
     p.add_argument("--out", default="runs/bench-train", help="directory for the runs")
     p.add_argument("--json", action="store_true", help="print the records as JSON lines")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the timed steps and check the profiler against the timers")
     p.set_defaults(func=run)
+
+
+#: how far the profiler may read from the trainer's timers, per step (see the docstring)
+COMM_BAR = (0.5, 1.5, 5.0)  # lower factor, upper factor, or this many ms above
+STEP_BAR = (0.10, 2.0)  # relative, or this many ms
+
+
+def profile_check(run_dir: Path, ranks: int) -> list[dict[str, Any]]:
+    """Per rank: the profiler's and the timers' comm and step ms, and whether each
+    agrees within its bar."""
+    rows = []
+    for rank in range(ranks):
+        summary = json.loads((run_dir / "profile" / f"summary_rank{rank}.json").read_text())
+        prof, timers = summary["profiler"], summary["timers"]
+        comm, step = timers.get("comm", 0.0), timers["step"]
+        low, high, slack = COMM_BAR
+        comm_ok = low * comm <= prof["comm_ms"] <= max(high * comm, comm + slack)
+        step_ok = abs(prof["step_ms"] - step) <= max(STEP_BAR[0] * step, STEP_BAR[1])
+        rows.append({"rank": rank, "profiler_comm_ms": prof["comm_ms"], "timers_comm_ms": comm,
+                     "profiler_step_ms": prof["step_ms"], "timers_step_ms": step,
+                     "comm_within_bar": comm_ok, "step_within_bar": step_ok})
+    return rows
 
 
 def launch(n: int, codec: str, run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -54,6 +86,9 @@ def launch(n: int, codec: str, run_dir: Path, args: argparse.Namespace) -> dict[
         "--log-every", str(args.steps), "--no-progress", "--no-tensorboard", "--out", str(run_dir),
         "--results-file", str(Path(args.out) / "results.jsonl"),
     ]
+    if args.profile:  # the timed steps, with no logging or evaluation inside them
+        train_args += ["--profile", "--profile-steps", f"{args.warmup + 1}:{args.steps}",
+                       "--log-every", str(args.steps + 1)]
     if n == 1:
         cmd = [sys.executable, "-m", "gradzip", *train_args]
     else:
@@ -63,7 +98,10 @@ def launch(n: int, codec: str, run_dir: Path, args: argparse.Namespace) -> dict[
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark run failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
-    return json.loads((run_dir / "results.jsonl").read_text().splitlines()[-1])
+    record = json.loads((run_dir / "results.jsonl").read_text().splitlines()[-1])
+    if args.profile:
+        record["profile_check"] = profile_check(run_dir, n)
+    return record
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,5 +143,17 @@ def run(args: argparse.Namespace) -> int:
     if not console.is_terminal:  # a log file: do not squeeze the table into 80 columns
         console = Console(width=160)
     console.print(table)
+    if args.profile:
+        _print_profile_checks(records)
     print(f"records appended to {Path(args.out) / 'results.jsonl'}")
     return 0
+
+
+def _print_profile_checks(records: list[dict[str, Any]]) -> None:
+    for r in records:
+        for c in r["profile_check"]:
+            verdict = "within" if c["comm_within_bar"] and c["step_within_bar"] else "OUTSIDE"
+            print(f"{r['world_size']} ranks, {r['codec']}, rank {c['rank']}: profiler comm "
+                  f"{c['profiler_comm_ms']:.1f} ms vs timers {c['timers_comm_ms']:.1f} ms, "
+                  f"step {c['profiler_step_ms']:.1f} vs {c['timers_step_ms']:.1f} ms: "
+                  f"{verdict} the bars")

@@ -15,6 +15,7 @@ codec's ``CommStats``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -26,10 +27,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from gradzip.comm.method import LocalUpdateMethod, Method, every_codec
 from gradzip.train import checkpoint as ckpt
+from gradzip.train.components import Components
 from gradzip.train.config import (
     JobConfig,
     OptimConfig,
@@ -50,7 +51,6 @@ from gradzip.train.metrics import (
     peak_memory,
     require_wandb,
 )
-from gradzip.train.model import GPT
 from gradzip.train.parallel import (
     DistInfo,
     Parallelism,
@@ -58,7 +58,6 @@ from gradzip.train.parallel import (
     any_rank,
     destroy_distributed,
     init_distributed,
-    parallelize,
     replicas_identical,
 )
 from gradzip.train.profiling import maybe_enable_profiling
@@ -76,19 +75,6 @@ def lr_at(step: int, o: OptimConfig, max_steps: int) -> float:
     return floor + (o.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW (or plain SGD); weight decay on matrices (and embeddings) only, not on norms
-    and biases (decoupled in AdamW, an L2 term in SGD)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    if o.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=o.lr, momentum=0.0)
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-
-
 def load_data(cfg: JobConfig, info: DistInfo) -> Any:
     """Tokenizer and train/val token shards (rank 0 builds the cache, others wait)."""
     from gradzip.train.data import DataConfig, prepare_data
@@ -100,20 +86,25 @@ def load_data(cfg: JobConfig, info: DistInfo) -> Any:
     return prepare_data(dcfg, rank=info.rank, world_size=info.world_size)
 
 
-def train(cfg: JobConfig, *, data: Any = None,
+def train(cfg: JobConfig, *, components: Components | None = None, data: Any = None,
           make_loader: Callable[..., Any] | None = None) -> dict[str, Any]:
     """Run (or resume) a training run; returns its results record.
 
-    ``data`` (tokenizer, train, val) and ``make_loader`` default to
-    ``gradzip.train.data``; tests pass small in-memory ones.
+    ``components`` builds the model, optimizer, parallelism and data (default: what
+    ``gradzip train`` uses; ``components.py``); ``data`` (tokenizer, train, val) and
+    ``make_loader`` are shorthands for those two of its fields.
     """
+    parts = dataclasses.replace(components or Components(),
+                                **({"data": data} if data is not None else {}),
+                                **({"make_loader": make_loader}
+                                   if make_loader is not None else {}))
     was_initialized = torch.distributed.is_initialized()
     info = init_distributed(cfg.train.parallel, cfg.train.device)
     try:
         # ``cleanup`` stops the loader's prefetch thread and closes the log files and
         # TensorBoard writer however the run ends (an error included).
         with contextlib.ExitStack() as cleanup:
-            return Trainer(cfg, info, data, make_loader, cleanup).train()
+            return Trainer(cfg, info, parts, cleanup).train()
     finally:
         if not was_initialized:
             destroy_distributed()
@@ -156,8 +147,8 @@ def validation_problem(data: Any, make_loader: Callable[..., Any], cfg: JobConfi
 class Trainer:
     """One run: its setup, and the loop in three levels (micro-batch, step, run)."""
 
-    def __init__(self, cfg: JobConfig, info: DistInfo, data: Any,
-                 make_loader: Callable[..., Any] | None, cleanup: contextlib.ExitStack) -> None:
+    def __init__(self, cfg: JobConfig, info: DistInfo, parts: Components,
+                 cleanup: contextlib.ExitStack) -> None:
         self.cfg, self.info, self.device = cfg, info, info.device
         t, o, r, d = cfg.train, cfg.optim, cfg.run, cfg.data
         #: how gradients cross the link, parsed once for the whole run
@@ -172,7 +163,8 @@ class Trainer:
         self.skipped_checkpoints: list[str] = []
         self.resume_from = self._find_resume()
         _set_seeds(t.seed)
-        self.data = data if data is not None else load_data(cfg, info)
+        self.data = parts.data if parts.data is not None else load_data(cfg, info)
+        make_loader = parts.make_loader
         if make_loader is None:
             from gradzip.train.data import BatchLoader
 
@@ -181,17 +173,17 @@ class Trainer:
         self.no_eval = validation_problem(self.data, make_loader, cfg, info)
         self._size_vocab()
         self._write_run_files()
-        raw = GPT(cfg.model).to(self.device)
-        self.n_params = raw.num_params()
+        raw = parts.model(cfg.model).to(self.device)
+        self.n_params = sum(p.numel() for p in raw.parameters())  # tied weights once
         self.capture = self._make_capture(cleanup)
-        self.par: Parallelism = parallelize(
+        self.par: Parallelism = parts.parallelize(
             raw, info, parallel=t.parallel, method=self.method,
             bucket_cap_mb=t.bucket_cap_mb, seed=t.seed, diagnose=t.diagnose,
             nonfinite=nonfinite_policy(t), capture=self.capture)
         self.model = self.par.model
         #: seconds compiling the codecs' kernels, before the clock starts (not training)
         self.compile_s = warm_codecs(self.method)
-        self.optimizer = build_optimizer(self.model, o)
+        self.optimizer = parts.optimizer(self.model, o)
         self.par.bind_optimizer(self.optimizer, cleanup)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.dtype == "fp16")
         self.loader = make_loader(self.data.train, batch_size=d.batch_size, seq_len=d.seq_len,

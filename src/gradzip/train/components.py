@@ -1,0 +1,58 @@
+"""What a training run is built from, each part with a default.
+
+The ``Trainer`` builds its model, optimizer, parallelism and data through a
+``Components`` object (the ``build`` pattern of torchtitan's components): the defaults
+are gradzip's GPT, AdamW (or SGD), ``parallel.parallelize`` and the prepared corpus; a
+test or a user script passes its own instead of patching module globals::
+
+    sgd = Components(optimizer=lambda model, o: SGD(model.parameters(), lr=o.lr))
+    train(cfg, components=sgd)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradzip.train.config import ModelConfig, OptimConfig
+from gradzip.train.model import GPT
+from gradzip.train.parallel import Parallelism, parallelize
+
+
+def build_model(m: ModelConfig) -> nn.Module:
+    """The GPT of ``m`` (on the CPU; the trainer moves it to its device)."""
+    return GPT(m)
+
+
+def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW (or plain SGD); weight decay on matrices (and embeddings) only, not on norms
+    and biases (decoupled in AdamW, an L2 term in SGD)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    if o.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=0.0)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+@dataclass
+class Components:
+    """The parts of a run; each default is what ``gradzip train`` uses."""
+
+    #: ModelConfig -> the unwrapped model
+    model: Callable[[ModelConfig], nn.Module] = field(default=build_model)
+    #: (the model the loop runs, OptimConfig) -> its optimizer
+    optimizer: Callable[[nn.Module, OptimConfig], torch.optim.Optimizer] = \
+        field(default=build_optimizer)
+    #: (raw model, DistInfo, keyword settings of ``parallel.parallelize``) -> Parallelism
+    parallelize: Callable[..., Parallelism] = field(default=parallelize)
+    #: tokenizer, train and val splits; None: prepared from the configured sources
+    data: Any = None
+    #: the batch loader class; None: ``gradzip.train.data.BatchLoader``
+    make_loader: Callable[..., Any] | None = None
