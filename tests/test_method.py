@@ -105,7 +105,8 @@ def test_demo_runs_with_the_plain_step_it_needs() -> None:
 def test_local_update_defaults_are_the_trainers() -> None:
     """A compare method that leaves an option out runs with the value ``gradzip train``
     would use, so a record's method name and its run agree."""
-    from gradzip.train.config import TrainConfig, method_of
+    from gradzip.train.checks import method_of
+    from gradzip.train.config import TrainConfig
 
     t = TrainConfig(outer="diloco", parallel="ddp")
     assert method_of(t) == LocalUpdateMethod()

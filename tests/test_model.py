@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from gradzip.train.config import ModelConfig, resolve
+from gradzip.train.config import ModelConfig
+from gradzip.train.configure import resolve
 from gradzip.train.generate import generate, sample_next
 from gradzip.train.model import GPT, ffn_hidden
 

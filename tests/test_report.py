@@ -252,7 +252,8 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_a_diloco_record_is_named_by_its_method_not_taken_for_the_baseline() -> None:
     """A DiLoCo run's codec is ``none`` (no per-step codec): named by ``codec`` it was
     listed as ``none`` and, beside a plain DDP ``none`` run, replaced it silently."""
-    from gradzip.train.config import TrainConfig, method_of
+    from gradzip.train.checks import method_of
+    from gradzip.train.config import TrainConfig
 
     diloco = TrainConfig(outer="diloco", sync_every=32, outer_codec="int8")
     name = str(method_of(diloco))

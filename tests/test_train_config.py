@@ -11,7 +11,8 @@ from train_helpers import flags
 
 from gradzip.cli import build_parser, main
 from gradzip.commands.train import resolve_args
-from gradzip.train.config import SECTIONS, JobConfig, field_docs, presets, resolve
+from gradzip.train.config import SECTIONS, JobConfig, field_docs
+from gradzip.train.configure import presets, resolve
 
 
 def parse(*argv: str) -> JobConfig:
@@ -101,7 +102,8 @@ def test_missing_files_are_clear_errors(tmp_path: Path) -> None:
 def test_nonfinite_policy_lets_a_grad_scaler_see_inf_under_fp16() -> None:
     """fp16's GradScaler skips steps with Inf/NaN gradients: the codec must pass them on
     (propagate) rather than stop the step; elsewhere a NaN is an error naming the tensor."""
-    from gradzip.train.config import TrainConfig, nonfinite_policy
+    from gradzip.train.checks import nonfinite_policy
+    from gradzip.train.config import TrainConfig
 
     assert nonfinite_policy(TrainConfig(dtype="fp16")) == "propagate"
     assert nonfinite_policy(TrainConfig(dtype="bf16")) == "error"

@@ -59,7 +59,7 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 
 def register(sub: Any) -> None:
-    from gradzip.train.config import presets
+    from gradzip.train.configure import presets
 
     p = sub.add_parser(
         "train", help=HELP,
@@ -83,7 +83,8 @@ def resolve_args(args: argparse.Namespace) -> Any:
     On --resume the saved config is the base, and a change of the lr schedule's end is
     refused here (``check_schedule``), before anything else happens.
     """
-    from gradzip.train.config import JobConfig, resolve
+    from gradzip.train.config import JobConfig
+    from gradzip.train.configure import resolve
 
     cli = cli_overrides(args)
     base = saved_config(cli, args.config) if cli.get("run", {}).get("resume") else None
@@ -99,7 +100,7 @@ def saved_config(cli: dict[str, dict[str, Any]], config_file: str | None) -> dic
     Its ``allow_schedule_change`` is dropped: that permission is for one resume, the one
     whose flags give it, not for every later resume of the run.
     """
-    from gradzip.train.config import read_config_file
+    from gradzip.train.configure import read_config_file
 
     out = cli.get("run", {}).get("out")
     if out is None and config_file:

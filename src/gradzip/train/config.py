@@ -1,19 +1,14 @@
-"""Training configuration: dataclasses with a docstring per field, presets in files.
+"""Training configuration: one dataclass per concern, a docstring per field.
 
-A run's configuration is resolved in layers, later ones winning:
+Three modules, one concern each:
 
-1. the dataclass defaults below (every default has a comment saying why);
-2. the model preset ``presets/<model>.json`` (it may also set data and optimizer fields);
-3. a config file (``--config run.toml`` or ``.json``, same sections as below);
-4. command-line flags, e.g. ``--model small --lr 3e-4``.
-
-With ``--resume`` the saved ``config.json`` of the run replaces layers 1-2, so a resumed
-run keeps its settings unless a flag says otherwise (typically ``--max-steps``).
-The resolved configuration is written to ``<out>/config.json``, which is itself a
-valid config file; its paths are absolute, so it means the same files from any directory.
-
-The field docstrings are the ``--help`` text: ``field_docs`` reads them from this
-file's source, so documentation and CLI cannot drift apart.
+* this one: the sections (model, data, optimizer, loop, run directory) and
+  ``JobConfig``; the field docstrings are the ``--help`` text (``field_docs`` reads
+  them from this file's source, so documentation and CLI cannot drift apart);
+* ``checks.py``: what values can work (``JobConfig.validate``), each check on plain
+  values, the run's ``Method`` among them;
+* ``configure.py``: how a run's configuration is resolved in layers (defaults, model
+  preset, config file, flags; or a saved ``config.json`` on ``--resume``).
 """
 
 from __future__ import annotations
@@ -21,14 +16,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-import json
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PRESET_DIR = Path(__file__).parent / "presets"
 BUILTIN_SOURCE = "stdlib"  # the one source name that is not a path (data.sources.open_source)
 
 
@@ -266,6 +258,8 @@ class JobConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobConfig:
+        from gradzip.train.configure import apply_overrides
+
         cfg = cls()
         apply_overrides(cfg, d, origin="config")
         return cfg
@@ -277,14 +271,9 @@ class JobConfig:
         those), so a bad option fails at once, under --print-config too, before any data
         is prepared or anything is written.
         """
-        _check_model(self.model)
-        _check_data(self.data, self.model)
-        _check_optim(self.optim)
-        _check_train(self.train, self.run)
-        method = method_of(self.train)  # parsed here, once: its errors name the flag
-        check_method(method, parallel=self.train.parallel, optimizer=self.optim.optimizer,
-                     grad_clip=self.optim.grad_clip, model=self.model)
-        _check_capture(self, method)
+        from gradzip.train.checks import validate
+
+        validate(self)
 
     def schedule_horizon(self) -> int:
         """The step at which the cosine lr reaches its floor: decay_steps, else max_steps."""
@@ -323,217 +312,6 @@ def _absolute_source(spec: str) -> str:
     return _absolute(name) + spec[len(name):]
 
 
-def _at_least(minimum: float, options: list[tuple[str, float]]) -> None:
-    """Raise for the first ``(flag, value)`` below ``minimum``."""
-    for flag, value in options:
-        if value < minimum:
-            raise ValueError(f"{flag} must be >= {minimum}, got {value}")
-
-
-def _check_model(m: ModelConfig) -> None:
-    """Architecture values GPT(...) would reject, or build into something broken."""
-    _choice("--norm", m.norm, ("rmsnorm", "layernorm"))
-    _choice("--pos", m.pos, ("rope", "learned"))
-    _choice("--mlp", m.mlp, ("swiglu", "gelu"))
-    _at_least(1, [("--n-layer", m.n_layer), ("--n-head", m.n_head), ("--dim", m.dim),
-                  ("--max-seq-len", m.max_seq_len)])
-    _at_least(0, [("--n-kv-head", m.n_kv_head), ("--ffn-dim", m.ffn_dim),
-                  ("--model-vocab-size", m.vocab_size), ("--init-std", m.init_std)])
-    if m.dim % m.n_head:
-        raise ValueError(f"--dim {m.dim} must be divisible by --n-head {m.n_head}")
-    kv = m.n_kv_head or m.n_head
-    if m.n_head % kv:
-        raise ValueError(f"--n-head {m.n_head} must be divisible by --n-kv-head {kv}")
-    if m.pos == "rope" and (m.dim // m.n_head) % 2:
-        raise ValueError("RoPE needs an even head size (dim / n_head)")
-    if not 0 <= m.dropout < 1 or m.norm_eps <= 0 or m.rope_theta <= 0:
-        raise ValueError("--dropout must be in [0, 1), --norm-eps and --rope-theta > 0")
-
-
-def _check_data(d: DataOptions, m: ModelConfig) -> None:
-    """Data values the preparation step would reject after creating its cache."""
-    from gradzip.train.data.sources import parse_spec
-
-    if not d.sources:
-        raise ValueError("--dataset needs at least one source (e.g. stdlib)")
-    for spec in d.sources:
-        parse_spec(spec)  # a bad :WEIGHT
-    _at_least(1, [("--seq-len", d.seq_len), ("--batch-size", d.batch_size)])
-    _at_least(0, [("--max-tokens", d.max_tokens), ("--prefetch", d.prefetch)])
-    if not d.tokenizer and d.vocab_size < 257:
-        raise ValueError(f"--vocab-size must be >= 257 (256 bytes + end of text), "
-                         f"got {d.vocab_size}")
-    if d.seq_len > m.max_seq_len:
-        raise ValueError(f"--seq-len {d.seq_len} exceeds the model's --max-seq-len "
-                         f"{m.max_seq_len}")
-    if not 0 <= d.val_fraction < 1:  # 0: no validation data, the run does not evaluate
-        raise ValueError(f"--val-fraction must be in [0, 1), got {d.val_fraction}")
-
-
-def _check_optim(o: OptimConfig) -> None:
-    """Optimizer values AdamW or the schedule would reject once the model is built."""
-    _choice("--optimizer", o.optimizer, ("adamw", "sgd"))
-    if o.lr <= 0 or not 0 <= o.min_lr_ratio <= 1:
-        raise ValueError("--lr must be > 0 and --min-lr-ratio in [0, 1]")
-    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
-        raise ValueError(f"--beta1 and --beta2 must be in [0, 1), got {o.beta1}, {o.beta2}")
-    _at_least(1, [("--grad-accum", o.grad_accum)])
-    _at_least(0, [("--warmup-steps", o.warmup_steps), ("--decay-steps", o.decay_steps),
-                  ("--weight-decay", o.weight_decay), ("--eps", o.eps),
-                  ("--grad-clip", o.grad_clip)])
-
-
-def _check_train(t: TrainConfig, r: RunConfig) -> None:
-    """Loop and run-directory values (the files and devices are checked before the run)."""
-    _choice("--device", t.device, ("auto", "cpu", "cuda"))
-    _choice("--dtype", t.dtype, ("fp32", "bf16", "fp16"))
-    _choice("--parallel", t.parallel, ("none", "ddp", "fsdp"))
-    _choice("--nonfinite", t.nonfinite, ("auto", "error", "propagate"))
-    _at_least(1, [("--max-steps", t.max_steps), ("--eval-steps", t.eval_steps),
-                  ("--log-every", r.log_every), ("--keep-ckpts", r.keep_ckpts)])
-    _at_least(0, [("--max-time", t.max_time), ("--eval-every", t.eval_every),
-                  ("--ckpt-every", r.ckpt_every), ("--threads", t.threads),
-                  ("--target-loss", t.target_loss), ("--timing-warmup", r.timing_warmup),
-                  ("--codec-start-step", t.codec_start_step),
-                  ("--ppl-budget-s", t.ppl_budget_s)])
-    if not 0 <= t.seed < 2**32:  # NumPy's seed range
-        raise ValueError(f"--seed must be in [0, 2**32), got {t.seed}")
-    if t.bucket_cap_mb <= 0:
-        raise ValueError(f"--bucket-cap-mb must be > 0, got {t.bucket_cap_mb}")
-    if t.dtype == "fp16" and t.device == "cpu":
-        raise ValueError("--dtype fp16 needs CUDA (its grad scaler); use bf16 on CPU")
-    first, _ = parse_profile_steps(r.profile_steps)
-    if r.profile and first > t.max_steps:
-        raise ValueError(f"--profile-steps {r.profile_steps} starts after --max-steps "
-                         f"{t.max_steps}: nothing would be profiled")
-
-
-def _check_capture(cfg: JobConfig, method: Any) -> None:
-    """Capture options: parseable, and a path that communicates through gradzip."""
-    r, t = cfg.run, cfg.train
-    if not r.capture:
-        if r.capture_every or r.capture_steps or r.capture_budget or r.capture_aggregated:
-            raise ValueError("--capture-every/-steps/-budget/-aggregated need --capture DIR")
-        return
-    if t.parallel == "none":
-        raise ValueError("--capture records what ranks communicate: use --parallel ddp or "
-                         "fsdp (under torchrun, or one process)")
-    if method.kind != "codec":
-        raise ValueError(f"--capture wraps gradzip's per-step hooks, not {method}; use a "
-                         "gradzip codec (`none` for the plain all-reduce)")
-    _at_least(0, [("--capture-every", r.capture_every)])
-    capture_schedule(r)
-
-
-def capture_schedule(r: RunConfig) -> dict[str, Any]:
-    """The ``gradzip.capture.Capture`` keywords of the --capture-* options."""
-    from gradzip.capture.layout import parse_size
-
-    try:
-        steps = ([int(s) for s in r.capture_steps.split(",") if s.strip()]
-                 if r.capture_steps else None)
-    except ValueError:
-        raise ValueError(f"--capture-steps must be step numbers separated by ',', got "
-                         f"{r.capture_steps!r}") from None
-    try:
-        budget = parse_size(r.capture_budget) if r.capture_budget else None
-    except ValueError as e:
-        raise ValueError(f"--capture-budget: {e}") from None
-    return {"every": r.capture_every or None, "steps": steps, "budget": budget,
-            "aggregated": r.capture_aggregated}
-
-
-def method_of(t: TrainConfig) -> Any:
-    """The run's ``gradzip.comm.method.Method`` from its flags (--codec, --codec-groups,
-    --codec-start-step, --outer and its options), parsed once; errors name the flag."""
-    from gradzip.comm.method import local_method, parse_method
-
-    if t.outer != "none":
-        if t.codec != "none":
-            raise ValueError("--outer synchronizes rarely instead of every step: give the "
-                             "pseudo-gradients' codec with --outer-codec, not --codec")
-        if t.codec_groups or t.codec_start_step:
-            raise ValueError("--codec-groups and --codec-start-step shape the per-step "
-                             "codec; --outer takes --outer-codec")
-        return local_method(t.outer, sync_every=t.sync_every, lr=t.outer_lr,
-                            momentum=t.outer_momentum, fragments=t.fragments,
-                            overlap_steps=t.overlap_steps, codec=t.outer_codec)
-    if t.codec == "none" and (t.codec_groups or t.codec_start_step):
-        raise ValueError("--codec-groups and --codec-start-step need a --codec")
-    return parse_method(t.codec, groups=codec_groups(t.codec_groups),
-                        start_step=t.codec_start_step or None)
-
-
-def check_method(method: Any, *, parallel: str, optimizer: str, grad_clip: float,
-                 model: ModelConfig) -> None:
-    """Whether ``method`` can run with these values; on FSDP2 also against the units
-    ``parallel.apply_fsdp`` makes of the model (``CodecMethod.check``)."""
-    units = _fsdp_units(model) if parallel == "fsdp" and method.kind == "codec" else None
-    method.check(parallel=parallel, optimizer=optimizer, grad_clip=grad_clip,
-                 blocks=model.n_layer, fsdp_units=units)
-
-
-def _fsdp_units(m: ModelConfig) -> dict[str, list[str]]:
-    """The model's parameter names by ``fully_shard`` unit."""
-    units: dict[str, list[str]] = {}
-    for name in _parameter_names(m):
-        units.setdefault(fsdp_unit_of(name), []).append(name)
-    return units
-
-
-def fsdp_unit_of(param: str) -> str:
-    """The ``fully_shard`` unit holding a GPT parameter, as ``parallel.apply_fsdp`` wraps
-    them: each transformer block ("blocks.3"), the rest in the root ("")."""
-    parts = param.split(".")
-    return ".".join(parts[:2]) if parts[0] == "blocks" else ""
-
-
-def _parameter_names(m: ModelConfig) -> list[str]:
-    """GPT's parameter names for ``m``, from a model on the meta device (no memory)."""
-    import torch
-
-    from gradzip.train.model import GPT
-
-    with torch.device("meta"):
-        model = GPT(dataclasses.replace(m, vocab_size=m.vocab_size or 1))
-    return [name for name, _ in model.named_parameters()]
-
-
-def nonfinite_policy(t: TrainConfig) -> str:
-    """The codec's NaN/Inf policy: ``auto`` propagates when a GradScaler will skip the step."""
-    if t.nonfinite != "auto":
-        return t.nonfinite
-    return "propagate" if t.dtype == "fp16" else "error"
-
-
-def codec_groups(groups: str) -> dict[str, str]:
-    """``--codec-groups`` "PATTERNS=SPEC;..." as ``{patterns: spec}``, in order."""
-    table = {}
-    for item in filter(None, (g.strip() for g in groups.split(";"))):
-        patterns, sep, spec = item.partition("=")
-        if not sep or not patterns.strip() or not spec.strip():
-            raise ValueError(f"--codec-groups: {item!r} is not PATTERNS=SPEC "
-                             "(e.g. '*.bias,*norm*=none')")
-        table[patterns.strip()] = spec.strip()
-    return table
-
-
-def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
-
-
-def parse_profile_steps(text: str) -> tuple[int, int]:
-    """``"5:7"`` -> (5, 7): the first and last profiled step, inclusive."""
-    try:
-        a, b = (int(s) for s in text.split(":"))
-    except ValueError:
-        raise ValueError(f"--profile-steps must look like A:B (e.g. 5:7), got {text!r}") from None
-    if not 1 <= a <= b:
-        raise ValueError(f"--profile-steps A:B needs 1 <= A <= B, got {text!r}")
-    return a, b
-
-
 # --------------------------------------------------------------------- sections and fields
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataOptions, "optim": OptimConfig,
@@ -565,92 +343,3 @@ def fields_of(cls: type) -> list[tuple[dataclasses.Field, Any]]:
     """(field, resolved type) pairs of a section dataclass."""
     hints = typing.get_type_hints(cls)
     return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
-
-
-def _coerce(section: str, name: str, value: Any, typ: Any) -> Any:
-    """Check a value from a file against the field type (ints may stand for floats)."""
-    where = f"{section}.{name}"
-    if typing.get_origin(typ) is list:
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ValueError(f"{where} must be a list of strings, got {value!r}")
-        return list(value)
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, bool) != (typ is bool) or not isinstance(value, typ):
-        raise ValueError(f"{where} must be {typ.__name__}, got {value!r}")
-    return value
-
-
-def apply_overrides(cfg: JobConfig, overrides: dict[str, Any], origin: str) -> None:
-    """Set ``{section: {field: value}}`` on cfg, with clear errors for unknown names."""
-    for section, values in overrides.items():
-        if section.startswith("_"):  # "_doc" and other comments in preset files
-            continue
-        if section not in SECTIONS:
-            raise ValueError(f"{origin}: unknown section {section!r}; "
-                             f"expected one of {', '.join(SECTIONS)}")
-        if not isinstance(values, dict):
-            raise ValueError(f"{origin}: section {section!r} must be a table/object")
-        target = getattr(cfg, section)
-        known = {f.name: t for f, t in fields_of(SECTIONS[section])}
-        for name, value in values.items():
-            if name not in known:
-                raise ValueError(f"{origin}: unknown option {section}.{name}; "
-                                 f"known: {', '.join(known)}")
-            setattr(target, name, _coerce(section, name, value, known[name]))
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """A .toml or .json config file as ``{section: {field: value}}``."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
-    try:
-        if path.suffix == ".toml":
-            return tomllib.loads(path.read_text())
-        if path.suffix == ".json":
-            return json.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot parse config file {path}: {e}") from None
-    raise ValueError(f"config file must end in .toml or .json: {path}")
-
-
-def presets() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
-
-
-def read_preset(name: str) -> dict[str, Any]:
-    path = PRESET_DIR / f"{name}.json"
-    if not path.is_file():
-        raise ValueError(f"unknown model preset {name!r}; available: {', '.join(presets())}")
-    return json.loads(path.read_text())
-
-
-def resolve(
-    cli: dict[str, dict[str, Any]] | None = None,
-    config_file: str | Path | None = None,
-    base: dict[str, Any] | None = None,
-) -> JobConfig:
-    """Build the run's configuration: defaults or ``base``, preset, file, then CLI.
-
-    ``base`` is a saved, already resolved configuration (resume): it stands in for the
-    defaults and the preset, so the model preset is not re-applied over it. Paths come
-    out absolute (``JobConfig.resolve_paths``) and every value is checked (``validate``).
-    """
-    cli = cli or {}
-    from_file = read_config_file(config_file) if config_file else {}
-    cfg = JobConfig()
-    if base is not None:
-        apply_overrides(cfg, base, origin="saved config")
-    else:
-        name = (cli.get("model", {}).get("name") or from_file.get("model", {}).get("name")
-                or cfg.model.name)
-        apply_overrides(cfg, read_preset(name), origin=f"preset {name}")
-        cfg.model.name = name
-    apply_overrides(cfg, from_file, origin=str(config_file))
-    apply_overrides(cfg, cli, origin="command line")
-    cfg.resolve_paths()
-    cfg.validate()
-    return cfg

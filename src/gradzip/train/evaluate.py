@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradzip.train.config import JobConfig, resolve
+from gradzip.train.config import JobConfig
+from gradzip.train.configure import resolve
 from gradzip.train.model import GPT
 from gradzip.train.parallel import all_reduce_mean
 

@@ -30,15 +30,9 @@ import torch
 
 from gradzip.comm.method import LocalUpdateMethod, Method, every_codec
 from gradzip.train import checkpoint as ckpt
+from gradzip.train.checks import capture_schedule, method_of, nonfinite_policy, parse_profile_steps
 from gradzip.train.components import Components
-from gradzip.train.config import (
-    JobConfig,
-    OptimConfig,
-    capture_schedule,
-    method_of,
-    nonfinite_policy,
-    parse_profile_steps,
-)
+from gradzip.train.config import JobConfig, OptimConfig
 from gradzip.train.evaluate import autocast_for, evaluate
 from gradzip.train.interrupt import StopRequest
 from gradzip.train.metrics import (
