@@ -15,6 +15,7 @@ from torch import nn
 
 from gradzip.codecs.chain import Codec
 from gradzip.codecs.registry import SpecError
+from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.ddp import (
     START_ITERATION,
     START_ITERATION_STATIC_GRAPH,
@@ -31,6 +32,7 @@ from gradzip.comm.fsdp import (
     shard_shapes,
     unit_parameters,
 )
+from gradzip.comm.hsdp import ReplicateReduce, native_hsdp, split_spec
 from gradzip.comm.policy import Policy
 from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import CommStats
@@ -55,6 +57,9 @@ class Handle:
         self._ddp_state = ddp_state
         #: FSDP2's compressed reduce-scatters, one per unit
         self.reduce_scatters: list[CompressedReduceScatter] = []
+        #: HSDP: the replicate link's codecs by policy group (empty otherwise)
+        self.replicate_codecs: list[Codec] = []
+        self.replicate_policy: Policy | None = None
         #: the ``gradzip.capture.Capture`` recording the buckets, if any
         self.capture: Any = None
 
@@ -69,14 +74,24 @@ class Handle:
         return self._ddp_state is not None and self._ddp_state.chained
 
     def state_dict(self) -> dict[str, Any]:
-        """Codec state of this rank (EF residuals, PowerSGD Q, momentum)."""
-        return {"kind": self.kind, "codec": self.codec.state_dict(),
-                "groups": [c.state_dict() for c in self.codecs[1:]]}
+        """Codec state of this rank (EF residuals, PowerSGD Q, momentum); HSDP's replicate
+        link's under ``"replicate"``."""
+        sd: dict[str, Any] = {"kind": self.kind, "codec": self.codec.state_dict(),
+                              "groups": [c.state_dict() for c in self.codecs[1:]]}
+        if self.replicate_codecs:
+            sd["replicate"] = {"codec": self.replicate_codecs[0].state_dict(),
+                               "groups": [c.state_dict() for c in self.replicate_codecs[1:]]}
+        return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("kind") != self.kind:
             raise ValueError(f"comm state was saved for {sd.get('kind')!r}, this is {self.kind!r}")
+        if bool(self.replicate_codecs) != ("replicate" in sd):
+            raise ValueError("comm state was saved with" + ("out" if self.replicate_codecs
+                             else "") + " an HSDP replicate link; resume the same way")
         load_codec_states(self.codecs, sd)
+        if self.replicate_codecs:
+            load_codec_states(self.replicate_codecs, sd["replicate"])
 
     def close(self) -> None:
         """Stop the communication thread (DDP) and close the capture; the hook must not
@@ -102,6 +117,7 @@ def attach(
     start_step: int | None = None,
     aggregate: str | None = None,
     capture: Any = None,
+    replicate_group: dist.ProcessGroup | None = None,
 ) -> Handle:
     """Compress ``model``'s gradient communication with ``spec``; returns a ``Handle``.
 
@@ -118,11 +134,23 @@ def attach(
     from ``bytes_wire``) for ``grad_rel_error``/``grad_cos_sim``. ``capture`` (a
     ``gradzip.capture.Capture``) records each bucket as it is communicated (DDP and
     FSDP2); the handle's ``close`` closes it.
+
+    HSDP (``hsdp.py``): an FSDP2 model sharded over the shard dimension of a 2-D mesh
+    (``fully_shard(mesh=mesh["shard"])``) with ``replicate_group=mesh.get_group(
+    "replicate")`` is reduced across that group by gradzip, in FSDP2's all-reduce hook.
+    ``spec`` is then the replicate (inter-node) link's codec, the shard link running
+    ``none``, or a dict naming each: ``{"replicate": SPEC, "shard": SPEC}``.
     """
-    policy = _policy_of(spec).with_overrides(groups, start_step)  # SpecError first
+    rep_spec, shard_spec = split_spec(spec) if replicate_group is not None else (None, spec)
+    policy = _policy_of(shard_spec).with_overrides(groups, start_step)  # SpecError first
     options = {} if aggregate is None else {"aggregate": aggregate}
     codecs = [build_codec(c, seed=seed, nonfinite=nonfinite, **options)
               for c in policy.codecs]
+    replicate = None
+    if replicate_group is not None:
+        rep_policy = _policy_of(rep_spec).with_overrides(groups, start_step)
+        replicate = (rep_policy, [build_codec(c, seed=seed, nonfinite=nonfinite, **options)
+                                  for c in rep_policy.codecs], replicate_group)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("gradzip.attach needs torch.distributed initialized")
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -139,12 +167,16 @@ def attach(
             "gradzip's hooks reduce whole buckets with host work. Build the model with "
             "the default optimize_ddp (plain torch.compile of a DDP model keeps gradzip's "
             "hooks eager and exact)")
+    if replicate is not None and not isinstance(model, FSDPModule):
+        raise ValueError("replicate_group= is HSDP on FSDP2: shard the model with "
+                         "fully_shard(mesh=mesh[\"shard\"]) and pass "
+                         "mesh.get_group(\"replicate\")")
     if isinstance(model, DistributedDataParallel):
         handle = apply_ddp(model, policy, codecs, process_group, diagnose)
     elif isinstance(model, FullyShardedDataParallel):
         handle = apply_fsdp1(model, policy, codecs, process_group, diagnose)
     elif isinstance(model, FSDPModule):
-        handle = apply_fsdp2(model, policy, codecs, diagnose)
+        handle = apply_fsdp2(model, policy, codecs, diagnose, replicate)
     else:
         raise TypeError(
         f"gradzip.attach expects a DistributedDataParallel, fully_shard (FSDP2) or "
@@ -226,17 +258,22 @@ def apply_fsdp1(model: Any, policy: Policy, codecs: list[Codec],
     return Handle("fsdp1", codecs, stats, policy)
 
 
-def apply_fsdp2(model: nn.Module, policy: Policy, codecs: list[Codec], diagnose: bool) -> Handle:
-    """A compressed reduce-scatter per ``fully_shard`` unit, with its group's codec."""
+def apply_fsdp2(model: nn.Module, policy: Policy, codecs: list[Codec], diagnose: bool,
+                replicate: tuple[Policy, list[Codec], dist.ProcessGroup] | None = None
+                ) -> Handle:
+    """A compressed reduce-scatter per ``fully_shard`` unit, with its group's codec; with
+    ``replicate`` (HSDP) also the replicate reduction in each unit's all-reduce hook."""
     from torch.distributed.fsdp import FSDPModule
 
     used = {policy.group_of(name) for name, _ in model.named_parameters()}
     refuse_flat([codecs[g] for g in sorted(used)], "FSDP2")
     stats = CommStats()
-    reducers = [Reducer(c, stats, diagnose) for c in codecs]
+    link = "shard" if replicate is not None else ""
+    reducers = [Reducer(c, stats, diagnose, link=link) for c in codecs]
     comms = CommCache()
     names = {id(p): name for name, p in model.named_parameters()}
     units = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    refuse_native_hsdp([cast(nn.Module, unit) for _, unit in units])
     scatters = []
     for index, (name, unit) in enumerate(units):
         module = cast(nn.Module, unit)
@@ -256,7 +293,40 @@ def apply_fsdp2(model: nn.Module, policy: Policy, codecs: list[Codec], diagnose:
             ) from e
     handle = Handle("fsdp2", codecs, stats, policy)
     handle.reduce_scatters = scatters
+    if replicate is not None:
+        apply_replicate(handle, units, names, replicate, diagnose)
     return handle
+
+
+def refuse_native_hsdp(units: list[nn.Module]) -> None:
+    """Native HSDP runs FSDP2's own replicate all-reduce: uncompressed and uncounted, so
+    a ratio gradzip reported would leave out the slow link."""
+    if any(native_hsdp(unit) for unit in units):
+        raise ValueError(
+            "this FSDP2 model replicates over a 2-D mesh (native HSDP): FSDP2's own "
+            "all-reduce across the replicate dimension would cross the inter-node link "
+            "uncompressed and uncounted. Shard it with fully_shard(mesh=mesh[\"shard\"]) "
+            "and pass replicate_group=mesh.get_group(\"replicate\") to gradzip.attach, "
+            "which then compresses the replicate link with the spec")
+
+
+def apply_replicate(handle: Handle, units: list[tuple[str, Any]], names: dict[int, str],
+                    replicate: tuple[Policy, list[Codec], dist.ProcessGroup],
+                    diagnose: bool) -> None:
+    """HSDP: each unit's all-reduce hook averages its shard over the replicate group
+    through that link's codec (``hsdp.ReplicateReduce``), counted as link "replicate"."""
+    policy, codecs, group = replicate
+    reducers = [Reducer(c, handle.stats, diagnose, link="replicate") for c in codecs]
+    comm = TorchCommunicator(group)
+    for index, (name, unit) in enumerate(units):
+        module = cast(nn.Module, unit)
+        params = [names[id(p)] for p in unit_parameters(module)]
+        g = unit_group(policy, name, params)
+        unit.set_all_reduce_hook(ReplicateReduce(
+            reducers[g], comm, key=f"hsdp/{index}", start_step=policy.start_step,
+            shapes=shard_shapes(module)))
+    handle.replicate_codecs = codecs
+    handle.replicate_policy = policy
 
 
 def unit_group(policy: Policy, unit: str, params: list[str]) -> int:

@@ -52,10 +52,13 @@ def index_bytes(p: Payload, inside: bool = False) -> int:
 class Reducer(CodecObserver):
     """One codec plus its stats; reduces tensors through a communicator."""
 
-    def __init__(self, codec: Codec, stats: CommStats, diagnose: bool = False) -> None:
+    def __init__(self, codec: Codec, stats: CommStats, diagnose: bool = False,
+                 link: str = "") -> None:
         self.codec = codec
         self.stats = stats
         self.diagnose = diagnose
+        #: the link its reductions cross, where there are several (HSDP's dimensions)
+        self.link = link
         self._encode_s = 0.0
         self._decode_s = 0.0
         self._payloads: list[tuple[int, Payload]] = []
@@ -118,7 +121,7 @@ class Reducer(CodecObserver):
             encode_s=encode_s, decode_s=self._decode_s,
             seconds_by_op=dict(c.seconds), bytes_by_op=dict(c.wire), calls_by_op=dict(c.calls),
             paths=["plain"] if plain else list(self._paths),
-            extra_collective_s=max(comm_s - c.longest, 0.0),
+            extra_collective_s=max(comm_s - c.longest, 0.0), link=self.link,
         ))
         self._payloads = []
 

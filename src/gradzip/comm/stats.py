@@ -34,6 +34,10 @@ and times), never from a codec's nominal ratio:
 * ``grad_rel_error`` / ``grad_cos_sim``: only in diagnostic mode, against the exact
   mean gradient from an extra fp32 all-reduce whose bytes are reported separately
   as ``bytes_diagnostic`` and never counted in ``bytes_wire``.
+* ``links``: where reductions cross more than one link (HSDP: the ``shard`` link
+  inside a node, the ``replicate`` link between nodes), each link's ``bytes_raw``,
+  ``bytes_wire``, ``bytes_handed``, ``compression_ratio``, ``comm_ms`` and
+  ``reductions``; the top-level figures are their sums. Empty with one link.
 
 The hook (possibly on a communication thread) records into the open step; the
 trainer calls ``end_step()`` once per optimizer step to close it.
@@ -80,6 +84,8 @@ class _Acc:
     sequential_s: float = 0.0
     #: comm seconds of closed steps (each step's union computed when it closed)
     closed_comm_s: float = 0.0
+    #: per named link: bytes_raw, bytes_wire, bytes_handed, seconds, reductions
+    links: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def comm_s(self) -> float:
         return self.closed_comm_s + self.sequential_s + union_length(self.spans)
@@ -99,6 +105,10 @@ class _Acc:
             self.calls_by_op[op] += v
         for path, v in o.paths.items():
             self.paths[path] += v
+        for name, figures in o.links.items():
+            mine = self.links.setdefault(name, dict.fromkeys(figures, 0))
+            for key, v in figures.items():
+                mine[key] += v
         self.diagnosed = self.diagnosed or o.diagnosed
         if o.residual_norm is not None:
             self.residual_norm = o.residual_norm
@@ -132,7 +142,16 @@ class _Acc:
             "grad_rel_error": rel,
             "grad_cos_sim": cos,
             "bytes_diagnostic": self.bytes_diagnostic,
+            "links": {name: _link_view(f) for name, f in sorted(self.links.items())},
         }
+
+
+def _link_view(f: dict[str, float]) -> dict[str, Any]:
+    """One link's figures as ``view`` reports them."""
+    return {"bytes_raw": int(f["bytes_raw"]), "bytes_wire": int(f["bytes_wire"]),
+            "bytes_handed": int(f["bytes_handed"]),
+            "compression_ratio": f["bytes_raw"] / f["bytes_wire"] if f["bytes_wire"] else None,
+            "comm_ms": f["seconds"] * 1e3, "reductions": int(f["reductions"])}
 
 
 @dataclass
@@ -157,6 +176,8 @@ class Reduction:
     #: (start, end) perf_counter times of an asynchronous reduction, which may overlap
     #: others; None when it ran on the communication thread, one after another
     span: tuple[float, float] | None = None
+    #: the link it crossed where there are several (HSDP: "shard" or "replicate")
+    link: str = ""
 
 
 def union_length(spans: list[tuple[float, float]]) -> float:
@@ -213,6 +234,15 @@ class CommStats:
                 a.calls_by_op[op] += n
             for path in r.paths:
                 a.paths[path] += 1
+            if r.link:
+                f = a.links.setdefault(r.link, {"bytes_raw": 0, "bytes_wire": 0,
+                                                "bytes_handed": 0, "seconds": 0.0,
+                                                "reductions": 0})
+                f["bytes_raw"] += r.bytes_raw
+                f["bytes_wire"] += sum(r.bytes_by_op.values())
+                f["bytes_handed"] += r.bytes_handed
+                f["seconds"] += sum(r.seconds_by_op.values())
+                f["reductions"] += 1
 
     def record_diagnostic(self, err_sq: float, ref_sq: float, est_sq: float, dot: float,
                           nbytes: int) -> None:

@@ -1,0 +1,82 @@
+"""HSDP on FSDP2 with the replicate link compressed: shard within a node, replicate across.
+
+Nodes of several GPUs shard within a node (fast links) and replicate across nodes (the
+slow network). FSDP2's native HSDP (``fully_shard(mesh=2-D mesh)``) runs the replicate
+all-reduce itself, after its reduce-scatter: uncompressed, and out of gradzip's sight.
+gradzip's HSDP instead shards every unit over the shard dimension only
+(``fully_shard(mesh=mesh["shard"])``) and runs the replicate reduction in FSDP2's
+all-reduce hook (``set_all_reduce_hook``). With a 1-D mesh FSDP2 calls that hook with
+the reduce-scatter's output: this rank's shard, already averaged over its shard group.
+``ReplicateReduce`` averages it over the replicate group through the replicate codec,
+in place, so every rank ends with the mean over all ranks, as native HSDP does; with
+``none`` the two are bit-identical (an average of two fp32 values is exact in either
+order). Error feedback and other codec state live here, keyed per unit
+(``hsdp/{unit}``), and travel in the handle's checkpoint state.
+
+Both links are counted: the reduce-scatter (``link="shard"``, gradzip's compressed
+reduce-scatter, ``none`` by default) and the replicate reduction (``link="replicate"``),
+each against PyTorch's uncompressed collective for the same gradient, so
+``compression_ratio`` covers every link and ``CommStats`` reports each
+(``totals()["links"]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradzip.codecs.base import Shapes
+from gradzip.comm.communicator import TorchCommunicator
+from gradzip.comm.reducer import Reducer
+
+#: the mesh dimensions a per-dimension spec names
+DIMENSIONS = ("replicate", "shard")
+
+
+class ReplicateReduce:
+    """FSDP2's all-reduce hook of one ``fully_shard`` unit: this rank's shard, averaged
+    over the replicate group through the replicate codec, in place."""
+
+    def __init__(self, reducer: Reducer, comm: TorchCommunicator, key: str, *,
+                 start_step: int = 0, shapes: Shapes | None = None) -> None:
+        self.reducer = reducer
+        self.comm = comm
+        self.key = key
+        #: reductions before compression starts (the policy's start step): plain mean
+        self.start_step = start_step
+        #: the padded shard shapes of the unit's parameters (per-tensor codecs)
+        self.shapes = shapes
+        self.calls = 0
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        compress = self.calls >= self.start_step
+        self.calls += 1
+        shapes = self.shapes
+        if shapes is not None and sum(s.numel() for s in shapes) != reduce_output.numel():
+            shapes = None  # some parameters got no gradient this step: layout unknown
+        if not compress:
+            self.reducer.reduce_plain(reduce_output, self.comm)
+            return
+        mean = self.reducer.reduce_mean(reduce_output, self.key, self.comm, shapes=shapes)
+        reduce_output.copy_(mean.reshape(reduce_output.shape))
+
+
+def native_hsdp(module: nn.Module) -> bool:
+    """Whether a ``fully_shard`` unit replicates over a 2-D mesh itself (native HSDP),
+    whose replicate all-reduce gradzip cannot compress or count."""
+    try:
+        info = module._get_fsdp_state()._fsdp_param_group.mesh_info  # type: ignore[operator]
+    except (AttributeError, TypeError, AssertionError):
+        return False
+    return getattr(info, "replicate_mesh_size", 1) > 1
+
+
+def split_spec(spec: Any) -> tuple[Any, Any]:
+    """``(replicate spec, shard spec)``: a per-dimension dict names either or both
+    (``{"replicate": "ef | topk(ratio=0.01)", "shard": "none"}``); any other spec is
+    the replicate link's, and the shard link runs ``none``."""
+    if isinstance(spec, dict) and spec and set(spec) <= set(DIMENSIONS):
+        return spec.get("replicate", "none"), spec.get("shard", "none")
+    return spec, "none"
