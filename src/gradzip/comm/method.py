@@ -35,7 +35,7 @@ from gradzip.comm.policy import Policy
 from gradzip.comm.torch_hooks import HOOKS, PREFIX, parse_torch_method
 
 #: parallel kinds a per-step gradzip codec runs on (``none``: one process, nothing to send)
-CODEC_PARALLEL = ("ddp", "fsdp")
+CODEC_PARALLEL = ("ddp", "fsdp", "hsdp")
 _LOCAL = re.compile(r"^\s*(\w+)\s*\((.*?)\)\s*(?:\|\s*(.+))?$|^\s*(\w+)\s*(?:\|\s*(.+))?$",
                     re.DOTALL)
 #: ``diloco(...)`` keys -> (LocalUpdateMethod field, type, ``gradzip train`` flag)
@@ -91,7 +91,7 @@ class CodecMethod:
         if parallel not in CODEC_PARALLEL:
             raise ValueError("--codec compresses communication between ranks: it needs "
                              "--parallel ddp or fsdp (ddp also runs as a single process)")
-        if parallel == "fsdp" and fsdp_units is not None:
+        if parallel in ("fsdp", "hsdp") and fsdp_units is not None:
             used = {unit_group(self.policy, unit, names) for unit, names in fsdp_units.items()}
             refuse_flat([self.codecs[g] for g in sorted(used)], "FSDP2")
         if self.steps_plainly and (optimizer != "sgd" or grad_clip):

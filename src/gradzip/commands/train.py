@@ -250,7 +250,7 @@ def _check_resumable(cfg: Any, ckpt: Path, meta: dict[str, Any]) -> None:
         raise ValueError(f"checkpoint {ckpt} was written by {meta.get('world_size')} ranks; "
                          f"this run has {world_size} (data position and codec state are "
                          f"per rank, so an exact resume needs the same number)")
-    if t.parallel == "fsdp" and meta.get("format") != "dcp":
+    if t.parallel in ("fsdp", "hsdp") and meta.get("format") != "dcp":
         raise ValueError(f"{ckpt} is a single-file checkpoint; an FSDP run resumes only "
                          f"from an FSDP (DCP) checkpoint")
 

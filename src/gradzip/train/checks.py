@@ -99,10 +99,11 @@ def _check_train(t: TrainConfig, r: RunConfig) -> None:
     """Loop and run-directory values (the files and devices are checked before the run)."""
     _choice("--device", t.device, ("auto", "cpu", "cuda"))
     _choice("--dtype", t.dtype, ("fp32", "bf16", "fp16"))
-    _choice("--parallel", t.parallel, ("none", "ddp", "fsdp"))
+    _choice("--parallel", t.parallel, ("none", "ddp", "fsdp", "hsdp"))
     _choice("--nonfinite", t.nonfinite, ("auto", "error", "propagate"))
     _at_least(1, [("--max-steps", t.max_steps), ("--eval-steps", t.eval_steps),
                   ("--log-every", r.log_every), ("--keep-ckpts", r.keep_ckpts)])
+    _at_least(0, [("--shard-size", t.shard_size)])
     _at_least(0, [("--max-time", t.max_time), ("--eval-every", t.eval_every),
                   ("--ckpt-every", r.ckpt_every), ("--threads", t.threads),
                   ("--target-loss", t.target_loss), ("--timing-warmup", r.timing_warmup),
@@ -127,7 +128,7 @@ def _check_capture(cfg: JobConfig, method: Any) -> None:
         if r.capture_every or r.capture_steps or r.capture_budget or r.capture_aggregated:
             raise ValueError("--capture-every/-steps/-budget/-aggregated need --capture DIR")
         return
-    if t.parallel == "none":
+    if t.parallel not in ("ddp", "fsdp"):
         raise ValueError("--capture records what ranks communicate: use --parallel ddp or "
                          "fsdp (under torchrun, or one process)")
     if method.kind != "codec":
@@ -180,7 +181,8 @@ def check_method(method: Any, *, parallel: str, optimizer: str, grad_clip: float
                  model: ModelConfig) -> None:
     """Whether ``method`` can run with these values; on FSDP2 also against the units
     ``parallel.apply_fsdp`` makes of the model (``CodecMethod.check``)."""
-    units = _fsdp_units(model) if parallel == "fsdp" and method.kind == "codec" else None
+    units = (_fsdp_units(model) if parallel in ("fsdp", "hsdp") and method.kind == "codec"
+             else None)
     method.check(parallel=parallel, optimizer=optimizer, grad_clip=grad_clip,
                  blocks=model.n_layer, fsdp_units=units)
 

@@ -139,7 +139,12 @@ class TrainConfig:
     dtype: str = "fp32"
     """fp32, bf16 (autocast, CPU or GPU) or fp16 (autocast + grad scaler, CUDA only)."""
     parallel: str = "none"
-    """none (one process), ddp (DistributedDataParallel) or fsdp (FSDP2 fully_shard per block)."""
+    """none (one process), ddp (DistributedDataParallel), fsdp (FSDP2 fully_shard per block)
+    or hsdp (FSDP2 sharded within a node, replicated across nodes; --codec compresses the
+    replicate link between nodes)."""
+    shard_size: int = 0
+    """With --parallel hsdp: ranks per shard group (a node's GPUs); 0 = torchrun's
+    LOCAL_WORLD_SIZE. Must divide the world size; the replicate groups are the rest."""
     codec: str = "none"
     """Gradient codec spec, e.g. "ef | topk(ratio=0.01)", or a JSON policy
     ({"codec": ..., "groups": [...], "start_step": N}); none = uncompressed all-reduce."""

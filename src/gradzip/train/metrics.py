@@ -192,6 +192,7 @@ class RunMetrics:
             "residual_norm": t["residual_norm"],
             "grad_rel_error": t["grad_rel_error"],
             "grad_cos_sim": t["grad_cos_sim"],
+            "links": t["links"] or None,
         }
 
     def counters(self) -> dict[str, int]:
@@ -204,7 +205,8 @@ COMM_FIELDS = ("comm_time_ms_total", "comm_time_ms_by_op", "extra_collective_tim
                "bytes_raw_total", "bytes_wire_total", "bytes_handed_total",
                "effective_bandwidth_bytes_per_s", "aggregation", "compression_ratio",
                "compression_ratio_steady", "encode_ms", "decode_ms", "extra_collectives",
-               "index_bytes", "density", "residual_norm", "grad_rel_error", "grad_cos_sim")
+               "index_bytes", "density", "residual_norm", "grad_rel_error", "grad_cos_sim",
+               "links")
 
 
 def peak_memory(device: torch.device) -> dict[str, Any]:

@@ -126,8 +126,9 @@ def settle_ddp_buckets(ddp: nn.Module, sample: torch.Tensor) -> None:
         torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def apply_fsdp(model: GPT, info: DistInfo) -> nn.Module:
-    """FSDP2: shard every block, then the root (embeddings, final norm, head).
+def apply_fsdp(model: GPT, info: DistInfo, mesh: Any = None) -> nn.Module:
+    """FSDP2: shard every block, then the root (embeddings, final norm, head), over
+    ``mesh`` (default: every rank; a 2-D mesh is native HSDP).
 
     Sharding block by block lets FSDP all-gather one block's parameters at a time
     (and prefetch the next), instead of the whole model at once.
@@ -135,19 +136,33 @@ def apply_fsdp(model: GPT, info: DistInfo) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
+def hsdp_mesh(info: DistInfo, shard_size: int) -> Any:
+    """The ``("replicate", "shard")`` device mesh of HSDP: ``shard_size`` ranks per shard
+    group (a node; 0 = torchrun's LOCAL_WORLD_SIZE), the world in replicas of it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shard = shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    if shard < 1 or info.world_size % shard:
+        raise ValueError(f"--shard-size {shard} must divide the world size "
+                         f"{info.world_size} (ranks per node for --parallel hsdp)")
+    return init_device_mesh(info.device.type, (info.world_size // shard, shard),
+                            mesh_dim_names=("replicate", "shard"))
+
+
 def attach_codec(model: nn.Module, method: CodecMethod, *, seed: int, diagnose: bool,
-                 nonfinite: str = "error", capture: Any = None) -> Any:
-    """Install the gradient codec (and the capture, if any) on a DDP or FSDP2 module;
-    returns gradzip's handle."""
+                 nonfinite: str = "error", capture: Any = None,
+                 replicate_group: Any = None) -> Any:
+    """Install the gradient codec (and the capture, if any) on a DDP or FSDP2 module
+    (HSDP: on the replicate link of ``replicate_group``); returns gradzip's handle."""
     from gradzip.comm.attach import attach
 
     return attach(model, method, seed=seed, diagnose=diagnose, nonfinite=nonfinite,
-                  capture=capture)
+                  capture=capture, replicate_group=replicate_group)
 
 
 class Parallelism:
@@ -295,11 +310,13 @@ class FullyShard(Parallelism):
 
 def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, method: Method,
                 bucket_cap_mb: float, seed: int, diagnose: bool, nonfinite: str,
-                capture: Any = None) -> Parallelism:
-    """Apply ``parallel`` (none, ddp, fsdp) and ``method``: a codec policy through
+                capture: Any = None, shard_size: int = 0) -> Parallelism:
+    """Apply ``parallel`` (none, ddp, fsdp, hsdp) and ``method``: a codec policy through
     gradzip's hook, PyTorch's own hook (DDP), or local updates (DiLoCo: no DDP).
     ``capture`` (a ``gradzip.capture.Capture``) records the communicated buckets: FSDP
-    then reduces through gradzip's ``none`` when no codec is given."""
+    then reduces through gradzip's ``none`` when no codec is given. HSDP without a codec
+    is FSDP2's native HSDP; with one, gradzip reduces the replicate link
+    (``gradzip.comm.hsdp``)."""
     if parallel == "none":
         return Parallelism(raw, raw)
     if isinstance(method, LocalUpdateMethod):
@@ -314,10 +331,26 @@ def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, method: Method
         return DataParallel(raw, model, attach_codec(model, method, seed=seed,
                                                      diagnose=diagnose, nonfinite=nonfinite,
                                                      capture=capture))
+    if parallel == "hsdp":
+        return _hsdp(raw, info, cast(CodecMethod, method), shard_size, seed=seed,
+                     diagnose=diagnose, nonfinite=nonfinite)
     model = apply_fsdp(cast(GPT, raw), info)
     handle = None if method.plain and capture is None else attach_codec(
         model, method, seed=seed, diagnose=diagnose, nonfinite=nonfinite, capture=capture)
     return FullyShard(raw, model, handle)
+
+
+def _hsdp(raw: nn.Module, info: DistInfo, method: CodecMethod, shard_size: int, *,
+          seed: int, diagnose: bool, nonfinite: str) -> FullyShard:
+    """FSDP2 within a node, replicated across: native HSDP for ``none``, else sharded over
+    the shard dimension with gradzip reducing the replicate link."""
+    mesh = hsdp_mesh(info, shard_size)
+    if method.plain:
+        return FullyShard(raw, apply_fsdp(cast(GPT, raw), info, mesh), None)
+    model = apply_fsdp(cast(GPT, raw), info, mesh["shard"])
+    return FullyShard(raw, model, attach_codec(
+        model, method, seed=seed, diagnose=diagnose, nonfinite=nonfinite,
+        replicate_group=mesh.get_group("replicate")))
 
 
 def all_reduce_mean(values: list[float], device: torch.device) -> list[float]:

@@ -1,0 +1,47 @@
+"""``gradzip train --parallel hsdp`` on 4 gloo ranks as 2 nodes x 2 (``--shard-size 2``)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from train_helpers import flags, last_result, launch
+
+pytestmark = pytest.mark.dist
+
+
+def _train(cache: Path, out: Path, *extra: str) -> dict:
+    argv = [*launch(4), "-m", "gradzip", "train",
+            *flags(cache, out, "--parallel", "hsdp", "--shard-size", "2", "--max-steps", "4",
+                   "--eval-every", "0", *extra)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return last_result(out)
+
+
+def test_hsdp_records_each_link_with_the_replicate_one_compressed(cache: Path,
+                                                                  tmp_path: Path) -> None:
+    rec = _train(cache, tmp_path / "topk", "--codec", "ef | topk(ratio=0.05)")
+    links = rec["links"]
+    assert set(links) == {"replicate", "shard"}
+    assert links["replicate"]["compression_ratio"] > 3
+    assert links["shard"]["compression_ratio"] == pytest.approx(1.0)
+    assert rec["bytes_wire_total"] == sum(v["bytes_wire"] for v in links.values())
+    assert rec["compression_ratio"] < links["replicate"]["compression_ratio"]
+    assert rec["world_size"] == 4 and rec["val_loss"] is not None
+
+
+def test_hsdp_none_is_fsdps_native_hsdp(cache: Path, tmp_path: Path) -> None:
+    rec = _train(cache, tmp_path / "none")
+    assert rec["links"] is None and rec["bytes_wire_total"] is None  # FSDP2's own
+    assert rec["val_loss"] is not None
+
+
+def test_a_shard_size_that_does_not_divide_the_world_is_refused(cache: Path,
+                                                               tmp_path: Path) -> None:
+    argv = [*launch(4), "-m", "gradzip", "train",
+            *flags(cache, tmp_path / "bad", "--parallel", "hsdp", "--shard-size", "3",
+                   "--max-steps", "2", "--codec", "int8")]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "must divide the world size" in proc.stderr
