@@ -217,6 +217,8 @@ def no_cuda() -> bool:
     (["--parallel", "ddp", "--codec", "torch:fp16", "--codec-start-step", "3"],
      "gradzip policies"),
     (["--ppl-budget-s", "-1"], "--ppl-budget-s"),
+    (["--parallel", "fsdp", "--codec", "int8", "--hierarchical"], "--parallel hsdp"),
+    (["--parallel", "ddp", "--codec", "torch:fp16", "--hierarchical"], "gradzip --codec"),
     (["--threads", "-2"], "--threads"),
     (["--dataset", "stdlib:-1"], "weight must be a positive number"),
     (["--dataset", "missing.txt"], "data source not found"),

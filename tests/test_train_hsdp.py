@@ -1,4 +1,5 @@
-"""``gradzip train --parallel hsdp`` on 4 gloo ranks as 2 nodes x 2 (``--shard-size 2``)."""
+"""``gradzip train`` across nodes on 4 gloo ranks as 2 nodes x 2 (``--node-size 2``):
+HSDP (``--parallel hsdp``) and hierarchical DDP (``--parallel ddp --hierarchical``)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from train_helpers import flags, last_result, launch
 pytestmark = pytest.mark.dist
 
 
-def _train(cache: Path, out: Path, *extra: str) -> dict:
+def _train(cache: Path, out: Path, *extra: str, parallel: str = "hsdp") -> dict:
     argv = [*launch(4), "-m", "gradzip", "train",
-            *flags(cache, out, "--parallel", "hsdp", "--shard-size", "2", "--max-steps", "4",
+            *flags(cache, out, "--parallel", parallel, "--node-size", "2", "--max-steps", "4",
                    "--eval-every", "0", *extra)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -38,10 +39,20 @@ def test_hsdp_none_is_fsdps_native_hsdp(cache: Path, tmp_path: Path) -> None:
     assert rec["val_loss"] is not None
 
 
-def test_a_shard_size_that_does_not_divide_the_world_is_refused(cache: Path,
+def test_a_node_size_that_does_not_divide_the_world_is_refused(cache: Path,
                                                                tmp_path: Path) -> None:
     argv = [*launch(4), "-m", "gradzip", "train",
-            *flags(cache, tmp_path / "bad", "--parallel", "hsdp", "--shard-size", "3",
+            *flags(cache, tmp_path / "bad", "--parallel", "hsdp", "--node-size", "3",
                    "--max-steps", "2", "--codec", "int8")]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "must divide the world size" in proc.stderr
+
+
+def test_hierarchical_ddp_compresses_between_nodes_only(cache: Path, tmp_path: Path) -> None:
+    rec = _train(cache, tmp_path / "hier", "--hierarchical", "--codec", "int8",
+                 parallel="ddp")
+    links = rec["links"]
+    assert set(links) == {"intra_node", "inter_node"}
+    assert links["inter_node"]["compression_ratio"] > 3.5
+    assert links["intra_node"]["compression_ratio"] == pytest.approx(1.0)
+    assert rec["replicas_identical"] is True

@@ -118,6 +118,7 @@ def attach(
     aggregate: str | None = None,
     capture: Any = None,
     replicate_group: dist.ProcessGroup | None = None,
+    node_size: int = 0,
 ) -> Handle:
     """Compress ``model``'s gradient communication with ``spec``; returns a ``Handle``.
 
@@ -140,6 +141,11 @@ def attach(
     "replicate")`` is reduced across that group by gradzip, in FSDP2's all-reduce hook.
     ``spec`` is then the replicate (inter-node) link's codec, the shard link running
     ``none``, or a dict naming each: ``{"replicate": SPEC, "shard": SPEC}``.
+
+    Hierarchical DDP: ``node_size`` ranks per node (consecutive ranks, as torchrun lays
+    them out) reduce each bucket within the node uncompressed, compress only between
+    nodes, then share within the node (``gradzip.aggregation.hierarchical``); the
+    stats report the ``intra_node`` and ``inter_node`` links.
     """
     rep_spec, shard_spec = split_spec(spec) if replicate_group is not None else (None, spec)
     policy = _policy_of(shard_spec).with_overrides(groups, start_step)  # SpecError first
@@ -167,12 +173,15 @@ def attach(
             "gradzip's hooks reduce whole buckets with host work. Build the model with "
             "the default optimize_ddp (plain torch.compile of a DDP model keeps gradzip's "
             "hooks eager and exact)")
+    if node_size and not isinstance(model, DistributedDataParallel):
+        raise ValueError("node_size= is hierarchical DDP; for FSDP2 across nodes shard "
+                         "over mesh[\"shard\"] and pass replicate_group (HSDP)")
     if replicate is not None and not isinstance(model, FSDPModule):
         raise ValueError("replicate_group= is HSDP on FSDP2: shard the model with "
                          "fully_shard(mesh=mesh[\"shard\"]) and pass "
                          "mesh.get_group(\"replicate\")")
     if isinstance(model, DistributedDataParallel):
-        handle = apply_ddp(model, policy, codecs, process_group, diagnose)
+        handle = apply_ddp(model, policy, codecs, process_group, diagnose, node_size)
     elif isinstance(model, FullyShardedDataParallel):
         handle = apply_fsdp1(model, policy, codecs, process_group, diagnose)
     elif isinstance(model, FSDPModule):
@@ -220,14 +229,19 @@ def _group_map(policy: Policy, named: list[tuple[str, nn.Parameter]]) -> dict[in
 
 
 def apply_ddp(model: Any, policy: Policy, codecs: list[Codec],
-              process_group: dist.ProcessGroup | None, diagnose: bool) -> Handle:
-    """A comm hook on every bucket; groups by parameter; compression from the start step."""
+              process_group: dist.ProcessGroup | None, diagnose: bool,
+              node_size: int = 0) -> Handle:
+    """A comm hook on every bucket; groups by parameter; compression from the start step;
+    with ``node_size``, compressed between nodes only."""
+    if node_size:
+        refuse_flat(codecs, "hierarchical DDP")  # each rank reduces a flat chunk
     group = process_group if process_group is not None else model.process_group
     start = START_ITERATION_STATIC_GRAPH if model.static_graph else START_ITERATION
     state = DDPCommState(codecs[0], group, diagnose=diagnose,
                          start_iteration=max(start, policy.start_step),
                          group_codecs=codecs[1:],
-                         groups=_group_map(policy, list(model.module.named_parameters())))
+                         groups=_group_map(policy, list(model.module.named_parameters())),
+                         node_size=node_size)
     model.register_comm_hook(state, gradzip_hook)
     return Handle("ddp", codecs, state.stats, policy, ddp_state=state)
 
@@ -239,8 +253,9 @@ def refuse_flat(codecs: list[Codec], path: str) -> None:
             if comp.needs_matrices:
                 raise SpecError(
                     f"'{comp.name}' compresses gradient matrices, but {path} hands gradzip "
-                    "one flat shard per unit, which it would send uncompressed (twice a "
-                    "reduce-scatter's bytes); use it with DDP, or pick a codec that works "
+                    "a flat shard (FSDP) or chunk (hierarchical DDP) of the gradient, which "
+                    "it would send uncompressed; use it with plain DDP, or pick a codec "
+                    "that works "
                     "on flat tensors, e.g. 'ef | topk(ratio=0.01)' or 'qsgd'")
 
 

@@ -42,7 +42,8 @@ from gradzip.codecs.chain import Codec
 from gradzip.codecs.nonfinite import NonFiniteGradientError
 from gradzip.comm.chained import PendingChecks, chainable, reduce_async
 from gradzip.comm.communicator import TorchCommunicator
-from gradzip.comm.reducer import Reducer
+from gradzip.comm.nodes import node_groups
+from gradzip.comm.reducer import HierarchicalReducer, Reducer
 from gradzip.comm.stats import CommStats
 from gradzip.comm.worker import CommWorker
 
@@ -88,18 +89,30 @@ class DDPCommState:
     def __init__(self, codec: Codec, process_group: dist.ProcessGroup | None = None,
                  diagnose: bool = False, start_iteration: int = START_ITERATION,
                  group_codecs: Sequence[Codec] = (),
-                 groups: dict[int, int] | None = None) -> None:
+                 groups: dict[int, int] | None = None, node_size: int = 0) -> None:
         self.codecs = [codec, *group_codecs]
         self.start_iteration = start_iteration
         self.stats = CommStats()
         self.group = private_group(process_group)
         self.comm = TorchCommunicator(self.group)
         self.reducers = [Reducer(c, self.stats, diagnose=diagnose) for c in self.codecs]
+        #: nodes of ``node_size`` ranks: each policy group's codec compresses only
+        #: between nodes (``HierarchicalReducer``); None for a group that sends ``none``
+        #: (uncompressed, the hierarchy saves nothing, and DDP's flat all-reduce keeps
+        #: its summation order: bit-identical); empty without nodes
+        self.hierarchical: list[HierarchicalReducer | None] = []
+        if node_size:
+            node, cross = (TorchCommunicator(g) for g in node_groups(node_size))
+            self.hierarchical = [
+                None if _sends_plain(c) else
+                HierarchicalReducer(c, self.stats, node, cross, diagnose)
+                for c in self.codecs]
         self.groups = groups or {}
         self.worker = CommWorker()
         #: one summable single-stage codec for every parameter: PyTorch's future-chained
         #: all-reduce, no communication thread (``chained.py``)
-        self.chained = not self.groups and not diagnose and chainable(codec)
+        self.chained = (not self.groups and not diagnose and not node_size
+                        and chainable(codec))
         #: the chained path's non-finite flags still on a GPU (``chained.PendingChecks``)
         self.checks = PendingChecks()
         self.stats.add_settler(self.checks.settle_timings)
@@ -181,6 +194,10 @@ def _reduce_group(state: DDPCommState, g: int, buffer: torch.Tensor, key: str,
     """Reduce the parameters at ``offsets`` of ``buffer`` through group ``g``'s codec."""
     reducer = state.reducers[g]
     sizes = [s.numel() for s in shapes]
+    hierarchical = state.hierarchical[g] if state.hierarchical else None
+    if hierarchical is not None:  # compressed between nodes only
+        _reduce_hierarchical(hierarchical, buffer, key, offsets, shapes)
+        return
     contiguous = all(offsets[k] + sizes[k] == offsets[k + 1] for k in range(len(sizes) - 1))
     start, end = offsets[0], offsets[-1] + sizes[-1]
     flat = buffer[start:end] if contiguous else torch.cat(
@@ -192,6 +209,21 @@ def _reduce_group(state: DDPCommState, g: int, buffer: torch.Tensor, key: str,
     if not contiguous:
         for o, n, part in zip(offsets, sizes, flat.split(sizes), strict=True):
             buffer[o:o + n].copy_(part)
+
+
+def _sends_plain(codec: Codec) -> bool:
+    """``none`` and nothing else: the bucket crosses uncompressed."""
+    return codec.wrapper is None and all(s.name == "none" for s in codec.stages)
+
+
+def _reduce_hierarchical(reducer: HierarchicalReducer, buffer: torch.Tensor, key: str,
+                         offsets: list[int], shapes: list[torch.Size]) -> None:
+    """The parameters at ``offsets`` of ``buffer``, averaged over nodes of ranks."""
+    sizes = [s.numel() for s in shapes]
+    flat = torch.cat([buffer[o:o + n] for o, n in zip(offsets, sizes, strict=True)])
+    mean = reducer.reduce_mean(flat, key, shapes=shapes).reshape(-1)
+    for o, n, part in zip(offsets, sizes, mean.split(sizes), strict=True):
+        buffer[o:o + n].copy_(part)
 
 
 def gradzip_hook(state: DDPCommState, bucket: dist.GradBucket) -> torch.futures.Future:

@@ -19,6 +19,7 @@ import time
 import torch
 
 from gradzip.aggregation import reduce, reduce_scatter
+from gradzip.aggregation.hierarchical import hierarchical_mean
 from gradzip.codecs.base import Shapes
 from gradzip.codecs.chain import Codec, CodecObserver
 from gradzip.codecs.payload import Payload
@@ -235,3 +236,39 @@ class Reducer(CodecObserver):
         if ref is not None:
             self._compare(out, ref, link_bytes("all_reduce", 4 * inp.numel(), comm.world_size,
                                                 comm.counter.backend))
+
+
+class HierarchicalReducer:
+    """One codec's reductions over nodes of several ranks
+    (``gradzip.aggregation.hierarchical``): the chunk's mean across nodes through the
+    codec, recorded as link ``inter_node``; the uncompressed scatter and gather inside
+    the node, recorded as link ``intra_node``."""
+
+    def __init__(self, codec: Codec, stats: CommStats, node: TorchCommunicator,
+                 cross: TorchCommunicator, diagnose: bool = False) -> None:
+        self.inter = Reducer(codec, stats, diagnose, link="inter_node")
+        self.codec = codec
+        self.stats = stats
+        self.node = node
+        self.cross = cross
+
+    def reduce_mean(self, x: torch.Tensor, key: str,
+                    shapes: Shapes | None = None) -> torch.Tensor:
+        """The mean of ``x`` over every rank, compressed between nodes only."""
+        self.node.counter.reset()
+        mean = hierarchical_mean(
+            self.codec, x, key, self.node, self.cross, shapes,
+            across=lambda piece, k, s: self.inter.reduce_mean(piece, k, self.cross, shapes=s))
+        self._record_intra(x)
+        return mean
+
+    def _record_intra(self, x: torch.Tensor) -> None:
+        """The node's reduce-scatter and all-gather, against themselves uncompressed."""
+        c, local, size = self.node.counter, self.node.world_size, x.element_size()
+        chunk = -(-x.numel() // local)
+        raw = (link_bytes("reduce_scatter", chunk * local * size, local, c.backend)
+               + link_bytes("all_gather", chunk * size, local, c.backend))
+        self.stats.record(Reduction(
+            numel=x.numel(), sent_values=x.numel(), bytes_raw=raw,
+            bytes_handed=c.total_handed, seconds_by_op=dict(c.seconds),
+            bytes_by_op=dict(c.wire), calls_by_op=dict(c.calls), link="intra_node"))

@@ -33,6 +33,10 @@ def validate(cfg: JobConfig) -> None:
     check_method(method, parallel=cfg.train.parallel, optimizer=cfg.optim.optimizer,
                  grad_clip=cfg.optim.grad_clip, model=cfg.model)
     _check_capture(cfg, method)
+    if cfg.train.hierarchical and (cfg.train.parallel != "ddp" or method.kind != "codec"):
+        raise ValueError("--hierarchical compresses DDP's buckets between nodes: it needs "
+                         "--parallel ddp and a gradzip --codec (for FSDP2 across nodes use "
+                         "--parallel hsdp)")
 
 
 def _at_least(minimum: float, options: list[tuple[str, float]]) -> None:
@@ -103,7 +107,7 @@ def _check_train(t: TrainConfig, r: RunConfig) -> None:
     _choice("--nonfinite", t.nonfinite, ("auto", "error", "propagate"))
     _at_least(1, [("--max-steps", t.max_steps), ("--eval-steps", t.eval_steps),
                   ("--log-every", r.log_every), ("--keep-ckpts", r.keep_ckpts)])
-    _at_least(0, [("--shard-size", t.shard_size)])
+    _at_least(0, [("--node-size", t.node_size)])
     _at_least(0, [("--max-time", t.max_time), ("--eval-every", t.eval_every),
                   ("--ckpt-every", r.ckpt_every), ("--threads", t.threads),
                   ("--target-loss", t.target_loss), ("--timing-warmup", r.timing_warmup),

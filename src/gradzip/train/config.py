@@ -142,9 +142,14 @@ class TrainConfig:
     """none (one process), ddp (DistributedDataParallel), fsdp (FSDP2 fully_shard per block)
     or hsdp (FSDP2 sharded within a node, replicated across nodes; --codec compresses the
     replicate link between nodes)."""
-    shard_size: int = 0
-    """With --parallel hsdp: ranks per shard group (a node's GPUs); 0 = torchrun's
-    LOCAL_WORLD_SIZE. Must divide the world size; the replicate groups are the rest."""
+    node_size: int = 0
+    """Ranks per node (consecutive ranks, as torchrun places them): HSDP's shard groups,
+    and the nodes of --hierarchical; 0 = torchrun's LOCAL_WORLD_SIZE. Must divide the
+    world size."""
+    hierarchical: bool = False
+    """With --parallel ddp and a --codec: reduce each bucket within a node uncompressed,
+    compress only between nodes (each rank sends 1/node-size of it), then share within
+    the node; records report the intra_node and inter_node links."""
     codec: str = "none"
     """Gradient codec spec, e.g. "ef | topk(ratio=0.01)", or a JSON policy
     ({"codec": ..., "groups": [...], "start_step": N}); none = uncompressed all-reduce."""

@@ -173,7 +173,8 @@ class Trainer:
         self.par: Parallelism = parts.parallelize(
             raw, info, parallel=t.parallel, method=self.method,
             bucket_cap_mb=t.bucket_cap_mb, seed=t.seed, diagnose=t.diagnose,
-            nonfinite=nonfinite_policy(t), capture=self.capture, shard_size=t.shard_size)
+            nonfinite=nonfinite_policy(t), capture=self.capture, node_size=t.node_size,
+            hierarchical=t.hierarchical)
         self.model = self.par.model
         #: seconds compiling the codecs' kernels, before the clock starts (not training)
         self.compile_s = warm_codecs(self.method)

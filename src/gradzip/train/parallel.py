@@ -141,28 +141,35 @@ def apply_fsdp(model: GPT, info: DistInfo, mesh: Any = None) -> nn.Module:
     return model
 
 
-def hsdp_mesh(info: DistInfo, shard_size: int) -> Any:
-    """The ``("replicate", "shard")`` device mesh of HSDP: ``shard_size`` ranks per shard
-    group (a node; 0 = torchrun's LOCAL_WORLD_SIZE), the world in replicas of it."""
+def ranks_per_node(info: DistInfo, node_size: int) -> int:
+    """``--node-size``, else torchrun's LOCAL_WORLD_SIZE; it must divide the world."""
+    size = node_size or int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    if size < 1 or info.world_size % size:
+        raise ValueError(f"--node-size {size} must divide the world size "
+                         f"{info.world_size} (ranks per node)")
+    return size
+
+
+def hsdp_mesh(info: DistInfo, node_size: int) -> Any:
+    """The ``("replicate", "shard")`` device mesh of HSDP: a node's ranks per shard
+    group (``ranks_per_node``), the world in replicas of it."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    shard = shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
-    if shard < 1 or info.world_size % shard:
-        raise ValueError(f"--shard-size {shard} must divide the world size "
-                         f"{info.world_size} (ranks per node for --parallel hsdp)")
+    shard = ranks_per_node(info, node_size)
     return init_device_mesh(info.device.type, (info.world_size // shard, shard),
                             mesh_dim_names=("replicate", "shard"))
 
 
 def attach_codec(model: nn.Module, method: CodecMethod, *, seed: int, diagnose: bool,
                  nonfinite: str = "error", capture: Any = None,
-                 replicate_group: Any = None) -> Any:
+                 replicate_group: Any = None, node_size: int = 0) -> Any:
     """Install the gradient codec (and the capture, if any) on a DDP or FSDP2 module
-    (HSDP: on the replicate link of ``replicate_group``); returns gradzip's handle."""
+    (HSDP: on the replicate link of ``replicate_group``; DDP with ``node_size``:
+    hierarchical); returns gradzip's handle."""
     from gradzip.comm.attach import attach
 
     return attach(model, method, seed=seed, diagnose=diagnose, nonfinite=nonfinite,
-                  capture=capture, replicate_group=replicate_group)
+                  capture=capture, replicate_group=replicate_group, node_size=node_size)
 
 
 class Parallelism:
@@ -310,13 +317,14 @@ class FullyShard(Parallelism):
 
 def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, method: Method,
                 bucket_cap_mb: float, seed: int, diagnose: bool, nonfinite: str,
-                capture: Any = None, shard_size: int = 0) -> Parallelism:
+                capture: Any = None, node_size: int = 0,
+                hierarchical: bool = False) -> Parallelism:
     """Apply ``parallel`` (none, ddp, fsdp, hsdp) and ``method``: a codec policy through
     gradzip's hook, PyTorch's own hook (DDP), or local updates (DiLoCo: no DDP).
     ``capture`` (a ``gradzip.capture.Capture``) records the communicated buckets: FSDP
     then reduces through gradzip's ``none`` when no codec is given. HSDP without a codec
     is FSDP2's native HSDP; with one, gradzip reduces the replicate link
-    (``gradzip.comm.hsdp``)."""
+    (``gradzip.comm.hsdp``). ``hierarchical`` DDP compresses between nodes only."""
     if parallel == "none":
         return Parallelism(raw, raw)
     if isinstance(method, LocalUpdateMethod):
@@ -328,11 +336,12 @@ def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, method: Method
         return _torch_hook_ddp(raw, info, method, bucket_cap_mb)
     if parallel == "ddp":
         model = apply_ddp(raw, info, bucket_cap_mb=bucket_cap_mb)
+        nodes = ranks_per_node(info, node_size) if hierarchical else 0
         return DataParallel(raw, model, attach_codec(model, method, seed=seed,
                                                      diagnose=diagnose, nonfinite=nonfinite,
-                                                     capture=capture))
+                                                     capture=capture, node_size=nodes))
     if parallel == "hsdp":
-        return _hsdp(raw, info, cast(CodecMethod, method), shard_size, seed=seed,
+        return _hsdp(raw, info, cast(CodecMethod, method), node_size, seed=seed,
                      diagnose=diagnose, nonfinite=nonfinite)
     model = apply_fsdp(cast(GPT, raw), info)
     handle = None if method.plain and capture is None else attach_codec(
@@ -340,11 +349,11 @@ def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, method: Method
     return FullyShard(raw, model, handle)
 
 
-def _hsdp(raw: nn.Module, info: DistInfo, method: CodecMethod, shard_size: int, *,
+def _hsdp(raw: nn.Module, info: DistInfo, method: CodecMethod, node_size: int, *,
           seed: int, diagnose: bool, nonfinite: str) -> FullyShard:
     """FSDP2 within a node, replicated across: native HSDP for ``none``, else sharded over
     the shard dimension with gradzip reducing the replicate link."""
-    mesh = hsdp_mesh(info, shard_size)
+    mesh = hsdp_mesh(info, node_size)
     if method.plain:
         return FullyShard(raw, apply_fsdp(cast(GPT, raw), info, mesh), None)
     model = apply_fsdp(cast(GPT, raw), info, mesh["shard"])
