@@ -56,3 +56,19 @@ def test_hierarchical_ddp_compresses_between_nodes_only(cache: Path, tmp_path: P
     assert links["inter_node"]["compression_ratio"] > 3.5
     assert links["intra_node"]["compression_ratio"] == pytest.approx(1.0)
     assert rec["replicas_identical"] is True
+
+
+def test_hsdp_resume_equals_uninterrupted(cache: Path, tmp_path: Path) -> None:
+    """8 steps straight against 4 + resume: the replicate link's error-feedback residuals
+    (in each rank's checkpoint state) and the DCP shards come back exactly."""
+    codec = ("--codec", "ef | topk(ratio=0.05)")
+    straight = _train(cache, tmp_path / "a", *codec, "--max-steps", "8")
+    _train(cache, tmp_path / "b", *codec, "--max-steps", "4", "--decay-steps", "8")
+    proc = subprocess.run([*launch(4), "-m", "gradzip", "train", "--resume", "--out",
+                           str(tmp_path / "b"), "--max-steps", "8"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = last_result(tmp_path / "b")
+    assert resumed["resumed_from_step"] == 4
+    assert resumed["train_loss"] == straight["train_loss"]
+    assert resumed["val_loss"] == straight["val_loss"]
