@@ -77,7 +77,9 @@ def test_race_of_two_methods_writes_records_report_and_plots(tmp_path: Path) -> 
     (["--rate", "100mbps"], "bytes per second"),
     (["--ranks", "two"], "--ranks must be integers"),
     (["--seeds", "0"], "--ranks and --seeds must be >= 1"),
-    (["--link", "nic"], "--link must be one or more of shared, per-rank"),
+    (["--link", "nic"], "--link must be shared, per-rank or nodes=NxL"),
+    (["--link", "nodes=2"], "nodes=NxL (N nodes of L ranks"),
+    (["--link", "nodes=1x1"], "nodes=NxL"),
     (["--methods", "torch:qsgd"], "unknown PyTorch hook"),
 ])
 def test_bad_options_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -160,3 +162,40 @@ def test_a_local_update_method_is_checked_before_training(
     assert main(["compare", "--methods", "torch:none;diloco(sync_every=0)", "--dry-run",
                  "--out", str(out)]) == 2
     assert "sync_every (H) must be >= 1" in capsys.readouterr().err
+
+
+def test_nodes_links_run_every_node_and_compress_between_nodes() -> None:
+    """``nodes=NxL``: N x L ranks whatever --ranks says, L per node; gradzip codecs under
+    DDP compress between nodes only (--hierarchical), PyTorch's hooks run as they are."""
+    from gradzip.compare.matrix import plan
+
+    runs = plan(["torch:none", "int8"], ["100mbit"], [2], 1, ("--model", "tiny"),
+                ("nodes=2x2",))
+    assert [r.ranks for r in runs] == [4, 4]
+    torch_argv, int8_argv = (r.argv(Path("o"), Path("c")) for r in runs)
+    assert "torch.distributed.run" not in int8_argv  # rank_links starts the ranks
+    assert torch_argv[torch_argv.index("--node-size") + 1] == "2"
+    assert "--hierarchical" not in torch_argv and "--hierarchical" in int8_argv
+    [hsdp] = plan(["ef | topk(ratio=0.05)"], ["100mbit"], [2], 1, (), ("nodes=2x2",), "hsdp")
+    argv = hsdp.argv(Path("o"), Path("c"))
+    assert argv[argv.index("--parallel") + 1] == "hsdp" and "--hierarchical" not in argv
+    assert hsdp.slug.startswith("100mbit-w4-nodes=2x2-hsdp/")
+
+
+@pytest.mark.dist
+def test_race_between_nodes_counts_each_uplink(tmp_path: Path) -> None:
+    """Two nodes of two ranks: the record carries what each node's uplink carried (the
+    kernel's count) and the report shows it per step."""
+    from gradzip.comm import rank_links
+
+    out = tmp_path / "race"
+    assert main(["compare", "--methods", "int8", "--link", "nodes=2x2", "--steps", "4",
+                 "--out", str(out)]) == 0
+    [record] = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    c = record["compare"]
+    assert record["world_size"] == 4 and c["parallel"] == "ddp"
+    assert set(record["links"]) == {"intra_node", "inter_node"}
+    if rank_links.available()[0]:
+        assert c["shaped"] and len(c["uplink_bytes"]["sent"]) == 2
+        assert min(c["uplink_bytes"]["sent"]) > 0
+        assert "uplink bytes/step (kernel)" in (out / "report.md").read_text()

@@ -83,3 +83,38 @@ def test_gloo_ranks_all_reduce_across_their_links() -> None:
     rc, out = _run([sys.executable, "-c", code], ranks=3, rate="1gbit")
     assert rc == 0
     assert sorted(out.split()) == ["0:6", "1:6", "2:6"]  # one write per rank: no interleaving
+
+
+def test_node_ranks_know_their_node() -> None:
+    env = rank_links.rank_env(3, 4, per_node=2)
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == ("1", "2", "1")
+    with pytest.raises(ValueError, match="per_node 3 must divide ranks 4"):
+        rank_links.command(["true"], ranks=4, rate=None, per_node=3)
+
+
+def test_uplink_bytes_are_read_from_proc_net_dev() -> None:
+    text = ("Inter-|   Receive                                                |  Transmit\n"
+            " face |bytes    packets errs drop fifo frame compressed multicast|bytes ...\n"
+            "    u0: 100 2 0 0 0 0 0 0 5000 7 0 0 0 0 0 0\n"
+            "    d0: 5000 7 0 0 0 0 0 0 100 2 0 0 0 0 0 0\n")
+    assert rank_links.transmitted_bytes(text) == {"u0": 5000, "d0": 100}
+    line = rank_links.UPLINK_MARK + ' {"sent": [1, 2], "received": [3, 4]}'
+    assert rank_links.read_uplink_bytes(f"noise\n{line}\n") == {"sent": [1, 2],
+                                                                  "received": [3, 4]}
+
+
+@needs_links
+def test_nodes_share_a_bridge_and_only_uplinks_are_shaped() -> None:
+    show = ("echo node $RANK $LOCAL_RANK $(tc qdisc show dev eth0 | grep -c tbf); "
+            f"{sys.executable} -c \"import os, torch, torch.distributed as d; "
+            "d.init_process_group('gloo'); t = torch.ones(1); d.all_reduce(t); "
+            "os.write(1, f'sum {int(t.item())}\\\\n'.encode())\"")  # one write: no interleaving
+    proc = run_streaming(rank_links.command(["sh", "-c", show], ranks=4, rate="50mbit",
+                                            per_node=2), env=dict(os.environ), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    nodes = sorted(line for line in lines if line.startswith("node"))
+    assert nodes == ["node 0 0 0", "node 1 1 0", "node 2 0 0", "node 3 1 0"]  # unshaped
+    assert [line for line in lines if line.startswith("sum")] == ["sum 4"] * 4
+    uplinks = rank_links.read_uplink_bytes(proc.stderr)
+    assert uplinks is not None and min(uplinks["sent"]) > 0

@@ -31,8 +31,10 @@ def register(sub: Any) -> None:
         epilog="presets:\n" + "\n".join(f"  {k:<6} {v.doc}" for k, v in PRESETS.items())
         + "\n\nThe link (no root needed): 'shared' is one tc token bucket on the loopback "
           "of a fresh\nnetwork namespace, shared by all ranks; 'per-rank' gives every rank "
-          "its own namespace\nand a veth link shaped both ways, joined by a bridge. Where "
-          "namespaces are unavailable\nthe runs go unshaped and every record says so.")
+          "its own namespace\nand a veth link shaped both ways, joined by a bridge; "
+          "'nodes=NxL' puts N nodes of L ranks\non unshaped node bridges, each node behind "
+          "one shaped uplink. Where namespaces are\nunavailable the runs go unshaped and "
+          "every record says so.")
     p.add_argument("--preset", choices=sorted(PRESETS), default="quick",
                    help="the matrix to start from (default: quick)")
     p.add_argument("--methods", default=None, metavar="SPEC;SPEC",
@@ -42,8 +44,14 @@ def register(sub: Any) -> None:
                    help="tc rates, e.g. 100mbit,1gbit; 'none' for unlimited loopback")
     p.add_argument("--link", default=None, metavar="KIND[,KIND]",
                    help="how ranks reach each other: 'shared' (one token bucket on a "
-                        "loopback shared by all ranks; default) and/or 'per-rank' (a "
-                        "shaped link per rank, like one NIC per node)")
+                        "loopback shared by all ranks; default), 'per-rank' (a "
+                        "shaped link per rank, like one NIC per node) and/or 'nodes=NxL' "
+                        "(N nodes of L ranks, one shaped uplink per node)")
+    p.add_argument("--parallel", choices=("ddp", "hsdp"), default="ddp",
+                   help="how each run trains: ddp (default; on nodes=NxL links gradzip "
+                        "codecs compress between nodes only) or hsdp (FSDP2 sharded within "
+                        "a node, the replicate link compressed; 'none' is FSDP2's native "
+                        "HSDP)")
     p.add_argument("--ranks", default=None, metavar="W[,W]", help="ranks per run, e.g. 2,4")
     p.add_argument("--seeds", type=int, default=None, help="seeds per method")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
@@ -57,7 +65,7 @@ def register(sub: Any) -> None:
 
 def _matrix(args: argparse.Namespace) -> list[Any]:
     from gradzip.comm.netns import rate_bits_per_second
-    from gradzip.compare.matrix import LINK_KINDS, PRESETS, plan
+    from gradzip.compare.matrix import LINK_KINDS, PRESETS, check_link, plan
 
     preset = PRESETS[args.preset]
     methods = ([m.strip() for m in args.methods.split(";") if m.strip()] if args.methods
@@ -72,10 +80,11 @@ def _matrix(args: argparse.Namespace) -> list[Any]:
             except ValueError as e:
                 raise ValueError(f"--rate {r!r}: {e}") from None
     links = tuple(k.strip() for k in (args.link or "shared").split(",") if k.strip())
-    bad = [k for k in links if k not in LINK_KINDS]
-    if bad or not links:
+    if not links:
         raise ValueError(f"--link must be one or more of {', '.join(LINK_KINDS)} separated "
                          f"by ',', got {args.link!r}")
+    for k in links:
+        check_link(k)
     try:
         ranks = ([int(w) for w in args.ranks.split(",")] if args.ranks
                  else list(preset.ranks))
@@ -85,7 +94,8 @@ def _matrix(args: argparse.Namespace) -> list[Any]:
     if any(w < 1 for w in ranks) or (args.seeds is not None and args.seeds < 1):
         raise ValueError("--ranks and --seeds must be >= 1")
     train = preset.train + (("--max-steps", str(args.steps)) if args.steps else ())
-    runs = plan(methods, rates, ranks, args.seeds or preset.seeds, train, links)
+    runs = plan(methods, rates, ranks, args.seeds or preset.seeds, train, links,
+                args.parallel)
     check_runs(runs, Path(args.out))  # a bad spec fails here, before any training
     return runs
 
@@ -173,6 +183,10 @@ def _race(runs: list[Any], out: Path, budget_s: float | None) -> int:
 
 
 def _link_line(link: Any) -> str:
+    if link.shaped and link.kind.startswith("nodes="):
+        return (f"link {link.rate}, {link.kind}: shaped uplink per node, measured "
+                f"{link.achieved_bits_per_s / 1e6:.1f} Mbit/s node to node; unshaped "
+                "inside a node")
     if link.shaped and link.kind == "per-rank":
         return (f"link {link.rate}, per rank: shaped, measured "
                 f"{link.achieved_bits_per_s / 1e6:.1f} Mbit/s rank 0 -> rank 1; one link "

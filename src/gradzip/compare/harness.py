@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gradzip.compare.matrix import Run
+from gradzip.compare.matrix import Run, nodes_of
 
 SHARED_LINK = ("one token bucket on the loopback of a network namespace, shared by all "
                "ranks: with W ranks sending at once each gets about RATE/W (not a NIC per "
@@ -39,6 +39,9 @@ SHARED_LINK = ("one token bucket on the loopback of a network namespace, shared 
 PER_RANK_LINK = ("one network namespace per rank behind its own veth link, shaped to RATE "
                  "in each direction, all joined by a bridge: like one NIC per node on a "
                  "non-blocking switch (rate measured rank 0 -> rank 1, TCP payload)")
+NODES_LINK = ("nodes of several ranks: the ranks of a node on an unshaped bridge of their "
+              "own, each node behind one uplink shaped to RATE in each direction (rate "
+              "measured node to node, TCP payload)")
 
 
 class RunFailed(RuntimeError):
@@ -56,7 +59,8 @@ class Link:
     kind: str = "shared"  # matrix.LINK_KINDS
 
     def describe(self) -> dict[str, Any]:
-        model = PER_RANK_LINK if self.kind == "per-rank" else SHARED_LINK
+        model = (PER_RANK_LINK if self.kind == "per-rank" else
+                 NODES_LINK if nodes_of(self.kind) else SHARED_LINK)
         return {"rate": self.rate, "shaped": self.shaped,
                 "link": self.kind if self.shaped else "unshaped",
                 "achieved_rate_bits_per_s": self.achieved_bits_per_s,
@@ -74,6 +78,11 @@ def _namespace_command(argv: list[str], rate: str, kind: str,
 
     if kind == "per-rank":
         return rank_links.command(argv, ranks=ranks, rate=rate), dict(os.environ)
+    nodes = nodes_of(kind)
+    if nodes is not None:  # the probe (2 ranks) crosses between two one-rank nodes
+        per_node = nodes[1] if ranks == nodes[0] * nodes[1] else 1
+        return (rank_links.command(argv, ranks=ranks, rate=rate, per_node=per_node),
+                dict(os.environ))
     cmd, extra = netns_command(argv, rate=rate)
     return cmd, {**os.environ, "GLOO_SOCKET_IFNAME": "lo", **extra}
 
@@ -82,7 +91,9 @@ def _links_available(kind: str) -> tuple[bool, str]:
     from gradzip.comm import rank_links
     from gradzip.comm.netns import netns_available
 
-    return rank_links.available() if kind == "per-rank" else netns_available(shaping=True)
+    if kind == "per-rank" or nodes_of(kind):
+        return rank_links.available()
+    return netns_available(shaping=True)
 
 
 def open_link(rate: str | None, kind: str = "shared") -> Link:
@@ -96,7 +107,7 @@ def open_link(rate: str | None, kind: str = "shared") -> Link:
         return Link(rate, False, None, why, kind)
     argv = [sys.executable, "-m", "gradzip.compare.linkrate", "--nominal",
             str(rate_bits_per_second(rate))]
-    if kind == "per-rank":
+    if kind == "per-rank" or nodes_of(kind):
         argv.append("--between-ranks")
     cmd, env = _namespace_command(argv, rate, kind, ranks=2)
     try:
@@ -131,13 +142,25 @@ def execute(run: Run, link: Link, out: Path, cache: Path,
     lines = (run_dir / "results.jsonl").read_text().splitlines()
     record = json.loads(lines[-1])
     record["compare"] = {"method": run.method, "seed": run.seed, "ranks": run.ranks,
-                         **link.describe(), "link_kind": run.link, "train": list(run.train)}
+                         **link.describe(), "link_kind": run.link, "train": list(run.train),
+                         "parallel": run.parallel,
+                         "uplink_bytes": _uplinks(run, link, proc.stderr or "")}
     return record
 
 
+def _uplinks(run: Run, link: Link, stderr: str) -> dict[str, list[int]] | None:
+    """On a shaped ``nodes=NxL`` link: what each node's uplink carried, counted by the
+    kernel (the whole run: setup, evaluation and checkpoints included)."""
+    from gradzip.comm.rank_links import read_uplink_bytes
+
+    return read_uplink_bytes(stderr) if link.shaped and nodes_of(run.link) else None
+
+
 def run_key(run: Run) -> tuple[Any, ...]:
-    """What makes two runs the same run: method, seed, ranks, rate, link, train flags."""
-    return (run.method, run.seed, run.ranks, run.rate, run.link, tuple(run.train))
+    """What makes two runs the same run: method, seed, ranks, rate, link, train flags,
+    parallel kind."""
+    return (run.method, run.seed, run.ranks, run.rate, run.link, tuple(run.train),
+            run.parallel)
 
 
 def record_key(record: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -146,7 +169,8 @@ def record_key(record: dict[str, Any]) -> tuple[Any, ...] | None:
     c = record.get("compare") or {}
     if "link_kind" not in c or "train" not in c:
         return None
-    return (c["method"], c["seed"], c["ranks"], c["rate"], c["link_kind"], tuple(c["train"]))
+    return (c["method"], c["seed"], c["ranks"], c["rate"], c["link_kind"], tuple(c["train"]),
+            c.get("parallel", "ddp"))
 
 
 def load_records(path: Path) -> list[dict[str, Any]]:

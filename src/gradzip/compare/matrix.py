@@ -26,8 +26,24 @@ def method_flags(method: str) -> list[str]:
 
 
 #: how the ranks of a run reach each other: one token bucket on a loopback shared by
-#: all ranks (``gradzip.comm.netns``), or a shaped link per rank (``comm.rank_links``)
-LINK_KINDS = ("shared", "per-rank")
+#: all ranks (``gradzip.comm.netns``), a shaped link per rank (``comm.rank_links``), or
+#: ``nodes=NxL``: N nodes of L ranks, unshaped inside a node, a shaped uplink per node
+LINK_KINDS = ("shared", "per-rank", "nodes=NxL")
+_NODES = re.compile(r"^nodes=(\d+)x(\d+)$")
+
+
+def nodes_of(link: str) -> tuple[int, int] | None:
+    """``(N, L)`` of a ``nodes=NxL`` link; None for the other kinds."""
+    m = _NODES.match(link)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def check_link(link: str) -> None:
+    """ValueError unless ``link`` is one of ``LINK_KINDS`` (``nodes=NxL``, N, L >= 1)."""
+    nodes = nodes_of(link)
+    if link not in LINK_KINDS[:2] and (nodes is None or min(nodes) < 1 or nodes == (1, 1)):
+        raise ValueError(f"--link must be shared, per-rank or nodes=NxL (N nodes of L "
+                         f"ranks, e.g. nodes=2x2), got {link!r}")
 
 
 @dataclass(frozen=True)
@@ -77,28 +93,54 @@ class Run:
     rate: str | None  # None: unlimited loopback
     train: tuple[str, ...] = field(default=())
     link: str = "shared"  # one of LINK_KINDS
+    #: gradzip train --parallel: ddp (hierarchical on nodes=NxL links for gradzip
+    #: codecs) or hsdp (FSDP2 sharded within a node)
+    parallel: str = "ddp"
 
     @property
     def slug(self) -> str:
         """A directory name: the setting, the method made filename-safe, the seed."""
         method = re.sub(r"[^A-Za-z0-9.=]+", "_", self.method).strip("_")
         kind = "" if self.link == "shared" else f"-{self.link}"
+        kind += "" if self.parallel == "ddp" else f"-{self.parallel}"
         return f"{self.rate or 'unlimited'}-w{self.ranks}{kind}/{method}/seed{self.seed}"
 
     def argv(self, out: Path, cache: Path) -> list[str]:
         """``torchrun ... gradzip train`` for this run (DDP over gloo); on per-rank links
         the rank launcher of ``comm.rank_links`` starts each rank instead of torchrun."""
-        torchrun = ([] if self.link == "per-rank" else
+        torchrun = ([] if self.link != "shared" else
                     ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                      str(self.ranks)])
         return [sys.executable, *torchrun, "-m", "gradzip", "train", *self.train,
-                "--parallel", "ddp", *method_flags(self.method), "--seed", str(self.seed),
+                "--parallel", self.parallel, *self._node_flags(),
+                *method_flags(self.method), "--seed", str(self.seed),
                 "--cache-dir", str(cache), "--out", str(out), "--no-progress",
                 "--no-tensorboard"]
 
 
+    def _node_flags(self) -> list[str]:
+        """On ``nodes=NxL`` links: L ranks per node, and DDP's gradzip codecs
+        compressed between nodes only (``--hierarchical``)."""
+        nodes = nodes_of(self.link)
+        if nodes is None:
+            return []
+        flags = ["--node-size", str(nodes[1])]
+        from gradzip.comm.method import CodecMethod, parse_method
+
+        if self.parallel == "ddp" and isinstance(parse_method(self.method), CodecMethod):
+            flags.append("--hierarchical")
+        return flags
+
+
 def plan(methods: list[str], rates: list[str | None], ranks: list[int], seeds: int,
-         train: tuple[str, ...], links: tuple[str, ...] = ("shared",)) -> list[Run]:
-    """Every run: for each link setting, every seed of every method (slowest link first)."""
-    return [Run(m, s, w, r, train, k) for r in rates for k in links for w in ranks
-            for s in range(seeds) for m in methods]
+         train: tuple[str, ...], links: tuple[str, ...] = ("shared",),
+         parallel: str = "ddp") -> list[Run]:
+    """Every run: for each link setting, every seed of every method (slowest link first).
+    A ``nodes=NxL`` link has N x L ranks, whatever ``ranks`` says."""
+    return [Run(m, s, w, r, train, k, parallel) for r in rates for k in links
+            for w in _ranks_of(k, ranks) for s in range(seeds) for m in methods]
+
+
+def _ranks_of(link: str, ranks: list[int]) -> list[int]:
+    nodes = nodes_of(link)
+    return ranks if nodes is None else [nodes[0] * nodes[1]]

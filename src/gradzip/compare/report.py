@@ -30,6 +30,10 @@ COLUMN_HELP = f"""\
 - **link bytes/step**: `bytes_wire_total / steps`, the bytes rank 0 put on its links per
   optimizer step by gradzip's link byte model (`docs/results.md` in gradzip),
   uncompressed first steps included; mean over seeds.
+- **uplink bytes/step (kernel)** (`nodes=NxL` links only): the bytes a node's uplink, the
+  slow link between nodes, sent per step as the kernel counted them (frames with their
+  headers, the whole run including setup and evaluations), mean over nodes and seeds:
+  the figure every method is compared on there, PyTorch's included.
 - **vs fp32**: `bytes_raw_total / bytes_wire_total`, PyTorch's uncompressed all-reduce of
   the same gradients over this method's bytes. The trainer keeps gradients in fp32 under
   every `--dtype` (bf16 and fp16 are autocast), so that all-reduce is an fp32 one.
@@ -136,14 +140,22 @@ def header(summary: SettingSummary) -> list[str]:
         else "val loss at budget"
     refs = [f"speed-up vs {ref}" if i == 0 else f"vs {ref}"
             for i, ref in enumerate(summary.references)]
-    return ["method", "seeds", "link bytes/step", "vs fp32", "vs 16-bit", "step ms p50",
-            "tokens/s", "comm share", "final val loss", "Δ vs baseline", budget,
-            "time to target (s)", *refs]
+    uplink = ["uplink bytes/step (kernel)"] if _has_uplinks(summary) else []
+    return ["method", "seeds", "link bytes/step", *uplink, "vs fp32", "vs 16-bit",
+            "step ms p50", "tokens/s", "comm share", "final val loss", "Δ vs baseline",
+            budget, "time to target (s)", *refs]
+
+
+def _has_uplinks(summary: SettingSummary) -> bool:
+    """Whether the setting's runs crossed node uplinks the kernel counted."""
+    return any(m.uplink_per_step is not None for m in summary.methods)
 
 
 def row(summary: SettingSummary, m: MethodSummary) -> list[str]:
     """One method's cells."""
-    return [m.method, str(len(m.runs)), fmt_bytes(m.wire_per_step), fmt_ratio(m.ratio_fp32),
+    uplink = [fmt_bytes(m.uplink_per_step)] if _has_uplinks(summary) else []
+    return [m.method, str(len(m.runs)), fmt_bytes(m.wire_per_step), *uplink,
+            fmt_ratio(m.ratio_fp32),
             fmt_ratio(m.ratio_16bit), fmt_num(m.step_ms_p50, ".1f"),
             fmt_num(m.tokens_per_s, ",.0f"),
             fmt_num(None if m.comm_share is None else m.comm_share * 100, ".1f") +

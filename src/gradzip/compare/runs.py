@@ -87,6 +87,16 @@ class Run:
         steps = self.num("steps")
         return None if steps is None else steps - (self.num("resumed_from_step") or 0)
 
+    def uplink_per_step(self) -> float | None:
+        """On a ``nodes=NxL`` link: the bytes a node's uplink sent per step, the mean
+        over nodes, as the kernel counted them (the whole run over its steps); None on
+        other links."""
+        uplinks = (self.record.get("compare") or {}).get("uplink_bytes")
+        steps = self.steps_run()
+        if not uplinks or not uplinks.get("sent") or not steps:
+            return None
+        return sum(uplinks["sent"]) / len(uplinks["sent"]) / steps
+
     def per_step(self, name: str) -> float | None:
         """A run total divided by the steps it covers; ``None`` if either is unknown."""
         total, steps = self.num(name), self.steps_run()

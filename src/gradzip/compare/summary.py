@@ -132,6 +132,8 @@ class MethodSummary:
     method: str
     runs: list[Run]
     wire_per_step: float | None = None
+    #: ``nodes=NxL`` links: a node's uplink bytes per step, counted by the kernel
+    uplink_per_step: float | None = None
     raw_per_step: float | None = None
     raw_inferred: bool = False
     step_ms_p50: float | None = None
@@ -227,6 +229,7 @@ def _method_row(name: str, runs: list[Run], raw_by_model: dict[Any, float]) -> M
     """A method's figures that do not depend on the other methods."""
     row = MethodSummary(name, runs)
     row.wire_per_step = mean(r.per_step("bytes_wire_total") for r in runs)
+    row.uplink_per_step = mean(r.uplink_per_step() for r in runs)
     row.raw_per_step = mean(r.per_step("bytes_raw_total") for r in runs)
     if row.raw_per_step is None and row.wire_per_step is not None:
         row.raw_per_step = mean(raw_by_model.get(r.num("params")) for r in runs)
