@@ -266,3 +266,28 @@ def test_a_diloco_record_is_named_by_its_method_not_taken_for_the_baseline() -> 
     [s] = summarize([ddp, local])
     assert s.baseline == "none" and {m.method for m in s.methods} == {"none", name}
     assert not any("replaced" in n for n in s.notes)
+
+
+def test_links_and_uplinks_reach_the_report(tmp_path: Path) -> None:
+    """A run across nodes: the kernel's uplink bytes become a column, gradzip's per-link
+    figures a list under the table."""
+    records = []
+    for method in ("torch:none", TOPK):
+        for seed in (0, 1):
+            rec = record("100mbit", method, seed)
+            rec["compare"].update(link_kind="nodes=2x2", ranks=4,
+                                  uplink_bytes={"sent": [400_000, 440_000],
+                                                "received": [440_000, 400_000]})
+            if method == TOPK:
+                rec["links"] = {"inter_node": {"bytes_wire": 40 * 1_000,
+                                               "compression_ratio": 12.0},
+                                "intra_node": {"bytes_wire": 40 * 9_000,
+                                               "compression_ratio": 1.0}}
+            records.append(rec)
+    path = tmp_path / "results.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert main(["report", str(path), "--out", str(tmp_path / "rep")]) == 0
+    text = (tmp_path / "rep" / "report.md").read_text()
+    assert "uplink bytes/step (kernel)" in text and "10.25 KiB" in text  # 420,000 B / 40
+    assert f"**{TOPK}** per link, per rank per step: inter_node 1,000 B (12.00x), " \
+           "intra_node 9,000 B (1.00x)" in text

@@ -247,8 +247,29 @@ def setting_section(summary: SettingSummary, plots: dict[str, Path]) -> str:
              markdown_table(*table(summary)), f"**Verdict.** {verdict(summary)}"]
     if summary.notes:
         parts.append("\n".join(f"- {n}" for n in summary.notes))
+    if per_link := per_link_lines(summary):
+        parts.append("\n".join(per_link))
     parts += [f"![{_PLOT_TITLES[name]}]({path.name})" for name, path in plots.items()]
     return "\n\n".join(parts)
+
+
+def per_link_lines(summary: SettingSummary) -> list[str]:
+    """Each link of the methods whose reductions cross several (HSDP's shard and
+    replicate, hierarchical DDP's intra- and inter-node): gradzip's link bytes per rank
+    per step and ratio, from the first seed's record."""
+    lines = []
+    for m in summary.methods:
+        record, steps = m.runs[0].record, m.runs[0].steps_run()
+        links = record.get("links") or {}
+        if not links or not steps:
+            continue
+        cells = [f"{name} {v['bytes_wire'] / steps:,.0f} B"
+                 + (f" ({v['compression_ratio']:.2f}x)" if v.get("compression_ratio") else "")
+                 for name, v in sorted(links.items())]
+        lines.append(f"- **{m.method}** per link, per rank per step: " + ", ".join(cells))
+    head = ("**Per link** (gradzip's link model, per rank per step; a DDP run's first "
+            "step is flat and in no link):")
+    return [head, *lines] if lines else []
 
 
 def render(summaries: list[SettingSummary], out: Path,
