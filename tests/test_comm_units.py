@@ -102,3 +102,30 @@ def test_import_gradzip_stays_free_of_torch_distributed_comm():
 
     code = "import sys, gradzip; assert 'gradzip.comm' not in sys.modules; gradzip.attach"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_hsdp_state_and_specs_are_checked() -> None:
+    """A checkpoint with (or without) an HSDP replicate link does not load into a handle
+    without (or with) one; a per-dimension spec names its links, anything else is the
+    replicate link's; a shard layout that no longer tiles the output is dropped."""
+    import torch
+
+    from gradzip.codecs.chain import Codec
+    from gradzip.comm.attach import Handle
+    from gradzip.comm.fsdp import layout_or_none
+    from gradzip.comm.hsdp import split_spec
+    from gradzip.comm.policy import Policy
+    from gradzip.comm.stats import CommStats
+
+    plain = Handle("fsdp2", [Codec.from_spec("none")], CommStats(), Policy.parse("none"))
+    hsdp = Handle("fsdp2", [Codec.from_spec("none")], CommStats(), Policy.parse("none"))
+    hsdp.replicate_codecs = [Codec.from_spec("ef | topk(ratio=0.1)")]
+    with pytest.raises(ValueError, match="with an HSDP replicate link"):
+        plain.load_state_dict(hsdp.state_dict())
+    with pytest.raises(ValueError, match="without an HSDP replicate link"):
+        hsdp.load_state_dict(plain.state_dict())
+    hsdp.load_state_dict(hsdp.state_dict())
+    assert split_spec({"replicate": "int8"}) == ("int8", "none")
+    assert split_spec({"codec": "int8"}) == ({"codec": "int8"}, "none")  # a policy
+    shapes = [torch.Size((2, 3)), torch.Size((4,))]
+    assert layout_or_none(shapes, 10) == shapes and layout_or_none(shapes, 6) is None

@@ -8,6 +8,7 @@ starts, and a spec that cannot compress on a path is refused here too.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import torch.distributed as dist
@@ -148,38 +149,17 @@ def attach(
     stats report the ``intra_node`` and ``inter_node`` links.
     """
     rep_spec, shard_spec = split_spec(spec) if replicate_group is not None else (None, spec)
-    policy = _policy_of(shard_spec).with_overrides(groups, start_step)  # SpecError first
-    options = {} if aggregate is None else {"aggregate": aggregate}
-    codecs = [build_codec(c, seed=seed, nonfinite=nonfinite, **options)
-              for c in policy.codecs]
-    replicate = None
-    if replicate_group is not None:
-        rep_policy = _policy_of(rep_spec).with_overrides(groups, start_step)
-        replicate = (rep_policy, [build_codec(c, seed=seed, nonfinite=nonfinite, **options)
-                                  for c in rep_policy.codecs], replicate_group)
+    built = partial(_built, groups=groups, start_step=start_step, seed=seed,
+                    nonfinite=nonfinite, aggregate=aggregate)
+    policy, codecs = built(shard_spec)  # SpecError first
+    replicate = None if replicate_group is None else (*built(rep_spec), replicate_group)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("gradzip.attach needs torch.distributed initialized")
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
-    if capture is not None and isinstance(model, FullyShardedDataParallel):
-        raise ValueError("capture works with DDP and FSDP2 (fully_shard), not FSDP1")
-    if isinstance(model, DistributedDataParallel) and getattr(
-            model, "_use_python_reducer", False):
-        raise ValueError(
-            "gradzip cannot attach to a DDP model built with compiled autograd's Python "
-            "reducer (torch._dynamo.config.optimize_ddp = 'python_reducer'): that mode "
-            "calls the comm hook once per parameter inside the compiled graph, and "
-            "gradzip's hooks reduce whole buckets with host work. Build the model with "
-            "the default optimize_ddp (plain torch.compile of a DDP model keeps gradzip's "
-            "hooks eager and exact)")
-    if node_size and not isinstance(model, DistributedDataParallel):
-        raise ValueError("node_size= is hierarchical DDP; for FSDP2 across nodes shard "
-                         "over mesh[\"shard\"] and pass replicate_group (HSDP)")
-    if replicate is not None and not isinstance(model, FSDPModule):
-        raise ValueError("replicate_group= is HSDP on FSDP2: shard the model with "
-                         "fully_shard(mesh=mesh[\"shard\"]) and pass "
-                         "mesh.get_group(\"replicate\")")
+    _refuse_paths(model, capture=capture is not None, node_size=node_size,
+                  replicate=replicate is not None)
     if isinstance(model, DistributedDataParallel):
         handle = apply_ddp(model, policy, codecs, process_group, diagnose, node_size)
     elif isinstance(model, FullyShardedDataParallel):
@@ -194,6 +174,42 @@ def attach(
     if capture is not None:
         apply_capture(handle, model, capture, policy)
     return handle
+
+
+def _built(spec: Any, *, groups: dict[str, str] | None, start_step: int | None, seed: int,
+           nonfinite: str, aggregate: str | None) -> tuple[Policy, list[Codec]]:
+    """The policy of ``spec`` (with the keyword groups and start step) and this rank's
+    codec of each of its groups."""
+    policy = _policy_of(spec).with_overrides(groups, start_step)
+    options = {} if aggregate is None else {"aggregate": aggregate}
+    return policy, [build_codec(c, seed=seed, nonfinite=nonfinite, **options)
+                    for c in policy.codecs]
+
+
+def _refuse_paths(model: nn.Module, *, capture: bool, node_size: int,
+                  replicate: bool) -> None:
+    """Options the model's wrapper cannot honour: a clear error, before anything runs."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    if capture and isinstance(model, FullyShardedDataParallel):
+        raise ValueError("capture works with DDP and FSDP2 (fully_shard), not FSDP1")
+    if isinstance(model, DistributedDataParallel) and getattr(
+            model, "_use_python_reducer", False):
+        raise ValueError(
+            "gradzip cannot attach to a DDP model built with compiled autograd's Python "
+            "reducer (torch._dynamo.config.optimize_ddp = 'python_reducer'): that mode "
+            "calls the comm hook once per parameter inside the compiled graph, and "
+            "gradzip's hooks reduce whole buckets with host work. Build the model with "
+            "the default optimize_ddp (plain torch.compile of a DDP model keeps gradzip's "
+            "hooks eager and exact)")
+    if node_size and not isinstance(model, DistributedDataParallel):
+        raise ValueError("node_size= is hierarchical DDP; for FSDP2 across nodes shard "
+                         "over mesh[\"shard\"] and pass replicate_group (HSDP)")
+    if replicate and not isinstance(model, FSDPModule):
+        raise ValueError("replicate_group= is HSDP on FSDP2: shard the model with "
+                         "fully_shard(mesh=mesh[\"shard\"]) and pass "
+                         "mesh.get_group(\"replicate\")")
 
 
 def apply_capture(handle: Handle, model: nn.Module, capture: Any, policy: Policy) -> None:

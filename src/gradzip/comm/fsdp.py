@@ -21,6 +21,7 @@ issues it on its reduce-scatter stream), on FSDP's process group.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -87,6 +88,15 @@ def shard_shapes(module: nn.Module) -> list[torch.Size] | None:
         return None                                       # when the reduce-scatter is set
 
 
+def layout_or_none(shapes: Sequence[torch.Size] | None,
+                   numel: int) -> Sequence[torch.Size] | None:
+    """A unit's shard shapes if they still tile ``numel`` values; None when some
+    parameters got no gradient this step (the layout is then unknown)."""
+    if shapes is not None and sum(s.numel() for s in shapes) != numel:
+        return None
+    return shapes
+
+
 class CompressedReduceScatter(ReduceScatter):
     """FSDP2 custom reduce-scatter for one FSDP module (``set_custom_reduce_scatter``)."""
 
@@ -122,9 +132,7 @@ class CompressedReduceScatter(ReduceScatter):
         divisor, factor = scaling(op, comm.world_size)
         compress = self.calls >= self.start_step
         self.calls += 1
-        shapes = self.shapes
-        if shapes is not None and sum(s.numel() for s in shapes) != output_tensor.numel():
-            shapes = None  # some parameters got no gradient this step: layout unknown
+        shapes = layout_or_none(self.shapes, output_tensor.numel())
         capture = self.capture
         if capture is not None and capture.active:
             self._record(capture, input_tensor, shapes, comm.world_size, "local")
@@ -142,7 +150,7 @@ class CompressedReduceScatter(ReduceScatter):
         return torch._C._distributed_c10d._create_work_from_future(done)  # type: ignore[attr-defined]
 
 
-    def _record(self, capture: Any, flat: torch.Tensor, shapes: list[torch.Size] | None,
+    def _record(self, capture: Any, flat: torch.Tensor, shapes: Sequence[torch.Size] | None,
                 chunks: int, kind: str, first_chunk: int = 0) -> None:
         """Hand ``flat`` (``chunks`` destination chunks, each every parameter's padded
         dim-0 shard back to back) to the capture: one entry ``{name}@shard{j}`` per

@@ -29,6 +29,7 @@ from torch import nn
 
 from gradzip.codecs.base import Shapes
 from gradzip.comm.communicator import TorchCommunicator
+from gradzip.comm.fsdp import layout_or_none
 from gradzip.comm.reducer import Reducer
 
 #: the mesh dimensions a per-dimension spec names
@@ -53,9 +54,7 @@ class ReplicateReduce:
     def __call__(self, reduce_output: torch.Tensor) -> None:
         compress = self.calls >= self.start_step
         self.calls += 1
-        shapes = self.shapes
-        if shapes is not None and sum(s.numel() for s in shapes) != reduce_output.numel():
-            shapes = None  # some parameters got no gradient this step: layout unknown
+        shapes = layout_or_none(self.shapes, reduce_output.numel())
         if not compress:
             self.reducer.reduce_plain(reduce_output, self.comm)
             return
