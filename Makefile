@@ -53,7 +53,7 @@ test-all: $(STAMP)
 	$(PY) -m pytest -n 2 -q -m "slow or not slow"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests examples
 	$(VENV)/bin/mypy
 
 clean:

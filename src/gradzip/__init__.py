@@ -22,7 +22,8 @@ if TYPE_CHECKING:  # the names are real; they are imported on first use (see __g
         registered,
     )
     from gradzip.collectives import Communicator
-    from gradzip.comm import attach, ddp_hook
+    from gradzip.comm import ddp_hook
+    from gradzip.integrations.script import attach
 
 __version__ = "0.1.0"
 
@@ -44,7 +45,9 @@ _LAZY = {
     **dict.fromkeys(("Codec", "CodecState", "NonFiniteGradientError",
                      "Payload", "PayloadError", "SpecError", "registered"), "gradzip.codecs"),
     "Communicator": "gradzip.collectives",
-    **dict.fromkeys(("attach", "ddp_hook"), "gradzip.comm"),
+    "ddp_hook": "gradzip.comm",
+    # with a spec, gradzip.comm's attach; without one, the method of gradzip compare
+    "attach": "gradzip.integrations.script",
 }
 
 

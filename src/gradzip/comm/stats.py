@@ -284,6 +284,12 @@ class CommStats:
         with self._lock:
             return self._total.view(self.steps)
 
+    def open_reductions(self) -> int:
+        """Reductions recorded in the open step so far (0: nothing communicated since the
+        last ``end_step``)."""
+        with self._lock:
+            return self._open.reductions
+
     def pending(self) -> dict[str, Any]:
         """The open (not yet closed) step, e.g. to inspect a step mid-way."""
         with self._lock:

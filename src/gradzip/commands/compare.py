@@ -8,14 +8,23 @@ real rate-limited link, and writes ``OUT/results.jsonl`` and ``OUT/report.md``.
     gradzip compare --preset quick --out runs/compare
     gradzip compare --methods "torch:none;ef | topk(ratio=0.01)" --rate 100mbit,1gbit \\
         --ranks 2 --seeds 3 --out runs/race
+    gradzip compare --script train.py --script-args "--steps 500" \\
+        --methods "torch:fp16;int8" --out runs/mine
+
+Your own script (--script) runs under torchrun with the method, seed and run directory
+in its environment; in it, gradzip.attach(ddp_model) takes the method, and
+handle.log_eval(step, val_loss) and handle.close() give the race its figures
+(docs/guide.md, "Racing your own training script").
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +61,24 @@ def register(sub: Any) -> None:
                         "codecs compress between nodes only) or hsdp (FSDP2 sharded within "
                         "a node, the replicate link compressed; 'none' is FSDP2's native "
                         "HSDP)")
+    p.add_argument("--script", default=None, metavar="PATH",
+                   help="race your own training script instead of the built-in trainer "
+                        "(started by torchrun; see docs/guide.md for its three lines)")
+    p.add_argument("--script-args", default="", metavar="ARGS",
+                   help="arguments of --script, one string (e.g. \"--steps 500 --lr 3e-4\")")
+    p.add_argument("--model", default=None,
+                   help="built-in trainer: the model preset (tiny, small, ...) instead of "
+                        "the preset's")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="built-in trainer: training tokens to prepare (all ranks)")
+    p.add_argument("--lr", type=float, default=None, help="built-in trainer: learning rate")
+    p.add_argument("--train-args", default="", metavar="FLAGS",
+                   help="built-in trainer: further gradzip train flags, one string "
+                        "(e.g. \"--warmup-steps 20 --eval-every 50\"); they override the "
+                        "preset's")
+    p.add_argument("--start-step", type=int, default=0, metavar="N",
+                   help="gradzip codecs send plain until step N, compressing after that "
+                        "warm-up (as the PowerSGD and DGC papers do); stated in each record")
     p.add_argument("--ranks", default=None, metavar="W[,W]", help="ranks per run, e.g. 2,4")
     p.add_argument("--seeds", type=int, default=None, help="seeds per method")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
@@ -63,7 +90,7 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _matrix(args: argparse.Namespace) -> list[Any]:
+def runs_of(args: argparse.Namespace) -> list[Any]:
     from gradzip.comm.netns import rate_bits_per_second
     from gradzip.compare.matrix import LINK_KINDS, PRESETS, check_link, plan
 
@@ -93,11 +120,63 @@ def _matrix(args: argparse.Namespace) -> list[Any]:
             from None
     if any(w < 1 for w in ranks) or (args.seeds is not None and args.seeds < 1):
         raise ValueError("--ranks and --seeds must be >= 1")
-    train = preset.train + (("--max-steps", str(args.steps)) if args.steps else ())
-    runs = plan(methods, rates, ranks, args.seeds or preset.seeds, train, links,
-                args.parallel)
-    check_runs(runs, Path(args.out))  # a bad spec fails here, before any training
+    script = _script(args)
+    runs = plan(methods, rates, ranks, args.seeds or preset.seeds, _train_flags(args, preset),
+                links, args.parallel, script)
+    runs = [replace(r, start_step=args.start_step) for r in runs]
+    if script:
+        check_script_runs(runs)
+    else:
+        check_runs(runs, Path(args.out))  # a bad spec fails here, before any training
     return runs
+
+
+def _train_flags(args: argparse.Namespace, preset: Any) -> tuple[str, ...]:
+    """The built-in trainer's flags: the preset's, then the options passed through
+    (argparse keeps the last of a repeated flag)."""
+    extra: list[str] = []
+    for flag, value in (("--max-steps", args.steps), ("--model", args.model),
+                        ("--max-tokens", args.max_tokens), ("--lr", args.lr)):
+        if value is not None:
+            extra += [flag, str(value)]
+    return (*preset.train, *extra, *shlex.split(args.train_args))
+
+
+def _script(args: argparse.Namespace) -> tuple[str, ...]:
+    """``(PATH, *ARGS)`` of ``--script``; ValueError for a missing file or options
+    that belong to the built-in trainer."""
+    if args.script is None:
+        if args.script_args:
+            raise ValueError("--script-args needs --script")
+        return ()
+    path = Path(args.script)
+    if not path.is_file():
+        raise ValueError(f"--script {args.script}: no such file")
+    clash = [f for f, v in (("--model", args.model), ("--max-tokens", args.max_tokens),
+                            ("--lr", args.lr), ("--train-args", args.train_args or None),
+                            ("--steps", args.steps)) if v is not None]
+    if clash:
+        raise ValueError(f"{', '.join(clash)} configure the built-in trainer; pass your "
+                         "script's own options with --script-args")
+    if args.parallel != "ddp":
+        raise ValueError("--script runs your script as it is: --parallel applies to the "
+                         "built-in trainer only")
+    return (str(path.resolve()), *shlex.split(args.script_args))
+
+
+def check_script_runs(runs: list[Any]) -> None:
+    """Every method of a ``--script`` race parses and can run in a script (a codec spec
+    or ``torch:...``; local-update methods need the built-in trainer)."""
+    from gradzip.comm.method import LocalUpdateMethod, parse_method
+
+    for method in dict.fromkeys(r.method for r in runs):
+        try:
+            parsed = parse_method(method)
+        except ValueError as e:
+            raise ValueError(f"method {method!r}: {e}") from None
+        if isinstance(parsed, LocalUpdateMethod):
+            raise ValueError(f"method {method!r}: local-update methods run their outer "
+                             "loop in gradzip's trainer; race them without --script")
 
 
 def check_runs(runs: list[Any], out: Path) -> None:
@@ -118,7 +197,7 @@ def check_runs(runs: list[Any], out: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        runs = _matrix(args)
+        runs = runs_of(args)
     except ValueError as e:
         print(f"gradzip compare: error: {e}", file=sys.stderr)
         return 2

@@ -131,19 +131,26 @@ def execute(run: Run, link: Link, out: Path, cache: Path,
         assert link.rate is not None
         cmd, env = _namespace_command(run.argv(run_dir, cache), link.rate, link.kind,
                                       run.ranks)
-        proc = run_streaming(cmd, env=env, timeout=timeout, on_line=on_line)
+        proc = run_streaming(cmd, env={**env, **run.env(run_dir)}, timeout=timeout,
+                             on_line=on_line)
     else:  # torchrun on the unshaped loopback, whatever link kind was asked for
         argv = replace(run, link="shared").argv(run_dir, cache)
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **run.env(run_dir)})
     if proc.returncode != 0:
         raise RunFailed(f"{run.method} (seed {run.seed}, {run.ranks} ranks, "
                         f"{run.rate or 'unlimited'}) failed with exit status "
                         f"{proc.returncode}:\n{proc.stderr[-3000:]}")
-    lines = (run_dir / "results.jsonl").read_text().splitlines()
-    record = json.loads(lines[-1])
+    results = run_dir / "results.jsonl"
+    if not results.is_file():
+        raise RunFailed(f"{run.method} (seed {run.seed}) exited cleanly but wrote no "
+                        f"record to {results}: " + ("call gradzip.attach(model) without a "
+                        "spec and handle.close() in the script (docs/guide.md, racing "
+                        "your own script)" if run.script else "see its output"))
+    record = json.loads(results.read_text().splitlines()[-1])
     record["compare"] = {"method": run.method, "seed": run.seed, "ranks": run.ranks,
-                         **link.describe(), "link_kind": run.link, "train": list(run.train),
-                         "parallel": run.parallel,
+                         **link.describe(), "link_kind": run.link, "train": list(run.what),
+                         "parallel": run.parallel, "start_step": run.compressed_from(),
                          "uplink_bytes": _uplinks(run, link, proc.stderr or "")}
     return record
 
@@ -159,7 +166,7 @@ def _uplinks(run: Run, link: Link, stderr: str) -> dict[str, list[int]] | None:
 def run_key(run: Run) -> tuple[Any, ...]:
     """What makes two runs the same run: method, seed, ranks, rate, link, train flags,
     parallel kind."""
-    return (run.method, run.seed, run.ranks, run.rate, run.link, tuple(run.train),
+    return (run.method, run.seed, run.ranks, run.rate, run.link, tuple(run.what),
             run.parallel)
 
 

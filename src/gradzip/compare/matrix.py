@@ -96,6 +96,30 @@ class Run:
     #: gradzip train --parallel: ddp (hierarchical on nodes=NxL links for gradzip
     #: codecs) or hsdp (FSDP2 sharded within a node)
     parallel: str = "ddp"
+    #: the user's training script and its arguments (``--script``), run instead of
+    #: ``gradzip train``; empty: the built-in trainer with ``train``'s flags
+    script: tuple[str, ...] = field(default=())
+    #: gradzip codecs send plain until this step (``--start-step``); 0: from the start
+    start_step: int = 0
+
+    @property
+    def what(self) -> tuple[str, ...]:
+        """What trains: ``train``'s flags, or ``--script PATH ARGS``, and the start step
+        (records keep it as ``compare.train``, so reruns find their runs)."""
+        trains = ("--script", *self.script) if self.script else self.train
+        return (*trains, *self._start_flags())
+
+    def compressed_from(self) -> int:
+        """The step compression starts at for this run's method: ``start_step`` for
+        gradzip codecs, 0 for the rest (``torch:powersgd`` has its own start_iter)."""
+        from gradzip.comm.method import CodecMethod, parse_method
+
+        codec = isinstance(parse_method(self.method), CodecMethod)
+        return self.start_step if codec and self.method.strip() != "none" else 0
+
+    def _start_flags(self) -> list[str]:
+        start = self.compressed_from()
+        return ["--codec-start-step", str(start)] if start else []
 
     @property
     def slug(self) -> str:
@@ -106,17 +130,33 @@ class Run:
         return f"{self.rate or 'unlimited'}-w{self.ranks}{kind}/{method}/seed{self.seed}"
 
     def argv(self, out: Path, cache: Path) -> list[str]:
-        """``torchrun ... gradzip train`` for this run (DDP over gloo); on per-rank links
-        the rank launcher of ``comm.rank_links`` starts each rank instead of torchrun."""
+        """``torchrun ... gradzip train`` for this run (DDP over gloo), or ``torchrun
+        ... SCRIPT ARGS``; on per-rank links the rank launcher of ``comm.rank_links``
+        starts each rank instead of torchrun."""
         torchrun = ([] if self.link != "shared" else
                     ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                      str(self.ranks)])
+        if self.script:
+            return [sys.executable, *torchrun, *self.script]
         return [sys.executable, *torchrun, "-m", "gradzip", "train", *self.train,
                 "--parallel", self.parallel, *self._node_flags(),
-                *method_flags(self.method), "--seed", str(self.seed),
+                *method_flags(self.method), *self._start_flags(), "--seed", str(self.seed),
                 "--cache-dir", str(cache), "--out", str(out), "--no-progress",
                 "--no-tensorboard"]
 
+
+    def env(self, out: Path) -> dict[str, str]:
+        """The environment of a ``--script`` run (``gradzip.integrations.script``):
+        method, seed, run directory and, on ``nodes=NxL`` links, ranks per node."""
+        if not self.script:
+            return {}
+        from gradzip.integrations import script
+
+        nodes = nodes_of(self.link)
+        return {script.ENV_METHOD: self.method, script.ENV_SEED: str(self.seed),
+                script.ENV_RUN_DIR: str(Path(out).resolve()),
+                script.ENV_NODE_SIZE: str(nodes[1]) if nodes else "",
+                script.ENV_START_STEP: str(self.compressed_from())}
 
     def _node_flags(self) -> list[str]:
         """On ``nodes=NxL`` links: L ranks per node, and DDP's gradzip codecs
@@ -134,10 +174,10 @@ class Run:
 
 def plan(methods: list[str], rates: list[str | None], ranks: list[int], seeds: int,
          train: tuple[str, ...], links: tuple[str, ...] = ("shared",),
-         parallel: str = "ddp") -> list[Run]:
+         parallel: str = "ddp", script: tuple[str, ...] = ()) -> list[Run]:
     """Every run: for each link setting, every seed of every method (slowest link first).
     A ``nodes=NxL`` link has N x L ranks, whatever ``ranks`` says."""
-    return [Run(m, s, w, r, train, k, parallel) for r in rates for k in links
+    return [Run(m, s, w, r, train, k, parallel, script) for r in rates for k in links
             for w in _ranks_of(k, ranks) for s in range(seeds) for m in methods]
 
 

@@ -13,6 +13,11 @@ epoch and step in line with the Trainer's (step = ``state.global_step`` of the
 optimizer step being computed, from 1; epoch = the whole epochs done), and closes the
 hook and the archive when training ends (also when it ends with an error: the archive
 then holds every step that completed).
+
+Under ``gradzip compare --script`` (``integrations/script.py``), a callback without a
+spec takes the method from the environment (PyTorch's own hooks included), hands each
+evaluation's ``eval_loss`` to the handle and writes the run's record when training
+ends: a Trainer script is raced as it is, with ``attach_trainer(trainer)``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from transformers import TrainerCallback
 class GradzipCallback(TrainerCallback):
     """Attach ``spec`` (and ``capture``) to ``trainer``'s wrapped model at train begin."""
 
-    def __init__(self, trainer: Any, spec: str = "none", capture: Any = None,
+    def __init__(self, trainer: Any, spec: str | None = None, capture: Any = None,
                  **attach_options: Any) -> None:
         self.trainer = trainer
         self.spec = spec
@@ -44,8 +49,13 @@ class GradzipCallback(TrainerCallback):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("gradzip's Trainer callback compresses or captures what ranks "
                                "communicate: launch the training with torchrun (DDP)")
-        self.handle = gradzip.attach(self.trainer.model_wrapped, self.spec,
-                                     capture=self.capture, **self.attach_options)
+        from gradzip.integrations.script import Launch
+
+        spec = self.spec if self.spec is not None or Launch.from_env() else "none"
+        options = dict(self.attach_options)
+        if self.capture is not None:
+            options["capture"] = self.capture
+        self.handle = gradzip.attach(self.trainer.model_wrapped, spec, **options)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.capture is not None:
@@ -55,8 +65,20 @@ class GradzipCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.capture is not None:
             self.capture.end_step()
-        if self.handle is not None:
-            self.handle.stats.end_step()
+        if self.handle is not None and not self.launched:
+            self.handle.stats.end_step()  # a launched run's clock ends its own steps
+
+    def on_evaluate(self, args: Any, state: Any, control: Any,
+                    metrics: dict[str, float] | None = None, **kwargs: Any) -> None:
+        if self.launched and metrics and "eval_loss" in metrics:
+            self.handle.log_eval(state.global_step, metrics["eval_loss"])
+
+    @property
+    def launched(self) -> bool:
+        """Whether the method came from ``gradzip compare --script``'s environment."""
+        from gradzip.integrations.script import ScriptHandle
+
+        return isinstance(self.handle, ScriptHandle)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.close()
@@ -69,11 +91,12 @@ class GradzipCallback(TrainerCallback):
             self.capture.close()
 
 
-def attach_trainer(trainer: Any, spec: str = "none", *, capture: Any = None,
+def attach_trainer(trainer: Any, spec: str | None = None, *, capture: Any = None,
                    **attach_options: Any) -> GradzipCallback:
     """Add a ``GradzipCallback`` for ``spec`` (a gradzip codec; ``none`` = the plain
-    all-reduce) and ``capture`` to ``trainer``; returns it (``.handle.stats`` holds the
-    communication figures once training began)."""
+    all-reduce; left out: the method of ``gradzip compare --script``, else ``none``) and
+    ``capture`` to ``trainer``; returns it (``.handle.stats`` holds the communication
+    figures once training began)."""
     callback = GradzipCallback(trainer, spec, capture, **attach_options)
     trainer.add_callback(callback)
     return callback

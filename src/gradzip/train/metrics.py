@@ -168,32 +168,7 @@ class RunMetrics:
 
     def communication(self) -> dict[str, Any]:
         """The record's communication fields, totals over every step of this process."""
-        if self.comm is None:
-            return dict.fromkeys(COMM_FIELDS)
-        t = self.comm.totals()
-        seconds = t["comm_ms"] / 1e3
-        return {
-            "comm_time_ms_total": t["comm_ms"],
-            "comm_time_ms_by_op": t["comm_ms_by_op"],
-            "extra_collective_time_ms": t["extra_collective_ms"],
-            "bytes_raw_total": t["bytes_raw"],
-            "bytes_wire_total": t["bytes_wire"],
-            "bytes_handed_total": t["bytes_handed"],
-            "effective_bandwidth_bytes_per_s": t["bytes_wire"] / seconds if seconds else None,
-            "aggregation": t["aggregation"],
-            "compression_ratio": t["compression_ratio"],
-            "compression_ratio_steady": _ratio(self.steady["bytes_raw"],
-                                               self.steady["bytes_wire"]),
-            "encode_ms": t["encode_ms"],
-            "decode_ms": t["decode_ms"],
-            "extra_collectives": t["extra_collectives"],
-            "index_bytes": t["index_bytes"],
-            "density": t["density"],
-            "residual_norm": t["residual_norm"],
-            "grad_rel_error": t["grad_rel_error"],
-            "grad_cos_sim": t["grad_cos_sim"],
-            "links": t["links"] or None,
-        }
+        return communication_fields(self.comm, self.steady)
 
     def counters(self) -> dict[str, int]:
         return {"nonfinite_grad_steps": self.nonfinite_steps,
@@ -207,6 +182,37 @@ COMM_FIELDS = ("comm_time_ms_total", "comm_time_ms_by_op", "extra_collective_tim
                "compression_ratio_steady", "encode_ms", "decode_ms", "extra_collectives",
                "index_bytes", "density", "residual_norm", "grad_rel_error", "grad_cos_sim",
                "links")
+
+
+def communication_fields(comm: Any, steady: dict[str, int]) -> dict[str, Any]:
+    """The record's communication fields from a ``CommStats`` (all None without one):
+    totals over every step; ``steady`` holds the bytes_raw and bytes_wire of the steps
+    compressed throughout."""
+    if comm is None:
+        return dict.fromkeys(COMM_FIELDS)
+    t = comm.totals()
+    seconds = t["comm_ms"] / 1e3
+    return {
+        "comm_time_ms_total": t["comm_ms"],
+        "comm_time_ms_by_op": t["comm_ms_by_op"],
+        "extra_collective_time_ms": t["extra_collective_ms"],
+        "bytes_raw_total": t["bytes_raw"],
+        "bytes_wire_total": t["bytes_wire"],
+        "bytes_handed_total": t["bytes_handed"],
+        "effective_bandwidth_bytes_per_s": t["bytes_wire"] / seconds if seconds else None,
+        "aggregation": t["aggregation"],
+        "compression_ratio": t["compression_ratio"],
+        "compression_ratio_steady": _ratio(steady["bytes_raw"], steady["bytes_wire"]),
+        "encode_ms": t["encode_ms"],
+        "decode_ms": t["decode_ms"],
+        "extra_collectives": t["extra_collectives"],
+        "index_bytes": t["index_bytes"],
+        "density": t["density"],
+        "residual_norm": t["residual_norm"],
+        "grad_rel_error": t["grad_rel_error"],
+        "grad_cos_sim": t["grad_cos_sim"],
+        "links": t["links"] or None,
+    }
 
 
 def peak_memory(device: torch.device) -> dict[str, Any]:

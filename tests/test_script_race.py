@@ -1,0 +1,176 @@
+"""``gradzip compare --script``: the user's own training script raced under torchrun.
+
+The contract (``gradzip.integrations.script``): the method, seed and run directory in
+the environment; ``gradzip.attach(model)`` without a spec; ``handle.log_eval`` and
+``handle.close`` writing the record. The examples in ``examples/`` are raced for real.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_results_schema import documented_fields
+
+import gradzip
+from gradzip.cli import main
+from gradzip.comm.netns import netns_available
+from gradzip.integrations.script import Launch, StepClock
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_the_launch_comes_from_the_environment(tmp_path: Path) -> None:
+    assert Launch.from_env({}) is None
+    env = {"GRADZIP_METHOD": " int8 ", "GRADZIP_SEED": "2", "GRADZIP_RUN_DIR": str(tmp_path),
+           "GRADZIP_NODE_SIZE": "", "GRADZIP_START_STEP": "10"}
+    assert Launch.from_env(env) == Launch("int8", 2, tmp_path, 0, 10)
+    with pytest.raises(ValueError, match="GRADZIP_SEED must be an integer"):
+        Launch.from_env({"GRADZIP_METHOD": "int8", "GRADZIP_SEED": "one"})
+
+
+def test_attach_without_a_spec_outside_compare_says_what_to_do(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GRADZIP_METHOD", raising=False)
+    with pytest.raises(ValueError, match="pass a spec"):
+        gradzip.attach(torch.nn.Linear(2, 2))
+
+
+class FakeStats:
+    """What ``StepClock`` reads of a ``CommStats``: reductions of the open step."""
+
+    def __init__(self) -> None:
+        self.open, self.steps = 0, 0
+
+    def open_reductions(self) -> int:
+        return self.open
+
+    def end_step(self) -> None:
+        self.open, self.steps = 0, self.steps + 1
+
+    def summary(self) -> dict[str, Any]:
+        return {"aggregation": {"all_reduce": 1}, "bytes_raw": 8, "bytes_wire": 2}
+
+
+def test_the_clock_tells_steps_apart_and_keeps_evaluation_off_it() -> None:
+    model, stats = torch.nn.Linear(4, 4), FakeStats()
+    clock = StepClock(model, stats)
+    x = torch.randn(2, 4)
+    for _ in range(2):  # two micro-batches, one reduction: one step
+        model(x).sum().backward()
+    stats.open = 1
+    model.eval()
+    with torch.no_grad():
+        model(x)  # the evaluation closes the step, and is not on the clock
+        time_in_eval = clock.train_time_s
+        model(x)
+    assert clock.steps == 1 and clock.train_time_s == time_in_eval
+    model.train()
+    model(x).sum().backward()
+    stats.open = 1
+    model(x)  # the next step's forward closes this one
+    assert clock.steps == 2 and stats.steps == 2
+    assert clock.steady == {"bytes_raw": 16, "bytes_wire": 4}
+    model(x)  # no reduction since: the step stays open
+    assert clock.steps == 2
+    clock.close()
+    assert clock.steps == 2  # nothing was reduced in the open step: not a step
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--script", "no/such/train.py"], "no such file"),
+    (["--script", str(EXAMPLES / "ddp_train.py"), "--model", "small"],
+     "configure the built-in trainer"),
+    (["--script-args", "--steps 3"], "--script-args needs --script"),
+    (["--script", str(EXAMPLES / "ddp_train.py"), "--methods", "diloco(sync_every=4)"],
+     "race them without --script"),
+    (["--script", str(EXAMPLES / "ddp_train.py"), "--parallel", "hsdp"],
+     "built-in trainer only"),
+    (["--script", str(EXAMPLES / "ddp_train.py"), "--methods", "topk(ratio=7)"],
+     "topk(ratio=7)"),
+])
+def test_bad_script_races_are_refused_before_anything_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
+        message: str) -> None:
+    out = tmp_path / "race"
+    assert main(["compare", *argv, "--out", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_train_options_pass_through_to_every_run(tmp_path: Path) -> None:
+    from gradzip.cli import build_parser
+    from gradzip.commands.compare import runs_of
+
+    args = build_parser().parse_args([
+        "compare", "--methods", "torch:fp16;int8", "--model", "small", "--lr", "0.002",
+        "--max-tokens", "900000", "--train-args", "--warmup-steps 7", "--start-step", "20",
+        "--out", str(tmp_path)])
+    runs = runs_of(args)
+    for r in runs:
+        argv = r.argv(tmp_path, tmp_path)
+        flags = " ".join(argv)
+        assert "--model small" in flags and "--lr 0.002" in flags
+        assert "--max-tokens 900000" in flags and "--warmup-steps 7" in flags
+    assert "--codec-start-step" not in runs[0].argv(tmp_path, tmp_path)  # torch:fp16
+    assert runs[1].compressed_from() == 20
+    assert "--codec-start-step 20" in " ".join(runs[1].argv(tmp_path, tmp_path))
+
+
+def _records(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.dist
+def test_a_plain_ddp_script_is_raced(tmp_path: Path) -> None:
+    out = tmp_path / "race"
+    script = str(EXAMPLES / "ddp_train.py")
+    rc = main(["compare", "--script", script, "--script-args", "--steps 30 --eval-every 10",
+               "--methods", "torch:none;torch:fp16;ef | topk(ratio=0.05)", "--rate",
+               "100mbit", "--out", str(out)])
+    assert rc == 0
+    records = _records(out)
+    assert [r["compare"]["method"] for r in records] == [
+        "torch:none", "torch:fp16", "ef | topk(ratio=0.05)"]
+    shaped, _ = netns_available(shaping=True)
+    for r in records:
+        assert r["compare"]["shaped"] is shaped
+        assert r["compare"]["train"][:2] == ["--script", script]
+        assert r["model"] == "TinyLM" and r["world_size"] == 2 and r["steps"] == 30
+        assert [h["step"] for h in r["eval_history"]] == [10, 20, 30]
+        assert set(r) - {"compare"} <= documented_fields()  # the schema, as far as known
+    none, fp16, topk = records
+    assert none["codec_config"] == {"torch_hook": "allreduce_hook"}
+    assert none["compression_ratio"] == 1.0
+    assert 1.9 < fp16["compression_ratio"] <= 2.0 and topk["compression_ratio"] > 5
+    assert none["compare"]["time_to_target_s"] is not None  # reaches its own target
+    # the same seed starts from the same model: the first evaluation agrees closely
+    assert abs(none["eval_history"][0]["val_loss"] - fp16["eval_history"][0]["val_loss"]) \
+        < 0.05
+    assert "torch:fp16" in (out / "report.md").read_text()
+    # a rerun finds the runs by their script and arguments: nothing trains again
+    rc = main(["compare", "--script", script, "--script-args", "--steps 30 --eval-every 10",
+               "--methods", "torch:none;torch:fp16;ef | topk(ratio=0.05)", "--rate",
+               "100mbit", "--out", str(out)])
+    assert rc == 0 and [r["time"] for r in _records(out)] == [r["time"] for r in records]
+
+
+@pytest.mark.dist
+def test_a_hugging_face_trainer_script_is_raced(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+    out = tmp_path / "race"
+    rc = main(["compare", "--script", str(EXAMPLES / "hf_trainer.py"), "--script-args",
+               "--steps 20 --eval-every 10", "--methods", "none;torch:fp16;int8",
+               "--rate", "none", "--out", str(out)])
+    assert rc == 0
+    records = _records(out)
+    assert [r["compare"]["method"] for r in records] == ["none", "torch:fp16", "int8"]
+    for r in records:
+        assert r["model"] == "Qwen2ForCausalLM" and r["steps"] == 20
+        assert [h["step"] for h in r["eval_history"]] == [10, 20]
+        assert r["bytes_wire_total"] > 0 and r["train_time_s"] > 0
+    assert records[2]["compression_ratio"] > 3  # int8 on the Trainer's DDP buckets
+    assert records[0]["compare"]["time_to_target_s"] is not None
