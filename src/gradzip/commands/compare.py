@@ -37,7 +37,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "compare", help=HELP,
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="presets:\n" + "\n".join(f"  {k:<6} {v.doc}" for k, v in PRESETS.items())
+        epilog="presets:\n" + "\n".join(f"  {k:<10} {v.doc}" for k, v in PRESETS.items())
         + "\n\nThe link (no root needed): 'shared' is one tc token bucket on the loopback "
           "of a fresh\nnetwork namespace, shared by all ranks; 'per-rank' gives every rank "
           "its own namespace\nand a veth link shaped both ways, joined by a bridge; "

@@ -65,6 +65,20 @@ _TINY = ("--model", "tiny", "--dataset", "stdlib", "--max-tokens", "600000",
          "--seq-len", "64", "--batch-size", "8", "--max-steps", "300", "--eval-every", "25",
          "--eval-steps", "4", "--log-every", "25", "--timing-warmup", "5", "--threads", "1")
 
+# Long runs: a 300-step race measures early training, where gaps between methods and
+# their ranking still move. The tiny model for 2,000 steps on tokens it never sees twice
+# (2.2M training tokens: one epoch of 2,148 steps at 2 ranks x 8 x 64), 3 seeds; the ~4M
+# `small` model for 1,500 steps (3.3M tokens at 2 ranks x 8 x 128), 1 seed.
+_LONG = ("--model", "tiny", "--dataset", "stdlib", "--max-tokens", "2200000",
+         "--seq-len", "64", "--batch-size", "8", "--max-steps", "2000", "--eval-every", "50",
+         "--eval-steps", "4", "--log-every", "100", "--timing-warmup", "5", "--threads", "1")
+_LONG_SMALL = ("--model", "small", "--dataset", "stdlib", "--max-tokens", "3300000",
+               "--seq-len", "128", "--batch-size", "8", "--max-steps", "1500",
+               "--eval-every", "100", "--eval-steps", "4", "--log-every", "100",
+               "--timing-warmup", "5", "--threads", "1")
+_LONG_METHODS = ("torch:none", "torch:fp16", "int8", "ef | powersgd(rank=4)",
+                 "ef | topk(ratio=0.01)", "diloco(sync_every=32) | int8")
+
 PRESETS: dict[str, Preset] = {
     "quick": Preset(
         methods=("torch:none", "torch:fp16", "torch:powersgd(rank=4)", "int8",
@@ -80,6 +94,14 @@ PRESETS: dict[str, Preset] = {
         rates=("100mbit", "1gbit"), ranks=(2, 4), seeds=3, train=_TINY,
         doc="every codec family against PyTorch's hooks, 3 seeds, 100 Mbit/s and 1 Gbit/s, "
             "2 and 4 ranks (132 runs, about an hour on 2 cores)"),
+    "long": Preset(
+        methods=_LONG_METHODS, rates=("100mbit",), ranks=(2,), seeds=3, train=_LONG,
+        doc="tiny GPT for 2,000 steps on non-repeating tokens, 2 ranks, 100 Mbit/s, 6 "
+            "methods, 3 seeds (about 30 min on 2 cores)"),
+    "long-small": Preset(
+        methods=_LONG_METHODS, rates=("100mbit",), ranks=(2,), seeds=1, train=_LONG_SMALL,
+        doc="the ~4M small model for 1,500 steps, 2 ranks, 100 Mbit/s, 6 methods, 1 seed "
+            "(hours on 2 cores)"),
 }
 
 
