@@ -169,7 +169,7 @@ def test_a_plain_train_record_without_comm_fields() -> None:
 def test_figures_are_written(report: tuple[Path, str]) -> None:
     out, text = report
     pngs = sorted(out.glob("*.png"))
-    assert len(pngs) == 8  # loss/time, loss/steps, Pareto, breakdown per setting
+    assert len(pngs) == 9  # loss/time, loss/steps, Pareto, breakdown per setting; sweep
     for p in pngs:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 1000
         assert f"]({p.name})" in text

@@ -76,6 +76,11 @@ def register(sub: Any) -> None:
                    help="built-in trainer: further gradzip train flags, one string "
                         "(e.g. \"--warmup-steps 20 --eval-every 50\"); they override the "
                         "preset's")
+    p.add_argument("--tune", default="", metavar="OPT=V,V;OPT=V,V",
+                   help="an equal tuning budget per method: every method runs every "
+                        "combination (e.g. \"lr=1e-3,3e-3\": --lr to the trainer or the "
+                        "script); the report races each method's trial with the lowest "
+                        "mean final validation loss and lists them all")
     p.add_argument("--start-step", type=int, default=0, metavar="N",
                    help="gradzip codecs send plain until step N, compressing after that "
                         "warm-up (as the PowerSGD and DGC papers do); stated in each record")
@@ -84,10 +89,21 @@ def register(sub: Any) -> None:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
     p.add_argument("--budget-s", type=float, default=None,
                    help="time budget for quality_at_time (default: the shortest run)")
+    add_sweep_options(p)
     p.add_argument("--out", required=True, help="directory for runs, results and report")
     p.add_argument("--dry-run", action="store_true", help="print the runs and exit")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     p.set_defaults(func=run)
+
+
+def add_sweep_options(p: argparse.ArgumentParser) -> None:
+    """The options of the report's section across bandwidths (also ``gradzip report``'s)."""
+    p.add_argument("--latency-us", type=float, default=50.0, metavar="US",
+                   help="latency of one collective in the bandwidth projection (default "
+                        "50 us: a TCP round trip between hosts in a data centre)")
+    p.add_argument("--sweep-from", default=None, metavar="RATE",
+                   help="project across bandwidths from the runs at this rate (default: "
+                        "the fastest shaped rate); the other rates validate the model")
 
 
 def runs_of(args: argparse.Namespace) -> list[Any]:
@@ -120,9 +136,11 @@ def runs_of(args: argparse.Namespace) -> list[Any]:
             from None
     if any(w < 1 for w in ranks) or (args.seeds is not None and args.seeds < 1):
         raise ValueError("--ranks and --seeds must be >= 1")
+    from gradzip.compare.trials import parse_tune
+
     script = _script(args)
     runs = plan(methods, rates, ranks, args.seeds or preset.seeds, _train_flags(args, preset),
-                links, args.parallel, script)
+                links, args.parallel, script, parse_tune(args.tune))
     runs = [replace(r, start_step=args.start_step) for r in runs]
     if script:
         check_script_runs(runs)
@@ -187,7 +205,7 @@ def check_runs(runs: list[Any], out: Path) -> None:
     from gradzip.commands.train import resolve_args
 
     parser = build_parser()
-    for run in {r.method: r for r in runs}.values():
+    for run in {(r.method, r.trial): r for r in runs}.values():
         try:
             argv = run.argv(out / "check", out / "cache")  # parses the method
             resolve_args(parser.parse_args(argv[argv.index("train"):])).validate()
@@ -202,14 +220,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"gradzip compare: error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
+        from gradzip.compare.trials import trial_label
+
         for r in runs:
+            trial = f"  [{trial_label(r.trial)}]" if r.trial else ""
             print(f"{r.rate or 'unlimited'}  {r.link} link  {r.ranks} ranks  seed {r.seed}  "
-                  f"{r.method}")
+                  f"{r.method}{trial}")
         return 0
-    return _race(runs, Path(args.out), args.budget_s)
+    if not args.latency_us >= 0:
+        print("gradzip compare: error: --latency-us must be >= 0", file=sys.stderr)
+        return 2
+    return _race(runs, Path(args.out), args.budget_s,
+                 {"fit_rate": args.sweep_from, "latency_s": args.latency_us * 1e-6})
 
 
-def _race(runs: list[Any], out: Path, budget_s: float | None) -> int:
+def _race(runs: list[Any], out: Path, budget_s: float | None,
+          sweep_options: dict[str, Any]) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -252,7 +278,7 @@ def _race(runs: list[Any], out: Path, budget_s: float | None) -> int:
               {harness.run_key(run) for run in runs}]
     harness.add_race_figures(records, budget_s)
     harness.rewrite(results, others + records)
-    report = write_report(records, out, budget_s, sources=[str(results)])
+    report = write_report(records, out, budget_s, sources=[str(results)], **sweep_options)
     summaries = summarize(records, budget_s)
     print_tables(summaries)
     (out / "verdict.txt").write_text("\n".join(verdicts(summaries)) + "\n")

@@ -8,6 +8,8 @@ baseline (torch:none, else none), the loss at a fixed time budget, the time to r
 the baseline's final loss x 1.01 and the speed-up against the baseline and
 torch:powersgd -- then validation loss against time and steps, the Pareto front of
 compression against loss, and the step-time breakdown. The same tables are printed.
+With shaped runs, a last section projects time to target from 10 Mbit/s to 100 Gbit/s
+(validated against the other shaped rates) with each method's break-even bandwidth.
 
 Records without a "compare" object are grouped by their codec and seed, as runs on an
 unshaped loopback. A run directory may be given instead of its results.jsonl.
@@ -35,6 +37,9 @@ def register(sub: Any) -> None:
     p.add_argument("--budget-s", type=float, default=None, metavar="S",
                    help="training-time budget in seconds for the 'val loss at S s' column "
                         "(default: per setting, the earliest last evaluation of its runs)")
+    from gradzip.commands.compare import add_sweep_options
+
+    add_sweep_options(p)
     p.add_argument("--quiet", action="store_true", help="do not print the tables")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     p.set_defaults(func=run)
@@ -50,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     paths = [Path(p) for p in args.results]
     records, where = read_results(paths)
     summaries = summarize(records, args.budget_s, where)
-    report = render(summaries, Path(args.out), [str(p) for p in paths])
+    report = render(summaries, Path(args.out), [str(p) for p in paths],
+                    fit_rate=args.sweep_from, latency_s=args.latency_us * 1e-6)
     if not args.quiet:
         print_tables(summaries)
     print(f"report written to {report}")

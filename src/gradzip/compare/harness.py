@@ -151,6 +151,7 @@ def execute(run: Run, link: Link, out: Path, cache: Path,
     record["compare"] = {"method": run.method, "seed": run.seed, "ranks": run.ranks,
                          **link.describe(), "link_kind": run.link, "train": list(run.what),
                          "parallel": run.parallel, "start_step": run.compressed_from(),
+                         "trial": dict(run.trial) or None,
                          "uplink_bytes": _uplinks(run, link, proc.stderr or "")}
     return record
 

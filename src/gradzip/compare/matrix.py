@@ -123,13 +123,17 @@ class Run:
     script: tuple[str, ...] = field(default=())
     #: gradzip codecs send plain until this step (``--start-step``); 0: from the start
     start_step: int = 0
+    #: one trial of ``--tune``: (option, value) pairs given to the trainer or the script
+    trial: tuple[tuple[str, str], ...] = ()
 
     @property
     def what(self) -> tuple[str, ...]:
         """What trains: ``train``'s flags, or ``--script PATH ARGS``, and the start step
         (records keep it as ``compare.train``, so reruns find their runs)."""
+        from gradzip.compare.trials import trial_flags
+
         trains = ("--script", *self.script) if self.script else self.train
-        return (*trains, *self._start_flags())
+        return (*trains, *trial_flags(self.trial), *self._start_flags())
 
     def compressed_from(self) -> int:
         """The step compression starts at for this run's method: ``start_step`` for
@@ -149,7 +153,9 @@ class Run:
         method = re.sub(r"[^A-Za-z0-9.=]+", "_", self.method).strip("_")
         kind = "" if self.link == "shared" else f"-{self.link}"
         kind += "" if self.parallel == "ddp" else f"-{self.parallel}"
-        return f"{self.rate or 'unlimited'}-w{self.ranks}{kind}/{method}/seed{self.seed}"
+        trial = "".join(f"-{k}={v}" for k, v in self.trial)
+        trial = re.sub(r"[^A-Za-z0-9.=-]+", "_", trial)
+        return f"{self.rate or 'unlimited'}-w{self.ranks}{kind}/{method}{trial}/seed{self.seed}"
 
     def argv(self, out: Path, cache: Path) -> list[str]:
         """``torchrun ... gradzip train`` for this run (DDP over gloo), or ``torchrun
@@ -158,9 +164,12 @@ class Run:
         torchrun = ([] if self.link != "shared" else
                     ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                      str(self.ranks)])
+        from gradzip.compare.trials import trial_flags
+
         if self.script:
-            return [sys.executable, *torchrun, *self.script]
+            return [sys.executable, *torchrun, *self.script, *trial_flags(self.trial)]
         return [sys.executable, *torchrun, "-m", "gradzip", "train", *self.train,
+                *trial_flags(self.trial),
                 "--parallel", self.parallel, *self._node_flags(),
                 *method_flags(self.method), *self._start_flags(), "--seed", str(self.seed),
                 "--cache-dir", str(cache), "--out", str(out), "--no-progress",
@@ -196,11 +205,14 @@ class Run:
 
 def plan(methods: list[str], rates: list[str | None], ranks: list[int], seeds: int,
          train: tuple[str, ...], links: tuple[str, ...] = ("shared",),
-         parallel: str = "ddp", script: tuple[str, ...] = ()) -> list[Run]:
-    """Every run: for each link setting, every seed of every method (slowest link first).
-    A ``nodes=NxL`` link has N x L ranks, whatever ``ranks`` says."""
-    return [Run(m, s, w, r, train, k, parallel, script) for r in rates for k in links
-            for w in _ranks_of(k, ranks) for s in range(seeds) for m in methods]
+         parallel: str = "ddp", script: tuple[str, ...] = (),
+         trials: list[tuple[tuple[str, str], ...]] | None = None) -> list[Run]:
+    """Every run: for each link setting, every seed of every method in every trial of
+    ``--tune`` (slowest link first). A ``nodes=NxL`` link has N x L ranks, whatever
+    ``ranks`` says."""
+    return [Run(m, s, w, r, train, k, parallel, script, trial=t) for r in rates
+            for k in links for w in _ranks_of(k, ranks) for s in range(seeds)
+            for m in methods for t in (trials or [()])]
 
 
 def _ranks_of(link: str, ranks: list[int]) -> list[int]:

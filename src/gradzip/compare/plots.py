@@ -19,7 +19,7 @@ from gradzip.compare.summary import MethodSummary, SettingSummary
 _DPI = 110
 
 
-def _figure(width: float = 7.0, height: float = 4.5) -> tuple[Any, Any]:
+def figure(width: float = 7.0, height: float = 4.5) -> tuple[Any, Any]:
     """A figure with one axes on an Agg canvas."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -29,7 +29,7 @@ def _figure(width: float = 7.0, height: float = 4.5) -> tuple[Any, Any]:
     return fig, fig.add_subplot()
 
 
-def _save(fig: Any, path: Path) -> Path:
+def save(fig: Any, path: Path) -> Path:
     """Write the PNG, grown to hold a legend placed outside the axes."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -37,7 +37,7 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
-def _legend(ax: Any) -> None:
+def legend(ax: Any) -> None:
     """The legend right of the axes, where it covers neither a curve nor a tick label."""
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
 
@@ -91,7 +91,7 @@ def plot_loss(summary: SettingSummary, path: Path, x: str = "time") -> Path | No
     (the mean over seeds) with the seeds' min-max range shaded, and the target."""
     index = 1 if x == "time" else 0
     colors = _colors(summary)
-    fig, ax = _figure()
+    fig, ax = figure()
     drawn = False
     for m in summary.methods:
         curves = [[(h[index], h[2]) for h in r.history()] for r in m.runs]
@@ -115,8 +115,8 @@ def plot_loss(summary: SettingSummary, path: Path, x: str = "time") -> Path | No
            else f"mean over up to {seeds} seeds, min-max shaded")
     ax.set_title(f"{summary.setting.title()}: {how}", fontsize=10)
     ax.grid(alpha=0.3)
-    _legend(ax)
-    return _save(fig, path)
+    legend(ax)
+    return save(fig, path)
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
@@ -138,7 +138,7 @@ def plot_pareto(summary: SettingSummary, path: Path) -> Path | None:
     points = [(m.ratio_fp32 or 0.0, m.delta_pct or 0.0) for m in rows]
     front = pareto_front(points)
     colors = _colors(summary)
-    fig, ax = _figure()
+    fig, ax = figure()
     fx, fy = zip(*(points[i] for i in front), strict=True)
     ax.plot(fx, fy, color="black", linewidth=1, linestyle="--", label="Pareto front", zorder=1)
     for i, (m, (x, y)) in enumerate(zip(rows, points, strict=True)):
@@ -153,8 +153,8 @@ def plot_pareto(summary: SettingSummary, path: Path) -> Path | None:
     ax.set_ylabel(f"final validation loss vs {summary.baseline} (%)")
     ax.set_title(f"{summary.setting.title()}: right and low is better", fontsize=10)
     ax.grid(alpha=0.3, which="both")
-    _legend(ax)
-    return _save(fig, path)
+    legend(ax)
+    return save(fig, path)
 
 
 def plot_breakdown(summary: SettingSummary, path: Path) -> Path | None:
@@ -165,7 +165,7 @@ def plot_breakdown(summary: SettingSummary, path: Path) -> Path | None:
             if m.breakdown and m.breakdown.compute is not None]
     if not rows:
         return None
-    fig, ax = _figure(max(5.0, 1.2 * len(rows) + 2), 4.5)
+    fig, ax = figure(max(5.0, 1.2 * len(rows) + 2), 4.5)
     xs = np.arange(len(rows))
     bottom = np.zeros(len(rows))
     for name, color, label in (("compute", "tab:blue", "compute (data+fwd+bwd+opt)"),
@@ -182,8 +182,8 @@ def plot_breakdown(summary: SettingSummary, path: Path) -> Path | None:
     ax.set_ylabel("ms per step (mean over timed steps)")
     ax.set_title(f"{summary.setting.title()}: where a step's time goes", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
-    _legend(ax)
-    return _save(fig, path)
+    legend(ax)
+    return save(fig, path)
 
 
 def write_plots(summary: SettingSummary, out: Path) -> dict[str, Path]:

@@ -54,7 +54,8 @@ COLUMN_HELP = f"""\
   luck cancels; its resolution is the evaluation schedule. Mean ± std over the seeds
   that reached it; "k/n not reached" counts those that did not.
 - **speed-up**: the reference's mean time to target / this method's (above 1: sooner);
-  against the baseline and against each `torch:powersgd(...)` of the setting.
+  first against the best 16-bit all-reduce (`torch:bf16` where the backend has it, else
+  `torch:fp16`), then against the baseline and each `torch:powersgd(...)` of the setting.
 - "-": not measured or not applicable (PyTorch's hooks have no gradzip byte counters).
 """
 
@@ -249,8 +250,24 @@ def setting_section(summary: SettingSummary, plots: dict[str, Path]) -> str:
         parts.append("\n".join(f"- {n}" for n in summary.notes))
     if per_link := per_link_lines(summary):
         parts.append("\n".join(per_link))
+    if summary.trials:
+        parts.append("\n".join(tuning_lines(summary)))
     parts += [f"![{_PLOT_TITLES[name]}]({path.name})" for name, path in plots.items()]
     return "\n\n".join(parts)
+
+
+def tuning_lines(summary: SettingSummary) -> list[str]:
+    """``--tune``: every trial of each tuned method, the raced one in bold."""
+    lines = ["**Tuning** (`--tune`: every method ran every trial; the table races each "
+             "method's trial with the lowest mean final validation loss):"]
+    for method, results in summary.trials.items():
+        cells = []
+        for t in results:
+            loss = "-" if t.val_loss is None else f"{t.val_loss:.4f}"
+            cell = f"{t.trial} → {loss} ({t.seeds} seed{'s' if t.seeds > 1 else ''})"
+            cells.append(f"**{cell}, raced**" if t.chosen else cell)
+        lines.append(f"- `{method}`: " + "; ".join(cells))
+    return lines
 
 
 def per_link_lines(summary: SettingSummary) -> list[str]:
@@ -273,9 +290,16 @@ def per_link_lines(summary: SettingSummary) -> list[str]:
 
 
 def render(summaries: list[SettingSummary], out: Path,
-           sources: Sequence[str] | None = None) -> Path:
-    """Draw every setting's figures into ``out`` and write ``out/report.md``; its path."""
+           sources: Sequence[str] | None = None, *, fit_rate: str | None = None,
+           latency_s: float | None = None) -> Path:
+    """Draw every setting's figures into ``out`` and write ``out/report.md``; its path.
+
+    With a shaped setting, the section across bandwidths (``compare.sweep``) follows:
+    projected from ``fit_rate``'s setting (default the fastest shaped one) with
+    ``latency_s`` per collective (default ``sweep.DEFAULT_LATENCY_S``)."""
     from gradzip.compare.plots import write_plots
+    from gradzip.compare.sweep import DEFAULT_LATENCY_S, sweep
+    from gradzip.compare.sweep_report import sweep_section
 
     out.mkdir(parents=True, exist_ok=True)
     runs = sum(len(s.runs) for s in summaries)
@@ -287,13 +311,31 @@ def render(summaries: list[SettingSummary], out: Path,
              "methods, figures are over their seeds.", "### Columns", COLUMN_HELP.strip(),
              "### Figures", FIGURE_HELP.strip()]
     parts += [setting_section(s, write_plots(s, out)) for s in summaries]
+    projection = sweep(summaries, fit_rate, DEFAULT_LATENCY_S if latency_s is None
+                       else latency_s)
+    if projection is not None:
+        parts.append(sweep_section(projection, out))
+    parts.append(recommendation(summaries, projection))
     path = out / "report.md"
     path.write_text("\n\n".join(parts) + "\n", encoding="utf-8")
     return path
 
 
+def recommendation(summaries: list[SettingSummary], projection: Any) -> str:
+    """The report's last section: each measured setting's verdict, then what the
+    projection across bandwidths says."""
+    from gradzip.compare.sweep_report import recommendation_line
+    from gradzip.compare.verdict import verdict
+
+    lines = ["## Recommendation", *(f"- {verdict(s)}" for s in summaries)]
+    if projection is not None and (line := recommendation_line(projection)):
+        lines.append(f"- {line}")
+    return "\n".join(lines)
+
+
 def write_report(records: list[dict[str, Any]], out: Path, budget_s: float | None = None, *,
-                 where: list[str] | None = None, sources: Sequence[str] | None = None) -> Path:
+                 where: list[str] | None = None, sources: Sequence[str] | None = None,
+                 fit_rate: str | None = None, latency_s: float | None = None) -> Path:
     """Write ``report.md`` and its PNG figures into ``out`` from results records.
 
     ``budget_s`` fixes the time budget of the loss-at-time column (default: per setting,
@@ -303,7 +345,8 @@ def write_report(records: list[dict[str, Any]], out: Path, budget_s: float | Non
     """
     if not records:
         raise ValueError("no results records to report on")
-    return render(summarize(records, budget_s, where), Path(out), sources)
+    return render(summarize(records, budget_s, where), Path(out), sources,
+                  fit_rate=fit_rate, latency_s=latency_s)
 
 
 #: columns of the first half when a table is split for a narrow terminal (the rest after)

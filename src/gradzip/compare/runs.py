@@ -76,6 +76,8 @@ class Run:
     link_model: str | None
     record: dict[str, Any] = field(repr=False)
     where: str = ""
+    #: the ``--tune`` trial the run belongs to (``lr=0.001``); empty without tuning
+    trial: str = ""
 
     def num(self, name: str) -> float | None:
         """A numeric field, ``None`` when absent, null or not finite."""
@@ -164,11 +166,16 @@ def _from_compare(c: Any, record: dict[str, Any], where: str) -> dict[str, Any]:
          "a string or null"),
     ):
         _check(ok, where, f"compare.{name} must be {want}, got {c.get(name)!r}")
+    trial = c.get("trial")
+    _check(trial is None or (isinstance(trial, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in trial.items())), where,
+        f"compare.trial must map options to value strings, got {trial!r}")
     shaped = bool(c.get("shaped", False))
     return {"setting": Setting(c.get("rate"), ranks, c.get("link") or "unknown"),
             "method": c["method"].strip(), "seed": c.get("seed", record.get("seed")),
             "shaped": shaped, "achieved_rate": c.get("achieved_rate_bits_per_s"),
-            "link_model": c.get("link_model")}
+            "link_model": c.get("link_model"),
+            "trial": ", ".join(f"{k}={v}" for k, v in (trial or {}).items())}
 
 
 def _from_plain(record: dict[str, Any], where: str) -> dict[str, Any]:

@@ -4,8 +4,9 @@ The question the report answers is "on this link, which method reaches the quali
 uncompressed training soonest". So, within one setting (rate, ranks, link kind):
 
 - the **baseline** is ``torch:none`` (DDP without a hook) if it ran, else gradzip's
-  ``none``; the **target** of a run is paired with its seed: the final validation loss of
-  the baseline run with the same seed (same initialization, same data order) x 1.01.
+  ``none``, else the 16-bit all-reduce; the **target** of a run is paired with its
+  seed: the final validation loss of the baseline run with the same seed (same
+  initialization, same data order) x 1.01.
   Seeds differ by more than 1% from one another on short runs, so a pooled target would
   measure seed luck, not the method; a run whose seed has no baseline run gets the
   baseline's mean final loss x 1.01;
@@ -16,8 +17,11 @@ uncompressed training soonest". So, within one setting (rate, ranks, link kind):
   linearly interpolated between the two evaluations around it (never extrapolated);
   the default budget is the earliest end of any run's evaluations in the setting, so
   every run has a value;
-- **speed-ups** are ratios of mean times to target, against the baseline and against
-  every ``torch:powersgd(...)`` of the setting.
+- **speed-ups** are ratios of mean times to target: first against the best 16-bit
+  all-reduce that ran (``torch:bf16`` where the backend has it, else ``torch:fp16``:
+  what anyone would use without gradzip), then against the baseline and every
+  ``torch:powersgd(...)`` of the setting;
+- with ``--tune``, each method's runs are those of its best trial (``trials.py``).
 
 Compression ratios come from the link byte model's totals: ``bytes_raw_total /
 bytes_wire_total`` is against PyTorch's uncompressed all-reduce of the same gradients.
@@ -34,13 +38,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradzip.compare.runs import Run, Setting, parse_run
+from gradzip.compare.trials import TrialResult, best_trial
 
 #: the target is the baseline's mean final validation loss times this
 TARGET_FACTOR = 1.01
 #: bytes per gradient element in ``bytes_raw``: the trainer's gradients are fp32
 GRAD_BYTES = 4
-#: preferred baselines, in order
-BASELINES = ("torch:none", "none")
+#: preferred baselines (whose final loss sets the target), in order: uncompressed, else
+#: the 16-bit all-reduce
+BASELINES = ("torch:none", "none", "torch:bf16", "torch:fp16")
+#: 16-bit all-reduces: the first reference of every speed-up
+SIXTEEN_BIT = ("torch:bf16", "torch:fp16", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -179,6 +187,8 @@ class SettingSummary:
     notes: list[str] = field(default_factory=list)
     #: seed -> the target of that seed's runs (its baseline run's final loss x 1.01)
     seed_targets: dict[int | None, float] = field(default_factory=dict)
+    #: ``--tune``: each tuned method's trials, the chosen one raced (``trials.py``)
+    trials: dict[str, list[TrialResult]] = field(default_factory=dict)
 
     def target_for(self, run: Run) -> float | None:
         """The target of ``run``: its seed's, else the mean target."""
@@ -270,9 +280,7 @@ def _default_budget(runs: list[Run]) -> float | None:
 def summarize_setting(setting: Setting, runs: list[Run],
                       budget_s: float | None = None) -> SettingSummary:
     """Every method's row in one setting, with target, budget and speed-ups filled in."""
-    by_method: dict[str, list[Run]] = {}
-    for r in runs:
-        by_method.setdefault(r.method, []).append(r)
+    by_method, trials = choose_trials(runs)
     baseline = next((b for b in BASELINES if b in by_method), None)
     order = ([baseline] if baseline else []) + [m for m in by_method if m != baseline]
     raw_by_model = _raw_by_model(runs)
@@ -282,8 +290,9 @@ def summarize_setting(setting: Setting, runs: list[Run],
                      if (loss := r.num("val_loss")) is not None} if base else {})
     target = statistics.fmean(seed_targets.values()) if seed_targets else None
     budget = budget_s if budget_s is not None else _default_budget(runs)
-    refs = ([baseline] if baseline else []) + [m for m in order
-                                                if m.startswith("torch:powersgd")]
+    sixteen = next((m for m in SIXTEEN_BIT if m in by_method), None)
+    refs = list(dict.fromkeys(([sixteen] if sixteen else []) + ([baseline] if baseline else [])
+                              + [m for m in order if m.startswith("torch:powersgd")]))
     for row in rows:
         if base and base.val_loss and row.val_loss:
             row.delta_pct = (row.val_loss.mean / base.val_loss.mean - 1) * 100
@@ -294,15 +303,33 @@ def summarize_setting(setting: Setting, runs: list[Run],
     for row in rows:
         row.speedups = {ref: _speedup(rows[order.index(ref)], row) for ref in refs}
     return SettingSummary(setting, rows, baseline, target, budget, budget_s is not None,
-                          refs, _notes(rows, baseline, target), seed_targets)
+                          refs, _notes(rows, baseline, target), seed_targets, trials)
+
+
+def choose_trials(runs: list[Run]) -> tuple[dict[str, list[Run]], dict[str, list[TrialResult]]]:
+    """Each method's runs of its best ``--tune`` trial (lowest mean final validation
+    loss over seeds), and, for methods with several trials, every trial's result."""
+    by_method: dict[str, dict[str, list[Run]]] = {}
+    for r in runs:
+        by_method.setdefault(r.method, {}).setdefault(r.trial, []).append(r)
+    chosen, results = {}, {}
+    for method, by_trial in by_method.items():
+        best = best_trial({t: [r.num("val_loss") for r in rs] for t, rs in by_trial.items()})
+        chosen[method] = by_trial[best]
+        if len(by_trial) > 1:
+            results[method] = [TrialResult(t, mean(r.num("val_loss") for r in rs), len(rs),
+                                           t == best) for t, rs in by_trial.items()]
+    return chosen, results
 
 
 def _notes(rows: list[MethodSummary], baseline: str | None, target: float | None) -> list[str]:
     """What a reader must know about the setting's figures beyond the column definitions."""
     notes = []
     if baseline is None:
-        notes.append("No baseline (`torch:none` or `none`) ran in this setting: no target, "
-                     "no loss change and no speed-ups.")
+        notes.append("No baseline (`torch:none`, `none` or a 16-bit all-reduce) ran in this "
+                     "setting: no target, no loss change and no speed-ups.")
+    elif baseline.startswith("torch:") and baseline[6:] in ("bf16", "fp16"):
+        notes.append(f"No uncompressed baseline ran: the target is set by `{baseline}`.")
     elif target is None:
         notes.append(f"The baseline `{baseline}` has no validation loss: no target.")
     inferred = [r.method for r in rows if r.raw_inferred]
@@ -323,7 +350,7 @@ def _dedupe(runs: list[Run]) -> tuple[list[Run], dict[Setting, list[str]]]:
     last: dict[tuple[Any, ...], Run] = {}
     notes: dict[Setting, list[str]] = {}
     for r in runs:
-        key = (r.setting, r.method, r.seed if r.seed is not None else id(r))
+        key = (r.setting, r.method, r.trial, r.seed if r.seed is not None else id(r))
         if key in last:
             notes.setdefault(r.setting, []).append(
                 f"{last[key].where} (`{r.method}`, seed {r.seed}) is replaced by the later "

@@ -20,10 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from gradzip.compare.summary import MethodSummary, SettingSummary
-
-#: 16-bit all-reduces, the reference a compression method must beat
-SIXTEEN_BIT = ("torch:fp16", "torch:bf16", "fp16", "bf16")
+from gradzip.compare.summary import SIXTEEN_BIT, MethodSummary, SettingSummary
 
 
 def eval_spacing(m: MethodSummary) -> float | None:
@@ -67,8 +64,8 @@ def verdict(s: SettingSummary) -> str:
     """The recommendation sentence of one setting (see the module docstring)."""
     where = f"On this link ({s.setting.title()})"
     if s.target is None:
-        return (f"{where}: no verdict, since no uncompressed baseline (torch:none or none) "
-                "finished with a validation loss to set the target.")
+        return (f"{where}: no verdict, since no baseline (torch:none, none or a 16-bit "
+                "all-reduce) finished with a validation loss to set the target.")
     reached = [m for m in s.methods if _reached(m)]
     if not reached:
         return (f"{where}: no method reached the target ({s.target:.4f}) within its steps; "
