@@ -125,3 +125,19 @@ def test_a_link_bound_fit_is_flagged_in_the_report(tmp_path: Path) -> None:
     assert sw is not None
     none = next(c for c in sw.curves if c.method == "torch:none")
     assert all(f.link_bound for f in none.fits)
+
+
+def test_the_emulated_curve_passes_through_the_measured_runs() -> None:
+    """The dashed curve of the figure: the model on the token-bucket link at each rate,
+    where the records (made by that model) lie."""
+    sw = sweep(summarize(records()))
+    assert sw is not None
+    fp16 = next(c for c in sw.curves if c.method == "torch:fp16")
+    for rate, bits in RATES.items():
+        measured = next(r["compare"] for r in records()
+                        if r["compare"]["method"] == "torch:fp16"
+                        and r["compare"]["rate"] == rate)
+        step_s = record("torch:fp16", rate)["train_time_s"] / STEPS
+        assert fp16.emulated_at(bits, 50e-6) == pytest.approx(200 * step_s)
+        assert measured["rate"] == rate
+    assert fp16.at(1e8) > fp16.emulated_at(1e8, 50e-6)  # a real NIC banks no credit

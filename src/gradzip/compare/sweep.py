@@ -153,7 +153,14 @@ class Curve:
     fits: tuple[Fit, ...] = field(repr=False, default=())
 
     def at(self, bits_per_s: float) -> float:
+        """Projected seconds to target on a real link (``beta = 0``)."""
         return self.a_s + self.k_bits / bits_per_s
+
+    def emulated_at(self, bits_per_s: float, latency_s: float) -> float:
+        """The same on the emulated link of that rate (its token bucket's credit)."""
+        burst = link_burst(f"{bits_per_s:.0f}bit")
+        return statistics.fmean(f.time_to_target(bits_per_s, latency_s, burst) or 0.0
+                                for f in self.fits)
 
     @property
     def steps(self) -> float:

@@ -109,8 +109,9 @@ def sweep_section(sw: Sweep, out: Path) -> str:
 
 
 def plot_sweep(sw: Sweep, path: Path) -> Path | None:
-    """Projected time to target against bandwidth (log-log), one line per method; the
-    measured times as markers; break-evens as dotted verticals."""
+    """Projected time to target against bandwidth (log-log), one line per method on a
+    real link (solid) and on the emulated one (dashed, where the measured times, the
+    markers, should lie); break-evens as dotted verticals."""
     from gradzip.compare.plots import figure, legend, save
 
     if not sw.curves:
@@ -120,6 +121,8 @@ def plot_sweep(sw: Sweep, path: Path) -> Path | None:
     for c in sw.curves:
         ax.plot(SWEEP_RATES, [c.at(b) for b in SWEEP_RATES], color=colors[c.method],
                 label=c.method)
+        ax.plot(SWEEP_RATES, [c.emulated_at(b, sw.latency_s) for b in SWEEP_RATES],
+                color=colors[c.method], linestyle="--", linewidth=0.8)
     for check in sw.checks:
         bits = _bits(check.rate)
         if bits is not None and check.method in colors:
@@ -132,7 +135,8 @@ def plot_sweep(sw: Sweep, path: Path) -> Path | None:
     ax.set_yscale("log")
     ax.set_xlabel("link rate (bit/s)")
     ax.set_ylabel("time to target (s, projected)")
-    ax.set_title("Time to target across bandwidths (dots: measured; dotted: break-even)",
+    ax.set_title("Time to target: solid, a real link; dashed, the emulated link (token "
+                 "bucket)\nwith its measured runs (dots); dotted, break-even vs 16-bit",
                  fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     legend(ax)
