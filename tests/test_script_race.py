@@ -174,3 +174,28 @@ def test_a_hugging_face_trainer_script_is_raced(tmp_path: Path) -> None:
         assert r["bytes_wire_total"] > 0 and r["train_time_s"] > 0
     assert records[2]["compression_ratio"] > 3  # int8 on the Trainer's DDP buckets
     assert records[0]["compare"]["time_to_target_s"] is not None
+
+
+def test_the_clock_counts_reductions_a_gpu_holds_until_the_step_settles() -> None:
+    """On CUDA the chained path records its reductions only when the step closes (their
+    times are CUDA events): held reductions must still close the step."""
+    from gradzip.comm.stats import CommStats, Reduction
+
+    stats = CommStats()
+    held: list[Reduction] = []
+
+    def settle() -> None:  # what PendingChecks.settle_timings does
+        while held:
+            stats.record(held.pop())
+            stats.release()
+
+    stats.add_settler(settle)
+    model = torch.nn.Linear(4, 4)
+    clock = StepClock(model, stats)
+    model(torch.randn(2, 4)).sum().backward()
+    held.append(Reduction(numel=20, sent_values=20, bytes_raw=80, paths=["all_reduce"]))
+    stats.hold()
+    assert stats.open_reductions() == 1
+    model(torch.randn(2, 4))  # the next step closes this one
+    assert clock.steps == 1 and stats.open_reductions() == 0
+    assert stats.totals()["bytes_raw"] == 80

@@ -77,3 +77,18 @@ def test_the_16_bit_all_reduce_is_the_first_reference_of_every_speed_up() -> Non
     [s] = summarize(records[1:])  # no uncompressed run: the 16-bit one sets the target
     assert s.baseline == "torch:fp16" and s.references == ["torch:fp16"]
     assert any("target is set by `torch:fp16`" in n for n in s.notes)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tune", "seed=1,2"], "compare sets --seed for every run itself"),
+    (["--tune", "lr=1e-3,3e-3", "--lr", "0.002"], "--tune lr and a fixed --lr"),
+    (["--start-step", "-1"], "--start-step must be >= 0"),
+    (["--sweep-from", "1Gbit"], "--sweep-from '1Gbit' is not one of the rates raced"),
+])
+def test_bad_tuning_and_sweep_options_are_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
+        message: str) -> None:
+    from gradzip.cli import main
+
+    assert main(["compare", *argv, "--out", str(tmp_path / "race")]) == 2
+    assert message in capsys.readouterr().err

@@ -61,6 +61,7 @@ class PendingChecks:
         callback runs at enqueue time, so wall time there would time the enqueue."""
         if self._origin is None:
             self._origin = start
+        stats.hold()
         self._untimed.append((r, start, end, stats))
         if len(self._untimed) > 4096:  # a caller that never closes a step: stay bounded
             self.settle_timings()
@@ -75,6 +76,7 @@ class PendingChecks:
             r.seconds_by_op = {"all_reduce": start.elapsed_time(end) / 1e3}
             r.span = (origin.elapsed_time(start) / 1e3, origin.elapsed_time(end) / 1e3)
             stats.record(r)
+            stats.release()
 
     def watch(self, flag: torch.Tensor, key: str) -> None:
         """Raise now (CPU) or at ``raise_ready`` (CUDA) if ``flag`` (0-d bool) is set."""

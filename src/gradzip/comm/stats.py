@@ -200,6 +200,7 @@ class CommStats:
         self._total = _Acc()
         self._residuals: dict[str, float] = {}
         self._settlers: list[Callable[[], None]] = []
+        self._held = 0  # reductions to be recorded when the step settles
         self.steps = 0
 
     def add_settler(self, settle: Callable[[], None]) -> None:
@@ -284,11 +285,22 @@ class CommStats:
         with self._lock:
             return self._total.view(self.steps)
 
-    def open_reductions(self) -> int:
-        """Reductions recorded in the open step so far (0: nothing communicated since the
-        last ``end_step``)."""
+    def hold(self) -> None:
+        """One reduction of the open step will be recorded when it settles (its times
+        are still CUDA events: the chained path on a GPU)."""
         with self._lock:
-            return self._open.reductions
+            self._held += 1
+
+    def release(self) -> None:
+        """A held reduction was recorded."""
+        with self._lock:
+            self._held = max(0, self._held - 1)
+
+    def open_reductions(self) -> int:
+        """Reductions of the open step so far, recorded or held (0: nothing communicated
+        since the last ``end_step``)."""
+        with self._lock:
+            return self._open.reductions + self._held
 
     def pending(self) -> dict[str, Any]:
         """The open (not yet closed) step, e.g. to inspect a step mid-way."""

@@ -136,11 +136,19 @@ def runs_of(args: argparse.Namespace) -> list[Any]:
             from None
     if any(w < 1 for w in ranks) or (args.seeds is not None and args.seeds < 1):
         raise ValueError("--ranks and --seeds must be >= 1")
-    from gradzip.compare.trials import parse_tune
+    if args.start_step < 0:
+        raise ValueError(f"--start-step must be >= 0, got {args.start_step}")
+    if args.sweep_from is not None and args.sweep_from not in rates:
+        raise ValueError(f"--sweep-from {args.sweep_from!r} is not one of the rates raced "
+                         f"({', '.join(r or 'none' for r in rates)})")
+    from gradzip.compare.trials import check_trials, parse_tune
 
     script = _script(args)
+    trials = parse_tune(args.tune)
+    if not script:
+        check_trials(trials, _train_flags(args, preset)[len(preset.train):])
     runs = plan(methods, rates, ranks, args.seeds or preset.seeds, _train_flags(args, preset),
-                links, args.parallel, script, parse_tune(args.tune))
+                links, args.parallel, script, trials)
     runs = [replace(r, start_step=args.start_step) for r in runs]
     if script:
         check_script_runs(runs)

@@ -134,9 +134,9 @@ def execute(run: Run, link: Link, out: Path, cache: Path,
         proc = run_streaming(cmd, env={**env, **run.env(run_dir)}, timeout=timeout,
                              on_line=on_line)
     else:  # torchrun on the unshaped loopback, whatever link kind was asked for
-        argv = replace(run, link="shared").argv(run_dir, cache)
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **run.env(run_dir)})
+        flat = replace(run, link="shared")
+        proc = subprocess.run(flat.argv(run_dir, cache), capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, **flat.env(run_dir)})
     if proc.returncode != 0:
         raise RunFailed(f"{run.method} (seed {run.seed}, {run.ranks} ranks, "
                         f"{run.rate or 'unlimited'}) failed with exit status "

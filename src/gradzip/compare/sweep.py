@@ -17,7 +17,8 @@ validation against real shaped runs, and each method's break-even bandwidth.
   between hosts in a data centre);
 - ``eta``: the payload share of the nominal rate, measured on the link (TCP/IP
   headers; ~0.96 on a veth link, ~1.0 on the shared loopback's 64 KiB frames);
-- ``tc``: the rest of a step (compute, codec, framework);
+- ``tc``: the rest of a step (compute, codec, framework, and the emulated link's own
+  per-collective latency, tens of microseconds on a loopback);
 - ``credit``: what the link sends at once after idling while the step computed. The
   emulated link is a token bucket of ``beta`` bytes (tc's burst: 10 ms of traffic, at
   least 256 KiB), refilled at ``B`` while idle, so a step's first ``credit`` bytes cost
@@ -26,8 +27,9 @@ validation against real shaped runs, and each method's break-even bandwidth.
 
 ``tc`` is fitted from each run at the fitted rate (the fastest shaped one by default),
 where the bucket refills fully between steps, by solving the model for it. The
-validation projects every other shaped rate with that rate's own ``beta`` and compares
-against its measured time to target; the projection across bandwidths, the break-even
+validation projects every other shaped rate with that rate's own ``beta`` (and no
+``alpha``: the emulated link's latency is in ``tc``) and compares against its measured
+time to target; the projection across bandwidths, the break-even
 and the recommendation are for real links (``beta = 0``). DDP's overlap of
 communication with backward is not modelled: the built-in trainer's tiny and small
 models fit one bucket, which starts after backward.
@@ -35,8 +37,9 @@ models fit one bucket, which starts after backward.
 **Break-even.** With ``beta = 0`` and averaged over seeds, ``T(B) = A + K / B`` per
 method. Against the best 16-bit all-reduce (``A16 + K16 / B``) a method wins where
 ``A - A16 < (K16 - K) / B``: below ``B* = (K16 - K) / (A - A16)`` when it sends fewer
-bytes but costs more per step, at every rate when it costs no more per step either,
-never when it sends no fewer.
+bytes but costs more per step; at every rate when it costs no more per step either (or
+the same bytes for less); only above ``B*`` when it sends more bytes but costs less per
+step; never when it sends no fewer bytes and costs no less.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ class Fit:
 
     method: str
     seed: int | None
-    steps_to_target: int | None  # None: the run never reached its target
+    steps_to_target: float | None  # None: the run never reached its target
     t0_s: float  # tc
     collectives: float  # per step
     link_bytes: float  # per step, on the slowest link
@@ -95,11 +98,16 @@ def link_burst(rate: str | None) -> float:
     return float(int(tbf_burst(rate)[:-2]) * 1024) if rate else 0.0
 
 
-def steps_to_target(run: Run, target: float | None) -> int | None:
-    """The step of the run's first evaluation at or below ``target``."""
-    if target is None:
+def steps_to_target(run: Run, target: float | None) -> float | None:
+    """Steps (in the units ``train_time_s / steps`` is per) until the run's first
+    evaluation at or below ``target``: its training time there over the run's mean
+    time per step. Counted in time, not in the evaluation's step number, so a script
+    that numbers its steps otherwise (micro-batches, epochs) cannot skew ``n``."""
+    train_s, steps = run.num("train_time_s"), run.steps_run()
+    if target is None or not train_s or not steps:
         return None
-    return next((int(step) for step, _, loss in run.history() if loss <= target), None)
+    reached = next((t for _, t, loss in run.history() if loss <= target), None)
+    return None if reached is None else reached * steps / train_s
 
 
 def bottleneck_bytes(run: Run) -> float | None:
@@ -123,7 +131,7 @@ def collectives_per_step(run: Run) -> float:
     return calls / steps if steps and calls else 1.0
 
 
-def fit_run(run: Run, target: float | None, latency_s: float) -> Fit | None:
+def fit_run(run: Run, target: float | None) -> Fit | None:
     """The run's time model, or None when its link rate or figures are unknown: ``tc``
     from its mean training time per step with the bucket's full ``beta`` as credit."""
     nominal = rate_bits_per_s(run.setting.rate)
@@ -132,7 +140,9 @@ def fit_run(run: Run, target: float | None, latency_s: float) -> Fit | None:
     if not (run.shaped and nominal and achieved and train_s and steps) or v is None:
         return None
     c, beta = collectives_per_step(run), link_burst(run.setting.rate)
-    t0 = train_s / steps - c * latency_s - 8 * max(0.0, v - beta) / achieved
+    # the emulated link's own per-collective latency stays in t0 (tens of us on a
+    # loopback); a real link's latency_s is added on top when projecting
+    t0 = train_s / steps - 8 * max(0.0, v - beta) / achieved
     # the link alone explains the step: a token bucket banks the compute's tokens, so
     # such a step takes 8 v / B whatever it computed, and tc is not identified
     bound = 8 * v / achieved >= LINK_BOUND * train_s / steps
@@ -156,10 +166,11 @@ class Curve:
         """Projected seconds to target on a real link (``beta = 0``)."""
         return self.a_s + self.k_bits / bits_per_s
 
-    def emulated_at(self, bits_per_s: float, latency_s: float) -> float:
-        """The same on the emulated link of that rate (its token bucket's credit)."""
+    def emulated_at(self, bits_per_s: float) -> float:
+        """The same on the emulated link of that rate: its token bucket's credit, and
+        its own latency (in ``t0``) rather than ``alpha``."""
         burst = link_burst(f"{bits_per_s:.0f}bit")
-        return statistics.fmean(f.time_to_target(bits_per_s, latency_s, burst) or 0.0
+        return statistics.fmean(f.time_to_target(bits_per_s, 0.0, burst) or 0.0
                                 for f in self.fits)
 
     @property
@@ -202,9 +213,9 @@ def break_even(m: Curve, base: Curve) -> BreakEven:
     a, k = m.a_s - base.a_s, base.k_bits - m.k_bits
     if k > 0:
         return BreakEven("below", k / a) if a > 0 else BreakEven("always")
-    if a < 0 and k < 0:
-        return BreakEven("above", k / a)
-    return BreakEven("never")
+    if k == 0:
+        return BreakEven("always") if a < 0 else BreakEven("never")
+    return BreakEven("above", k / a) if a < 0 else BreakEven("never")
 
 
 @dataclass(frozen=True)
@@ -256,10 +267,10 @@ class Sweep:
         return max((abs(c.error) for c in self.checks), default=None)
 
 
-def _fits(summary: SettingSummary, latency_s: float) -> dict[str, list[Fit]]:
+def _fits(summary: SettingSummary) -> dict[str, list[Fit]]:
     out: dict[str, list[Fit]] = {}
     for m in summary.methods:
-        fits = [f for r in m.runs if (f := fit_run(r, summary.target_for(r), latency_s))]
+        fits = [f for r in m.runs if (f := fit_run(r, summary.target_for(r)))]
         if fits:
             out[m.method] = fits
     return out
@@ -281,7 +292,7 @@ def sweep(summaries: list[SettingSummary], fit_rate: str | None = None,
     fitted = _fit_setting(summaries, fit_rate)
     if fitted is None:
         return None
-    fits = _fits(fitted, latency_s)
+    fits = _fits(fitted)
     curves = [c for m, f in fits.items() if (c := curve(m, f, latency_s))]
     base = next((c for name in SIXTEEN_BIT for c in curves if c.method == name), None)
     checks = []
@@ -290,12 +301,11 @@ def sweep(summaries: list[SettingSummary], fit_rate: str | None = None,
         if other is fitted or (s.ranks, s.link) != (fitted.setting.ranks,
                                                     fitted.setting.link):
             continue
-        checks += _checks(other, fits, latency_s)
+        checks += _checks(other, fits)
     return Sweep(fitted.setting, latency_s, curves, base, checks)
 
 
-def _checks(other: SettingSummary, fits: dict[str, list[Fit]],
-            latency_s: float) -> list[Check]:
+def _checks(other: SettingSummary, fits: dict[str, list[Fit]]) -> list[Check]:
     """Each method's mean measured time to target in ``other`` against the model fitted
     elsewhere, at ``other``'s measured rate, over the seeds that reached it in both."""
     out = []
@@ -307,11 +317,13 @@ def _checks(other: SettingSummary, fits: dict[str, list[Fit]],
             measured = next((t for _, t, loss in r.history()
                              if target is not None and loss <= target), None)
             achieved = r.achieved_rate
-            if fit is None or measured is None or not achieved or not r.shaped:
+            if fit is None or measured is None or measured <= 0 or not achieved \
+                    or not r.shaped:
                 continue
             # the nominal rate whose payload share is what this link delivered, and
-            # the bucket of that rate
-            projected = fit.time_to_target(achieved / fit.efficiency, latency_s,
+            # the bucket of that rate; no latency added: the emulated link's own is
+            # in t0 already
+            projected = fit.time_to_target(achieved / fit.efficiency, 0.0,
                                            link_burst(other.setting.rate))
             if projected is not None:
                 pairs.append((measured, projected))

@@ -121,7 +121,7 @@ def plot_sweep(sw: Sweep, path: Path) -> Path | None:
     for c in sw.curves:
         ax.plot(SWEEP_RATES, [c.at(b) for b in SWEEP_RATES], color=colors[c.method],
                 label=c.method)
-        ax.plot(SWEEP_RATES, [c.emulated_at(b, sw.latency_s) for b in SWEEP_RATES],
+        ax.plot(SWEEP_RATES, [c.emulated_at(b) for b in SWEEP_RATES],
                 color=colors[c.method], linestyle="--", linewidth=0.8)
     for check in sw.checks:
         bits = _bits(check.rate)

@@ -37,6 +37,24 @@ def parse_tune(text: str) -> list[tuple[tuple[str, str], ...]]:
     return [tuple(t) for t in itertools.product(*axes)]
 
 
+#: built-in trainer options compare sets itself for every run: tuning them would make
+#: trials that differ only in name
+RESERVED = ("seed", "out", "cache-dir", "codec", "codec-start-step", "codec-groups",
+            "parallel", "outer", "outer-codec", "node-size", "hierarchical", "no-progress",
+            "no-tensorboard", "sync-every", "outer-lr", "outer-momentum")
+
+
+def check_trials(trials: list[tuple[tuple[str, str], ...]], given: tuple[str, ...]) -> None:
+    """ValueError for a tuned option compare sets itself, or one also given as a fixed
+    flag (``--lr 3e-3`` beside ``--tune lr=...``: the trial's value would win unseen)."""
+    for name in dict.fromkeys(n for t in trials for n, _ in t):
+        if name in RESERVED:
+            raise ValueError(f"--tune {name}: compare sets --{name} for every run itself; "
+                             "tune training options (lr, warmup-steps, weight-decay, ...)")
+        if f"--{name}" in given:
+            raise ValueError(f"--tune {name} and a fixed --{name} were both given: keep one")
+
+
 def trial_flags(trial: tuple[tuple[str, str], ...]) -> list[str]:
     """``--lr 1e-3 --warmup-steps 10``: how a trial reaches the trainer or a script."""
     return [x for name, value in trial for x in (f"--{name}", value)]

@@ -89,6 +89,10 @@ def verdict(s: SettingSummary) -> str:
         return (f"{where}, use `{best.method}`: it reached the target soonest, in "
                 f"{_mean_ttt(best):.1f} s of training{partial}; no compression method beat "
                 f"it here{after}.")
+    if _mean_ttt(best) <= 0:
+        return (f"{where}, `{best.method}` was at the target at its first evaluation, "
+                "before any training time: the target says nothing about speed here "
+                "(evaluate later, or train from a state further from it).")
     lead_s = _mean_ttt(ref) - _mean_ttt(best)
     speedup = _mean_ttt(ref) / _mean_ttt(best)
     return (f"{where}, use `{best.method}`: it reached the target soonest, in "

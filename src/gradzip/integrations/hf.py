@@ -23,6 +23,7 @@ ends: a Trainer script is raced as it is, with ``attach_trainer(trainer)``.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 from transformers import TrainerCallback
@@ -71,6 +72,11 @@ class GradzipCallback(TrainerCallback):
     def on_evaluate(self, args: Any, state: Any, control: Any,
                     metrics: dict[str, float] | None = None, **kwargs: Any) -> None:
         if self.launched and metrics and "eval_loss" in metrics:
+            if self.handle.record is not None:
+                warnings.warn("an evaluation after training ended is not in the race's "
+                              "record (written at train end): evaluate inside train() "
+                              "with eval_strategy='steps'", stacklevel=2)
+                return
             self.handle.log_eval(state.global_step, metrics["eval_loss"])
 
     @property

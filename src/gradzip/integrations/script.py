@@ -236,7 +236,7 @@ def build_record(h: ScriptHandle) -> dict[str, Any]:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(),
         "torch_version": torch.__version__,
         "device": "cpu" if h.device.type != "cuda" else torch.cuda.get_device_name(h.device),
-        "val_loss": last, "val_ppl": math.exp(last) if last is not None else None,
+        "val_loss": last, "val_ppl": math.exp(min(last, 50.0)) if last is not None else None,
         "evaluation": "done" if h.evals else "skipped: the script logged no evaluation",
         "train_time_s": h.clock.train_time_s,
         "eval_history": h.evals,
