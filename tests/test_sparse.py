@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradzip
@@ -367,3 +367,31 @@ def test_topk_values_can_be_compressed_further():
     kept = y != 0
     assert int(kept.sum()) == 100
     torch.testing.assert_close(y[kept], x[kept], rtol=1e-3, atol=1e-3)
+
+
+@given(n=st.integers(1, 3000), chunk=st.integers(1, 700), k=st.integers(1, 40),
+       seed=st.integers(0, 2**16))
+@settings(max_examples=40, deadline=None)
+def test_chunked_topk_keeps_the_k_largest_of_every_chunk(n, chunk, k, seed):
+    """SparseLoCo's selection: top k of every chunk, the short last chunk included."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g)
+    y, _ = wire(gradzip.codec(f"topk(k={k}, chunk={chunk})"), x)
+    if chunk >= n:  # one chunk: the whole-tensor top-k, exactly
+        assert_exact_topk(x, y, min(k, n))
+        return
+    for start in range(0, n, chunk):
+        xs, ys = x[start:start + chunk], y[start:start + chunk]
+        kept = ys != 0
+        assert int(kept.count_nonzero()) == min(k, xs.numel())
+        torch.testing.assert_close(ys[kept], xs[kept], rtol=0, atol=0)
+        if (~kept).any():
+            assert float(xs[kept].abs().min()) >= float(xs[~kept].abs().max())
+
+
+def test_chunked_topk_takes_a_ratio_per_chunk_and_round_trips_its_spec():
+    c = gradzip.codec("ef | topk(ratio=0.015625, chunk=4096)")
+    x = torch.randn(3 * 4096)
+    y, p = wire(c, x)
+    assert int((y != 0).count_nonzero()) == 3 * 64
+    assert gradzip.codec(str(c)).stages[-1].params["chunk"] == 4096

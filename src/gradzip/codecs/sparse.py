@@ -2,7 +2,10 @@
 
 * ``topk`` keeps the k entries of largest magnitude (Aji & Heafield 2017, "Sparse
   Communication for Distributed Gradient Descent"; Stich et al. 2018 with error
-  feedback). Exact: ties at the k-th magnitude are broken by lowest position.
+  feedback). Exact: ties at the k-th magnitude are broken by lowest position. With
+  ``chunk=C`` it keeps the top k (or ratio x C) of every C consecutive entries instead,
+  as SparseLoCo does (arXiv 2508.15706: 64 of every 4,096): every region of the tensor
+  keeps its share, and the payload is the same, so decoding does not change.
 * ``randomk`` keeps k uniformly random positions chosen from a seed shared by all
   ranks, so only the values travel and payloads can be summed (all-reduced):
   Stich et al. 2018, "Sparsified SGD with Memory"; Wangni et al. 2018 for the
@@ -117,6 +120,28 @@ def topk_positions(flat: torch.Tensor, k: int, generator: torch.Generator) -> to
     return topk_among(flat.abs(), torch.arange(n, device=flat.device), k)
 
 
+def chunked_topk_positions(flat: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
+    """Ascending positions of the top-``k`` magnitudes of every ``chunk`` consecutive
+    entries of ``flat`` (the last chunk, if short, keeps ``min(k, its size)``).
+
+    Ties within a chunk go to ``torch.topk``'s choice: the selection is exact in
+    magnitude but, unlike whole-tensor ``topk``, not tie-broken by position.
+    """
+    n = flat.numel()
+    full = n // chunk
+    parts = []
+    if full:
+        rows = flat[: full * chunk].abs().view(full, chunk)
+        idx = torch.topk(rows, min(k, chunk), dim=1, sorted=False).indices
+        base = torch.arange(full, device=flat.device).unsqueeze(1) * chunk
+        parts.append((idx + base).reshape(-1))
+    if n > full * chunk:
+        tail = flat[full * chunk:].abs()
+        parts.append(torch.topk(tail, min(k, tail.numel()), sorted=False).indices
+                     + full * chunk)
+    return torch.cat(parts).sort().values
+
+
 @register("topk")
 class TopK(Compressor):
     """Exact top-k by magnitude: the k largest |x| and their positions.
@@ -129,15 +154,23 @@ class TopK(Compressor):
 
     summary = "exact top-k by magnitude: values + index gaps or bitmap (Aji & Heafield 2017)"
     values_field = "values"
-    PARAMS = _ratio_k_params(0.01)
+    PARAMS = (*_ratio_k_params(0.01),
+              Param("chunk", int, None, "select within every chunk of this many consecutive "
+                    "entries (k or ratio per chunk; SparseLoCo: k=64, chunk=4096) instead of "
+                    "over the whole tensor", at_least(1)))
 
     def validate(self) -> None:
         _check_ratio_or_k(self, 0.01)
 
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
         flat = x.detach().reshape(-1).float()
-        k = keep_count(flat.numel(), self.params["ratio"], self.params["k"])
-        positions = topk_positions(flat, k, slot.generator("cpu"))
+        chunk = self.params["chunk"]
+        if chunk is not None and flat.numel() > chunk:
+            positions = chunked_topk_positions(flat, chunk, keep_count(
+                chunk, self.params["ratio"], self.params["k"]))
+        else:
+            k = keep_count(flat.numel(), self.params["ratio"], self.params["k"])
+            positions = topk_positions(flat, k, slot.generator("cpu"))
         return sparse_payload(flat, Selection(flat.numel(), indices=positions))
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
