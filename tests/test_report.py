@@ -246,6 +246,8 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     good = write_jsonl(tmp_path / "good.jsonl", all_records())
     assert main(["report", str(good), "--out", str(tmp_path), "--budget-s", "0"]) == 2
     assert "--budget-s must be a positive" in capsys.readouterr().err
+    assert main(["report", str(good), "--out", str(tmp_path), "--latency-us", "-1"]) == 2
+    assert "--latency-us must be >= 0" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

@@ -52,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.budget_s is not None and not args.budget_s > 0:
         raise ValueError(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
+    if not args.latency_us >= 0:
+        raise ValueError(f"--latency-us must be >= 0, got {args.latency_us}")
     paths = [Path(p) for p in args.results]
     records, where = read_results(paths)
     summaries = summarize(records, args.budget_s, where)
