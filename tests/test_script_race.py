@@ -199,3 +199,76 @@ def test_the_clock_counts_reductions_a_gpu_holds_until_the_step_settles() -> Non
     model(torch.randn(2, 4))  # the next step closes this one
     assert clock.steps == 1 and stats.open_reductions() == 0
     assert stats.totals()["bytes_raw"] == 80
+
+
+class FakeEvent:
+    """A CUDA event's timing API on the CPU: ``at`` ms after an origin."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return other.at - self.at
+
+
+def test_the_chained_paths_timings_hold_their_reductions_until_the_step_settles() -> None:
+    """CPU proxy of the CUDA chained path: ``PendingChecks.time_later`` holds each
+    reduction in the stats (the clock sees it) until ``settle_timings`` records it."""
+    from gradzip.comm.chained import PendingChecks
+    from gradzip.comm.stats import CommStats, Reduction
+
+    stats, pending = CommStats(), PendingChecks()
+    stats.add_settler(pending.settle_timings)
+    for start in (0.0, 2.0):
+        pending.time_later(Reduction(numel=8, sent_values=8, bytes_raw=32,
+                                     paths=["all_reduce"]),
+                           FakeEvent(start), FakeEvent(start + 1.0), stats)
+    assert stats.open_reductions() == 2 and stats.totals()["bytes_raw"] == 0
+    stats.end_step()
+    assert stats.open_reductions() == 0
+    assert stats.totals()["bytes_raw"] == 64
+    assert stats.totals()["comm_ms_by_op"]["all_reduce"] == pytest.approx(2.0)
+
+
+def test_a_script_run_on_nodes_gets_the_node_size_and_a_flat_one_does_not(
+        tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from gradzip.compare.matrix import Run
+
+    run = Run("int8", 1, 4, "100mbit", link="nodes=2x2",
+              script=(str(EXAMPLES / "ddp_train.py"),), start_step=5)
+    env = run.env(tmp_path)
+    assert env["GRADZIP_METHOD"] == "int8" and env["GRADZIP_SEED"] == "1"
+    assert env["GRADZIP_NODE_SIZE"] == "2" and env["GRADZIP_START_STEP"] == "5"
+    assert env["GRADZIP_RUN_DIR"] == str(tmp_path.resolve())
+    assert replace(run, link="shared").env(tmp_path)["GRADZIP_NODE_SIZE"] == ""
+    assert Run("torch:fp16", 0, 2, None, script=("x.py",),
+               start_step=5).env(tmp_path)["GRADZIP_START_STEP"] == "0"
+    assert Run("int8", 0, 2, None).env(tmp_path) == {}  # the built-in trainer: flags
+
+
+def test_an_evaluation_after_training_ended_warns(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+    from gradzip.integrations.hf import GradzipCallback
+    from gradzip.integrations.script import ScriptHandle
+
+    callback = GradzipCallback(trainer=None)
+    callback.handle = object.__new__(ScriptHandle)  # a closed launched handle
+    callback.handle.record = {"steps": 3}
+    with pytest.warns(UserWarning, match="not in the race's record"):
+        callback.on_evaluate(None, None, None, metrics={"eval_loss": 2.0})
+
+
+@pytest.mark.dist
+def test_a_script_that_writes_no_record_is_a_clear_failure(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "silent.py"
+    script.write_text("import os\nassert os.environ['GRADZIP_METHOD'] == 'int8'\n")
+    assert main(["compare", "--script", str(script), "--methods", "int8", "--rate", "none",
+                 "--out", str(tmp_path / "race")]) == 1
+    err = capsys.readouterr().err
+    assert "exited cleanly but wrote no record" in err and "handle.close()" in err

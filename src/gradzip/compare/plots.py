@@ -44,10 +44,15 @@ def legend(ax: Any) -> None:
 
 def _colors(summary: SettingSummary) -> dict[str, Any]:
     """One colour per method, the same in every figure of the setting."""
+    return method_colors([m.method for m in summary.methods])
+
+
+def method_colors(methods: list[str]) -> dict[str, Any]:
+    """One colour per method, in order (tab10, repeating after ten)."""
     from matplotlib import colormaps
 
     cmap = colormaps["tab10"]
-    return {m.method: cmap(i % 10) for i, m in enumerate(summary.methods)}
+    return {m: cmap(i % 10) for i, m in enumerate(methods)}
 
 
 def _label(method: str, width: int = 22) -> str:

@@ -184,10 +184,10 @@ def markdown_table(head: list[str], rows: list[list[str]]) -> str:
 
 
 def _rate(bits: float) -> str:
-    for unit, size in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bits >= size:
-            return f"{bits / size:.1f} {unit}"
-    return f"{bits:.0f} bit/s"
+    """An achieved rate to a tenth: ``100.4 Mbit/s``."""
+    from gradzip.compare.sweep import rate_label
+
+    return rate_label(bits, ".1f")
 
 
 def link_lines(summary: SettingSummary) -> list[str]:

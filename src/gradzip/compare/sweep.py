@@ -334,9 +334,9 @@ def _checks(other: SettingSummary, fits: dict[str, list[Fit]]) -> list[Check]:
     return out
 
 
-def rate_label(bits: float) -> str:
-    """``100 Mbit/s``, ``2.5 Gbit/s``."""
+def rate_label(bits: float, spec: str = ".3g") -> str:
+    """``100 Mbit/s``, ``2.5 Gbit/s`` (``spec`` formats the number)."""
     for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bits >= scale:
-            return f"{bits / scale:.3g} {unit}"
-    return f"{bits:.3g} bit/s"
+            return f"{bits / scale:{spec}} {unit}"
+    return f"{bits:{spec}} bit/s"

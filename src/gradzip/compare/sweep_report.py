@@ -5,8 +5,8 @@ the curves as a PNG (``gradzip.compare.sweep`` has the model)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+from gradzip.compare.runs import rate_bits_per_s
 from gradzip.compare.sweep import (
     SWEEP_RATES,
     TABLE_RATES,
@@ -112,19 +112,19 @@ def plot_sweep(sw: Sweep, path: Path) -> Path | None:
     """Projected time to target against bandwidth (log-log), one line per method on a
     real link (solid) and on the emulated one (dashed, where the measured times, the
     markers, should lie); break-evens as dotted verticals."""
-    from gradzip.compare.plots import figure, legend, save
+    from gradzip.compare.plots import figure, legend, method_colors, save
 
     if not sw.curves:
         return None
     fig, ax = figure(7.5, 4.5)
-    colors = _colors([c.method for c in sw.curves])
+    colors = method_colors([c.method for c in sw.curves])
     for c in sw.curves:
         ax.plot(SWEEP_RATES, [c.at(b) for b in SWEEP_RATES], color=colors[c.method],
                 label=c.method)
         ax.plot(SWEEP_RATES, [c.emulated_at(b) for b in SWEEP_RATES],
                 color=colors[c.method], linestyle="--", linewidth=0.8)
     for check in sw.checks:
-        bits = _bits(check.rate)
+        bits = rate_bits_per_s(check.rate)
         if bits is not None and check.method in colors:
             ax.scatter([bits], [check.measured_s], color=colors[check.method], marker="o",
                        edgecolors="black", zorder=3)
@@ -142,15 +142,3 @@ def plot_sweep(sw: Sweep, path: Path) -> Path | None:
     legend(ax)
     return save(fig, path)
 
-
-def _colors(methods: list[str]) -> dict[str, Any]:
-    from matplotlib import colormaps
-
-    cmap = colormaps["tab10"]
-    return {m: cmap(i % 10) for i, m in enumerate(methods)}
-
-
-def _bits(rate: str) -> float | None:
-    from gradzip.compare.runs import rate_bits_per_s
-
-    return rate_bits_per_s(rate)
