@@ -111,6 +111,19 @@ def _onebit(c, x, dtype):
     _norm_bound(y, x, dtype, str(c))
 
 
+def _centroid(c, x, dtype):
+    y = c.decode(c.encode(x, "w"))
+    # signs kept; every bin decodes to the mean of its magnitudes: the L1 mass survives,
+    # each magnitude stays within the range of the input's, and it fits least-squares
+    assert bool(((torch.sign(y) == torch.sign(x.float())) | (y == 0)).all()), str(c)
+    l1, got = float(x.double().abs().sum()), float(y.double().abs().sum())
+    assert abs(got - l1) <= 1e-4 * l1 + float(_out_tol(y.double(), dtype).sum()), str(c)
+    if x.numel():
+        top = float(x.double().abs().max())
+        assert float(y.double().abs().max()) <= top * (1 + 1e-6) + _TINY[dtype], str(c)
+    _norm_bound(y, x, dtype, str(c))
+
+
 def _topk(c, x, dtype):
     y = c.decode(c.encode(x, "w"))
     _kept_or_zero(y, x, str(c))
@@ -189,7 +202,7 @@ BOUNDS = {
     "topk": _topk, "threshold": _threshold, "randomk": _randomk, "dgc": _dgc,
     "powersgd": _projection, "gradiveq": _projection, "sketch": _sketch, "demo": _demo,
     # stochastic codecs: the support of the output (their mean is checked below)
-    "natural": _natural, "qsgd": _qsgd, "terngrad": _terngrad,
+    "natural": _natural, "qsgd": _qsgd, "terngrad": _terngrad, "centroid": _centroid,
 }
 
 SHAPES = st.sampled_from([(), (0,), (1,), (7,), (3, 5), (24, 20), (300, 40), (2, 3, 64)])

@@ -31,6 +31,7 @@ HOST = {
     "threshold(v=0.5)": "the number of kept values depends on the data",
     "dgc": "the sampled threshold and the kept count depend on the data",
     "terngrad": "decode validates the received trit codes (1 host read)",
+    "centroid": "decode validates the received bin codes (1 host read)",
     "natural": "the largest exponent goes into the header (1 host read)",
     "efsignsgd": "per-tensor scales retried in float64 on overflow (1 host read)",
     "onebit": "per-column means retried in float64 on overflow (1 host read)",

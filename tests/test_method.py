@@ -20,6 +20,7 @@ from gradzip.codecs import Codec, SpecError
 from gradzip.comm.method import (
     CodecMethod,
     LocalUpdateMethod,
+    SnooMethod,
     TorchHookMethod,
     every_codec,
     parse_method,
@@ -65,10 +66,56 @@ def test_a_policy_with_groups_keeps_every_codec_built_once() -> None:
     ("diloco(sync_every=0)", ValueError, "sync_every"),
     ("average(sync_every=4) | topk(ratio=7)", SpecError, "ratio"),
     ("torch:qsgd", ValueError, "unknown PyTorch hook"),
+    ("sparseloco(k=8, density=0.01)", ValueError, "k \\(per chunk\\) or density"),
+    ("sparseloco(k=8) | int8", ValueError, "options \\(k\\) or an explicit codec"),
+    ("sparseloco(bits=9)", SpecError, "bits"),
+    ("snoo(fragments=2)", ValueError, "snoo\\(...\\) takes sync_every=, lr=, momentum="),
+    ("diloco(k=8)", ValueError, "takes sync_every="),
+    ("diloco(alpha=1)", ValueError, "alpha"),
 ])
 def test_a_bad_method_says_what_is_wrong(text: str, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         parse_method(text)
+
+
+def test_sparseloco_is_diloco_with_its_outer_step_and_codec_spelled_out() -> None:
+    m = parse_method("sparseloco")
+    assert isinstance(m, LocalUpdateMethod) and m.outer == "sparseloco"
+    assert (m.sync_every, m.lr, m.momentum) == (30, 1.0, 0.0)  # the paper's H, outer lr
+    assert str(m.codec) == ("ef(beta=0.95) | topk(k=64, chunk=4096) | centroid(bits=2) | ans "
+                            "| aggregate=gather")
+    assert parse_method(str(m)) == m  # the canonical text is the explicit form
+    dense = parse_method("sparseloco(sync_every=15, density=0.02, bits=3, ef_decay=0.9)")
+    assert str(dense.codec).startswith("ef(beta=0.9) | topk(ratio=0.02, chunk=4096) | "
+                                       "centroid(bits=3)")
+    assert dense.sync_every == 15
+
+
+def test_snoo_is_ddp_with_an_outer_step() -> None:
+    m = parse_method("snoo(sync_every=16) | fp16")
+    assert isinstance(m, SnooMethod)
+    assert str(m) == "snoo(sync_every=16, lr=0.7, momentum=0.9) | fp16"
+    assert str(parse_method("snoo").step_method) == "none"
+    assert m.to_json()["codec"] == Codec.from_spec("fp16").to_json()
+    with pytest.raises(ValueError, match="--parallel ddp"):
+        m.check(parallel="fsdp", optimizer="adamw", grad_clip=1.0)
+
+
+@pytest.mark.parametrize("text", [
+    "sparseloco", "sparseloco(sync_every=10, density=0.05, ef_decay=0.9)",
+    "snoo(sync_every=8, lr=0.5, momentum=0.5)", "snoo | int8",
+    "diloco(sync_every=8, overlap=2, alpha=0.5) | centroid(bits=4)",
+])
+def test_train_flags_run_the_method_they_came_from(text: str) -> None:
+    """compare runs a method through ``gradzip train``'s flags: parsed back from them
+    (with the trainer's defaults for the rest) it is the same method."""
+    from gradzip.cli import build_parser
+    from gradzip.commands.train import resolve_args
+    from gradzip.train.checks import method_of
+
+    method = parse_method(text)
+    args = build_parser().parse_args(["train", "--parallel", "ddp", *method.train_flags()])
+    assert method_of(resolve_args(args).train) == method
 
 
 def test_policy_options_belong_to_codec_methods_only() -> None:

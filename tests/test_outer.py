@@ -270,3 +270,25 @@ def _overlap_resume(rank: int) -> bool:
 
 def test_exchanges_in_flight_survive_a_checkpoint_exactly() -> None:
     assert all(run_ranks(_overlap_resume, 2))
+
+
+def _alpha_mixing(rank: int) -> bool:
+    model = _model()
+    outer = DiLoCo(model, sync_every=2, outer="average", alpha=0.25)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    _train(rank, range(1), model, outer, opt)
+    _inner(model, opt, 1, rank)
+    local = [p.detach().clone() for p in model.parameters()]
+    mean = [t.clone() for t in local]
+    for t in mean:
+        torch.distributed.all_reduce(t)
+        t /= 2
+    assert outer.step()  # the sync: anchor = the ranks' mean (average: lr 1, no momentum)
+    return all(torch.allclose(p, 0.25 * mine + 0.75 * m, atol=1e-6)
+               for p, mine, m in zip(model.parameters(), local, mean, strict=True))
+
+
+def test_alpha_mixes_the_local_weights_into_the_synchronized_ones() -> None:
+    """Streaming DiLoCo's mixing: after the outer step, alpha * local + (1 - alpha) *
+    synchronized, on every rank."""
+    assert all(run_ranks(_alpha_mixing, 2))

@@ -9,6 +9,7 @@ imports numba, constriction or zstandard.
 # importing a stage module registers its stages
 from gradzip.codecs import (  # noqa: F401
     casts,
+    centroid,
     demo,
     dgc,
     feedback,

@@ -10,7 +10,13 @@ One grammar for the three kinds (``gradzip compare --methods`` and the records u
   ``"torch:bf16"``, ``"torch:powersgd(rank=4, start_iter=2)"``.
 * ``LocalUpdateMethod`` — local steps, synchronized every H steps, the pseudo-gradients
   through an optional codec: ``"diloco(sync_every=32, lr=0.7, momentum=0.9) | int8"``,
-  ``"average(sync_every=8)"`` (post-local SGD, the control).
+  ``"average(sync_every=8)"`` (post-local SGD, the control), and
+  ``"sparseloco(sync_every=30, k=64, chunk=4096, bits=2, ef_decay=0.95)"`` (SparseLoCo:
+  outer SGD with lr 1 and no momentum on error-fed, chunked top-k, 2-bit pseudo-gradients;
+  its codec is spelled out in the canonical text).
+* ``SnooMethod`` — ``"snoo(sync_every=32, lr=0.7, momentum=0.9)"``: DDP every step (an
+  optional ``| CODEC``) plus a Nesterov outer step on the K-step pseudo-gradient (SNOO,
+  DiLoCo's one-worker form): the matched baseline for local-update methods.
 
 ``parse_method`` is called at the edge (the CLI's flags, compare's ``--methods``,
 ``attach``); everything after takes the object, whose codecs are already built (their
@@ -45,7 +51,31 @@ LOCAL_KEYS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "momentum": ("momentum", float, "--outer-momentum"),
     "fragments": ("fragments", int, "--fragments"),
     "overlap": ("overlap_steps", int, "--overlap-steps"),
+    "alpha": ("alpha", float, "--outer-alpha"),
 }
+#: ``sparseloco(...)`` keys that build its codec -> type (without an explicit ``| CODEC``)
+SPARSELOCO_KEYS: dict[str, Callable[[str], Any]] = {
+    "k": int, "density": float, "chunk": int, "bits": int, "ef_decay": float}
+#: ``snoo(...)`` keys: its own outer step, no fragments
+SNOO_KEYS = ("sync_every", "lr", "momentum")
+#: the defaults each kind starts from (SparseLoCo's public configuration: H=30, outer
+#: lr 1, no momentum, 64 of every 4096 entries, 2 bits, error feedback decay 0.95)
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "diloco": {}, "average": {}, "snoo": {},
+    "sparseloco": {"sync_every": 30, "lr": 1.0, "momentum": 0.0},
+}
+SPARSELOCO_CODEC = {"k": 64, "density": None, "chunk": 4096, "bits": 2, "ef_decay": 0.95}
+
+
+def sparseloco_codec(k: int | None = 64, density: float | None = None, chunk: int = 4096,
+                     bits: int = 2, ef_decay: float = 0.95) -> str:
+    """SparseLoCo's pseudo-gradient codec as a gradzip chain: error feedback decayed by
+    ``ef_decay``, the top ``k`` (or ``density`` x ``chunk``) of every ``chunk`` entries,
+    their values in ``bits`` bits (``centroid``), indices and values entropy-coded
+    (``ans``), payloads all-gathered as the paper does (no second lossy step)."""
+    keep = f"ratio={density:g}" if density is not None else f"k={k}"
+    return (f"ef(beta={ef_decay:g}) | topk({keep}, chunk={chunk}) | centroid(bits={bits}) "
+            "| ans | aggregate=gather")
 
 
 @dataclass(frozen=True)
@@ -148,20 +178,26 @@ class LocalUpdateMethod:
     overlap_steps: int = 0
     #: the pseudo-gradients' codec; None: the fp32 all-reduce
     codec: CodecMethod | None = None
+    #: Streaming DiLoCo's mixing after an outer step: weights <- alpha * local + (1 -
+    #: alpha) * synchronized; None: the synchronized weights plus the local change since
+    #: the exchange began (all of it: the same as alpha = 0 without overlap)
+    alpha: float | None = None
     kind: ClassVar[str] = "local"
 
     def __post_init__(self) -> None:
         check_options(self.sync_every, self.lr, self.momentum, self.outer, self.fragments,
-                      self.overlap_steps)
+                      self.overlap_steps, self.alpha)
 
     def __str__(self) -> str:
         params = [f"sync_every={self.sync_every}"]
-        if self.outer == "diloco":
+        if self.outer != "average":
             params += [f"lr={self.lr:g}", f"momentum={self.momentum:g}"]
         if self.fragments > 1:
             params.append(f"fragments={self.fragments}")
         if self.overlap_steps:
             params.append(f"overlap={self.overlap_steps}")
+        if self.alpha is not None:
+            params.append(f"alpha={self.alpha:g}")
         name = f"{self.outer}({', '.join(params)})"
         return name if self.codec is None else f"{name} | {self.codec}"
 
@@ -172,7 +208,7 @@ class LocalUpdateMethod:
     def to_json(self) -> dict[str, Any]:
         return {"outer": self.outer, "sync_every": self.sync_every, "lr": self.lr,
                 "momentum": self.momentum, "fragments": self.fragments,
-                "overlap_steps": self.overlap_steps,
+                "overlap_steps": self.overlap_steps, "alpha": self.alpha,
                 "codec": self.codec.to_json() if self.codec is not None else None}
 
     def check(self, *, parallel: str, blocks: int | None = None, **_: Any) -> None:
@@ -188,18 +224,67 @@ class LocalUpdateMethod:
         return {"sync_every": self.sync_every, "outer_lr": self.lr,
                 "outer_momentum": self.momentum, "outer": self.outer,
                 "codec": self.codecs[0] if self.codecs else None,
-                "fragments": self.fragments, "overlap_steps": self.overlap_steps}
+                "fragments": self.fragments, "overlap_steps": self.overlap_steps,
+                "alpha": self.alpha}
 
     def train_flags(self) -> list[str]:
         flags = ["--outer", self.outer, "--outer-codec",
                  str(self.codec) if self.codec is not None else "none"]
         for attr, _, flag in LOCAL_KEYS.values():
             value = getattr(self, attr)
-            flags += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+            if value is not None:
+                flags += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
         return flags
 
 
-Method = CodecMethod | TorchHookMethod | LocalUpdateMethod
+@dataclass(frozen=True)
+class SnooMethod:
+    """SNOO (Kallusky et al., 2025): DDP every step, plus every ``sync_every`` steps a
+    Nesterov outer step on the K-step pseudo-gradient (the weights' change since the
+    last outer step). All ranks hold the same weights, so the outer step communicates
+    nothing: its bytes are DDP's. DiLoCo's one-worker form, the baseline a local-update
+    method must beat to credit its outer optimizer rather than its rare syncs."""
+
+    sync_every: int = 32
+    lr: float = 0.7
+    momentum: float = 0.9
+    #: the per-step codec; None: the plain all-reduce through gradzip's hook
+    codec: CodecMethod | None = None
+    kind: ClassVar[str] = "snoo"
+
+    def __post_init__(self) -> None:
+        check_options(self.sync_every, self.lr, self.momentum, "diloco")
+
+    def __str__(self) -> str:
+        name = f"snoo(sync_every={self.sync_every}, lr={self.lr:g}, momentum={self.momentum:g})"
+        return name if self.codec is None else f"{name} | {self.codec}"
+
+    @property
+    def codecs(self) -> list[Codec]:
+        return self.codec.codecs if self.codec is not None else []
+
+    @property
+    def step_method(self) -> CodecMethod:
+        """What crosses the link every step."""
+        return self.codec if self.codec is not None else CodecMethod(Policy.parse("none"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"outer": "snoo", "sync_every": self.sync_every, "lr": self.lr,
+                "momentum": self.momentum, "codec": self.step_method.to_json()}
+
+    def check(self, *, parallel: str, **values: Any) -> None:
+        if parallel != "ddp":
+            raise ValueError(f"--outer snoo runs DDP with an outer step: use --parallel ddp "
+                             f"(got {parallel})")
+        self.step_method.check(parallel=parallel, **values)
+
+    def train_flags(self) -> list[str]:
+        return ["--outer", "snoo", "--sync-every", str(self.sync_every),
+                "--outer-lr", f"{self.lr:g}", "--outer-momentum", f"{self.momentum:g}",
+                *self.step_method.train_flags()]
+
+
+Method = CodecMethod | TorchHookMethod | LocalUpdateMethod | SnooMethod
 
 
 def parse_method(text: str | Policy | Codec | dict[str, Any] | list[Any], *,
@@ -228,38 +313,64 @@ def _refuse_policy_options(text: str, groups: dict[str, str] | None,
                          f"{text.strip()} takes its own options")
 
 
-def _local(text: str) -> LocalUpdateMethod | None:
-    """``diloco(...) | CODEC`` or ``average(...)``; None when ``text`` names neither."""
+def _local(text: str) -> LocalUpdateMethod | SnooMethod | None:
+    """``diloco(...) | CODEC``, ``average(...)``, ``sparseloco(...)`` or ``snoo(...) |
+    CODEC``; None when ``text`` names none of them."""
     m = _LOCAL.match(text)
     if not m:
         return None
     outer, params, codec = (m.group(1), m.group(2), m.group(3)) if m.group(1) \
         else (m.group(4), "", m.group(5))
-    if outer not in OUTER_KINDS:
+    if outer not in (*OUTER_KINDS, "snoo"):
         return None
-    values: dict[str, Any] = {}
-    for item in filter(None, (x.strip() for x in params.split(","))):
-        key, eq, value = (s.strip() for s in item.partition("="))
-        if not eq or key not in LOCAL_KEYS:
-            raise ValueError(f"method {text.strip()!r}: {outer}(...) takes "
-                             f"{', '.join(k + '=' for k in LOCAL_KEYS)}, got {item!r}")
-        attr, kind, _ = LOCAL_KEYS[key]
-        try:
-            values[attr] = kind(value)
-        except ValueError:
-            raise ValueError(f"method {text.strip()!r}: {key} must be a number, "
-                             f"got {value!r}") from None
+    values, sparse = _local_params(text.strip(), outer, params)
     spec = (codec or "none").strip()
+    if sparse and codec:
+        raise ValueError(f"method {text.strip()!r}: give sparseloco either its options "
+                         f"({', '.join(sparse)}) or an explicit codec after '|', not both")
+    if outer == "sparseloco" and not codec:
+        spec = sparseloco_codec(**{**SPARSELOCO_CODEC, **sparse})
     pseudo = None if spec == "none" else CodecMethod(Policy.parse(spec))
+    if outer == "snoo":
+        return SnooMethod(codec=pseudo, **values)
     return LocalUpdateMethod(outer=outer, codec=pseudo, **values)
 
 
+def _local_params(text: str, outer: str, params: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The method's own options (LocalUpdateMethod fields) and SparseLoCo's codec keys."""
+    allowed = [k for k in LOCAL_KEYS if outer != "snoo" or k in SNOO_KEYS]
+    allowed += list(SPARSELOCO_KEYS) if outer == "sparseloco" else []
+    values: dict[str, Any] = dict(DEFAULTS[outer])
+    sparse: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in params.split(","))):
+        key, eq, value = (s.strip() for s in item.partition("="))
+        if not eq or key not in allowed:
+            raise ValueError(f"method {text!r}: {outer}(...) takes "
+                             f"{', '.join(k + '=' for k in allowed)}, got {item!r}")
+        kind = SPARSELOCO_KEYS[key] if key in SPARSELOCO_KEYS else LOCAL_KEYS[key][1]
+        try:
+            parsed = kind(value)
+        except ValueError:
+            raise ValueError(f"method {text!r}: {key} must be a number, got {value!r}") \
+                from None
+        if key in SPARSELOCO_KEYS:
+            sparse[key] = parsed
+        else:
+            values[LOCAL_KEYS[key][0]] = parsed
+    if "density" in sparse:
+        sparse.setdefault("k", None)
+        if sparse["k"] is not None:
+            raise ValueError(f"method {text!r}: give k (per chunk) or density, not both")
+    return values, sparse
+
+
 def local_method(outer: str, *, sync_every: int, lr: float, momentum: float,
-                 fragments: int, overlap_steps: int, codec: str) -> LocalUpdateMethod:
+                 fragments: int, overlap_steps: int, codec: str,
+                 alpha: float | None = None) -> LocalUpdateMethod:
     """The local-update method of ``gradzip train``'s --outer flags."""
     pseudo = None if codec.strip() == "none" else CodecMethod(Policy.parse(codec))
     return LocalUpdateMethod(outer, sync_every, lr, momentum, fragments, overlap_steps,
-                             pseudo)
+                             pseudo, alpha)
 
 
 def every_codec(methods: Iterable[Method]) -> list[Codec]:
@@ -267,5 +378,5 @@ def every_codec(methods: Iterable[Method]) -> list[Codec]:
     return [c for m in methods if not isinstance(m, TorchHookMethod) for c in m.codecs]
 
 
-__all__ = ["CodecMethod", "LocalUpdateMethod", "Method", "SpecError", "TorchHookMethod",
-           "every_codec", "local_method", "parse_method"]
+__all__ = ["CodecMethod", "LocalUpdateMethod", "Method", "SnooMethod", "SpecError",
+           "TorchHookMethod", "every_codec", "local_method", "parse_method", "sparseloco_codec"]

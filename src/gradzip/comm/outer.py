@@ -25,7 +25,13 @@ the first block (embeddings) go with fragment 0, those after the last with fragm
 on training: the reduction runs on a background thread (one, so every rank issues its
 collectives in the same order; the inner steps communicate nothing) and is applied S
 inner steps later: the outer step moves the anchor, and the fragment's weights become the
-new anchor plus what the S local steps since the exchange began changed.
+new anchor plus what the S local steps since the exchange began changed. With
+``alpha`` (Streaming DiLoCo's mixing, 0.5 in the paper) they become ``alpha * local +
+(1 - alpha) * anchor`` instead.
+
+SparseLoCo (Sarfi et al., 2025) is this loop with ``outer_lr=1, outer_momentum=0`` and a
+codec of error feedback with decay, chunked top-k and 2-bit values: its error feedback
+replaces the outer momentum, so the outer step applies the decoded mean as it is.
 
 Use: ``outer = DiLoCo(model, opt, sync_every=32, codec="int8")`` after building the model
 and its inner optimizer ``opt`` (optional: given, its state is in ``state_dict``);
@@ -54,7 +60,9 @@ from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import CommStats
 from gradzip.comm.streams import SideStreams
 
-OUTER_KINDS = ("diloco", "average")
+#: ``sparseloco`` is DiLoCo's loop with SparseLoCo's outer step (SGD, lr 1, no momentum)
+#: and codec (``gradzip.comm.method.sparseloco_codec``)
+OUTER_KINDS = ("diloco", "average", "sparseloco")
 
 
 class DiLoCo:
@@ -66,8 +74,10 @@ class DiLoCo:
                  codec: str | Codec | None = None, outer: str = "diloco",
                  process_group: dist.ProcessGroup | None = None, seed: int = 0,
                  nonfinite: str = "error", fragments: int = 1,
-                 overlap_steps: int = 0) -> None:
-        check_options(sync_every, outer_lr, outer_momentum, outer, fragments, overlap_steps)
+                 overlap_steps: int = 0, alpha: float | None = None) -> None:
+        check_options(sync_every, outer_lr, outer_momentum, outer, fragments, overlap_steps,
+                      alpha)
+        self.alpha = alpha
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.fragments = fragment_indices([n for n, _ in named], fragments)
         if not (dist.is_available() and dist.is_initialized()):
@@ -153,14 +163,18 @@ class DiLoCo:
     def _outer_step(self, fragment: int, mean: torch.Tensor,
                     since: list[torch.Tensor] | None) -> None:
         """Outer step of the fragment's anchor with ``mean``; its weights become the new
-        anchor (plus their change since ``since``, the weights when the exchange began)."""
+        anchor (plus their change since ``since``, the weights when the exchange began),
+        or with ``alpha`` the mix ``alpha * weights + (1 - alpha) * anchor``."""
         anchor, params = self._params(fragment)
         for a, g in zip(anchor, mean.split([a.numel() for a in anchor]), strict=True):
             a.grad = g.view_as(a)
         self.optimizers[fragment].step()
         for i, (a, p) in enumerate(zip(anchor, params, strict=True)):
             a.grad = None
-            p.copy_(a if since is None else a + (p - since[i]))
+            if self.alpha is not None:
+                p.copy_(torch.lerp(a, p.float(), self.alpha))
+            else:
+                p.copy_(a if since is None else a + (p - since[i]))
         self.syncs += 1
         self.syncs_here += 1
 
@@ -262,8 +276,12 @@ def _done(mean: torch.Tensor) -> Future[torch.Tensor]:
 
 
 def check_options(sync_every: int, outer_lr: float, outer_momentum: float, outer: str,
-                  fragments: int = 1, overlap_steps: int = 0) -> None:
+                  fragments: int = 1, overlap_steps: int = 0,
+                  alpha: float | None = None) -> None:
     """Clear errors for values DiLoCo cannot run with (before any training)."""
+    if alpha is not None and not 0 <= alpha < 1:
+        raise ValueError(f"alpha (the local weights' share after an outer step) must be in "
+                         f"[0, 1), got {alpha}")
     if outer not in OUTER_KINDS:
         raise ValueError(f"outer must be one of {', '.join(OUTER_KINDS)}, got {outer!r}")
     if sync_every < 1:

@@ -110,12 +110,13 @@ class Reducer(CodecObserver):
             encode_s = max(total - comm_s - self._decode_s, 0.0)
         if plain or not self._payloads:
             sent = numel
-            idx = 0
+            idx = made = 0
         else:
             sent = sum(self.sent_values(n, p) for n, p in self._payloads)
             idx = sum(index_bytes(p) for _, p in self._payloads)
+            made = sum(p.wire_bytes for _, p in self._payloads)
         self.stats.record(Reduction(
-            numel=numel, sent_values=sent, index_bytes=idx,
+            numel=numel, sent_values=sent, index_bytes=idx, payload_bytes=made,
             bytes_raw=link_bytes(baseline, numel * x.element_size(), comm.world_size,
                                  c.backend),
             bytes_handed=c.total_handed,

@@ -25,6 +25,10 @@ and times), never from a codec's nominal ratio:
 * ``index_bytes``: payload bytes of position fields (a field path component named
   ``deltas``, ``bitmap``, ``index``, ``indices``, ``idx`` or ``positions``), the
   positional overhead of sparsifiers.
+* ``payload_bytes``: bytes of this rank's encoded payloads (what a codec made, before
+  any collective framing); with ``index_bytes`` and the values sent it gives
+  ``bits_per_kept_value``: ``indices`` and ``values`` bits per value a sparsifier kept
+  (SparseLoCo's figure), None for dense codecs.
 * ``density``: sent values / gradient entries (1.0 for dense codecs).
 * ``extra_collectives``: collective calls beyond one per reduced tensor.
 * ``aggregation``: how many codec calls took each aggregation path (``plain``
@@ -64,6 +68,7 @@ class _Acc:
     bytes_wire: int = 0
     bytes_handed: int = 0
     index_bytes: int = 0
+    payload_bytes: int = 0
     encode_s: float = 0.0
     decode_s: float = 0.0
     seconds_by_op: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -94,8 +99,8 @@ class _Acc:
         """Add a closed step ``o`` into these totals."""
         self.closed_comm_s += o.comm_s()
         for name in ("reductions", "numel", "sent_values", "bytes_raw", "bytes_wire",
-                     "bytes_handed", "index_bytes", "encode_s", "decode_s", "bytes_diagnostic",
-                     "err_sq", "ref_sq", "est_sq", "dot", "extra_collective_s"):
+                     "bytes_handed", "index_bytes", "payload_bytes", "encode_s", "decode_s",
+                     "bytes_diagnostic", "err_sq", "ref_sq", "est_sq", "dot", "extra_collective_s"):
             setattr(self, name, getattr(self, name) + getattr(o, name))
         for op, v in o.seconds_by_op.items():
             self.seconds_by_op[op] += v
@@ -113,6 +118,15 @@ class _Acc:
         if o.residual_norm is not None:
             self.residual_norm = o.residual_norm
 
+    def bits_per_kept_value(self) -> dict[str, float] | None:
+        """Payload bits per value a sparsifier kept, for its indices and its values
+        (everything else: scales, headers); None when every value was sent."""
+        if not self.sent_values or self.sent_values >= self.numel or not self.payload_bytes:
+            return None
+        values = max(self.payload_bytes - self.index_bytes, 0)
+        return {"indices": 8 * self.index_bytes / self.sent_values,
+                "values": 8 * values / self.sent_values}
+
     def view(self, steps: int) -> dict[str, Any]:
         calls = sum(self.calls_by_op.values())
         cos = None
@@ -129,6 +143,8 @@ class _Acc:
             "compression_ratio": self.bytes_raw / self.bytes_wire if self.bytes_wire else None,
             "index_bytes": self.index_bytes,
             "density": self.sent_values / self.numel if self.numel else None,
+            "payload_bytes": self.payload_bytes,
+            "bits_per_kept_value": self.bits_per_kept_value(),
             "encode_ms": self.encode_s * 1e3,
             "decode_ms": self.decode_s * 1e3,
             "comm_ms": self.comm_s() * 1e3,
@@ -163,6 +179,8 @@ class Reduction:
     bytes_raw: int
     bytes_handed: int = 0
     index_bytes: int = 0
+    #: bytes of this rank's encoded payloads
+    payload_bytes: int = 0
     encode_s: float = 0.0
     decode_s: float = 0.0
     seconds_by_op: dict[str, float] = field(default_factory=dict)
@@ -219,6 +237,7 @@ class CommStats:
             a.bytes_raw += r.bytes_raw
             a.bytes_handed += r.bytes_handed
             a.index_bytes += r.index_bytes
+            a.payload_bytes += r.payload_bytes
             a.encode_s += r.encode_s
             a.decode_s += r.decode_s
             for op, v in r.seconds_by_op.items():

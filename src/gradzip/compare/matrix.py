@@ -78,6 +78,10 @@ _LONG_SMALL = ("--model", "small", "--dataset", "stdlib", "--max-tokens", "33000
                "--timing-warmup", "5", "--threads", "1")
 _LONG_METHODS = ("torch:none", "torch:fp16", "int8", "ef | powersgd(rank=4)",
                  "ef | topk(ratio=0.01)", "diloco(sync_every=32) | int8")
+# The low-bandwidth frontier (docs/benchmarks/frontier.md): SparseLoCo, DiLoCo with 4-bit
+# outer gradients, and SNOO (16-bit DDP plus DiLoCo's outer step): the matched baseline
+_FRONTIER_METHODS = ("sparseloco", "diloco(sync_every=32) | centroid(bits=4)",
+                     "snoo(sync_every=32) | fp16")
 
 PRESETS: dict[str, Preset] = {
     "quick": Preset(
@@ -95,9 +99,11 @@ PRESETS: dict[str, Preset] = {
         doc="every codec family against PyTorch's hooks, 3 seeds, 100 Mbit/s and 1 Gbit/s, "
             "2 and 4 ranks (132 runs, about an hour on 2 cores)"),
     "long": Preset(
-        methods=_LONG_METHODS, rates=("100mbit",), ranks=(2,), seeds=3, train=_LONG,
-        doc="tiny GPT for 2,000 steps on non-repeating tokens, 2 ranks, 100 Mbit/s, 6 "
-            "methods, 3 seeds (about 30 min on 2 cores)"),
+        methods=_LONG_METHODS + _FRONTIER_METHODS, rates=("100mbit",), ranks=(2,), seeds=3,
+        train=_LONG,
+        doc="tiny GPT for 2,000 steps on non-repeating tokens, 2 ranks, 100 Mbit/s, 9 "
+            "methods (the frontier's SparseLoCo, 4-bit DiLoCo and SNOO included), 3 seeds "
+            "(about 45 min on 2 cores)"),
     "long-small": Preset(
         methods=_LONG_METHODS, rates=("100mbit",), ranks=(2,), seeds=1, train=_LONG_SMALL,
         doc="the ~4M small model for 1,500 steps, 2 ranks, 100 Mbit/s, 6 methods, 1 seed "

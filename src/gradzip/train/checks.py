@@ -105,6 +105,7 @@ def _check_train(t: TrainConfig, r: RunConfig) -> None:
     _choice("--dtype", t.dtype, ("fp32", "bf16", "fp16"))
     _choice("--parallel", t.parallel, ("none", "ddp", "fsdp", "hsdp"))
     _choice("--nonfinite", t.nonfinite, ("auto", "error", "propagate"))
+    _choice("--outer", t.outer, ("none", "diloco", "average", "sparseloco", "snoo"))
     _at_least(1, [("--max-steps", t.max_steps), ("--eval-steps", t.eval_steps),
                   ("--log-every", r.log_every), ("--keep-ckpts", r.keep_ckpts)])
     _at_least(0, [("--node-size", t.node_size)])
@@ -165,6 +166,8 @@ def method_of(t: TrainConfig) -> Any:
     --codec-start-step, --outer and its options), parsed once; errors name the flag."""
     from gradzip.comm.method import local_method, parse_method
 
+    if t.outer == "snoo":
+        return _snoo_method(t)
     if t.outer != "none":
         if t.codec != "none":
             raise ValueError("--outer synchronizes rarely instead of every step: give the "
@@ -174,11 +177,29 @@ def method_of(t: TrainConfig) -> Any:
                              "codec; --outer takes --outer-codec")
         return local_method(t.outer, sync_every=t.sync_every, lr=t.outer_lr,
                             momentum=t.outer_momentum, fragments=t.fragments,
-                            overlap_steps=t.overlap_steps, codec=t.outer_codec)
+                            overlap_steps=t.overlap_steps, codec=t.outer_codec,
+                            alpha=t.outer_alpha if t.outer_alpha >= 0 else None)
     if t.codec == "none" and (t.codec_groups or t.codec_start_step):
         raise ValueError("--codec-groups and --codec-start-step need a --codec")
     return parse_method(t.codec, groups=codec_groups(t.codec_groups),
                         start_step=t.codec_start_step or None)
+
+
+def _snoo_method(t: TrainConfig) -> Any:
+    """``--outer snoo``: DDP every step with --codec, an outer Nesterov step every
+    --sync-every steps; the options of the other outer kinds are refused."""
+    from gradzip.comm.method import CodecMethod, SnooMethod, parse_method
+
+    if t.outer_codec != "none" or t.fragments != 1 or t.overlap_steps or t.outer_alpha >= 0:
+        raise ValueError("--outer snoo communicates every step with --codec (its outer step "
+                         "sends nothing): --outer-codec, --fragments, --overlap-steps and "
+                         "--outer-alpha do not apply")
+    step = parse_method(t.codec, groups=codec_groups(t.codec_groups),
+                        start_step=t.codec_start_step or None)
+    if not isinstance(step, CodecMethod):
+        raise ValueError(f"--outer snoo takes a gradzip --codec (fp16, int8, ...), not {step}")
+    return SnooMethod(t.sync_every, t.outer_lr, t.outer_momentum,
+                      None if step.plain else step)
 
 
 def check_method(method: Any, *, parallel: str, optimizer: str, grad_clip: float,

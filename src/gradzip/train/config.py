@@ -161,9 +161,12 @@ class TrainConfig:
     iteration, DGC's warm-up)."""
     outer: str = "none"
     """Local updates instead of per-step gradient sync: diloco (DiLoCo: every
-    --sync-every steps, an outer Nesterov step on the averaged pseudo-gradient) or average
-    (post-local SGD, the control); none = synchronize every step. Needs --parallel ddp;
-    the model is then not wrapped by DDP."""
+    --sync-every steps, an outer Nesterov step on the averaged pseudo-gradient), average
+    (post-local SGD, the control) or sparseloco (SparseLoCo's outer step: lr 1, no
+    momentum; give its codec with --outer-codec, see `gradzip compare`'s sparseloco(...));
+    the model is then not wrapped by DDP. snoo: DDP every step (--codec) plus a Nesterov
+    outer step every --sync-every steps, the matched baseline. none = synchronize every
+    step. Needs --parallel ddp."""
     sync_every: int = 32
     """With --outer: inner steps between synchronizations (DiLoCo's H)."""
     outer_lr: float = 0.7
@@ -173,6 +176,10 @@ class TrainConfig:
     outer_codec: str = "none"
     """With --outer: the codec spec the pseudo-gradients cross the link with (e.g. int8);
     none = the fp32 all-reduce."""
+    outer_alpha: float = -1.0
+    """With --outer: Streaming DiLoCo's mixing after an outer step, weights = alpha * local
+    + (1 - alpha) * synchronized (the paper: 0.5); -1 = no mixing: the synchronized
+    weights plus the local change since the exchange began (--overlap-steps)."""
     fragments: int = 1
     """With --outer: Streaming DiLoCo's fragments: the model's blocks in this many groups,
     each synchronized every --sync-every steps at staggered offsets (must divide the

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradzip.comm.method import LocalUpdateMethod, Method, every_codec
+from gradzip.comm.method import LocalUpdateMethod, Method, SnooMethod, every_codec
 from gradzip.train import checkpoint as ckpt
 from gradzip.train.checks import capture_schedule, method_of, nonfinite_policy, parse_profile_steps
 from gradzip.train.components import Components
@@ -540,7 +540,12 @@ def resume_command(run_dir: Path, info: DistInfo) -> str:
 
 
 def _outer_summary(par: Any, method: Method) -> dict[str, Any] | None:
-    """What --outer did on this rank: syncs and link bytes per sync (rank 0's record)."""
+    """What --outer did on this rank: syncs and link bytes per sync (rank 0's record);
+    SNOO's outer steps (it sends nothing of its own)."""
+    if isinstance(method, SnooMethod):
+        return {"kind": "snoo", "sync_every": method.sync_every, "lr": method.lr,
+                "momentum": method.momentum, "syncs": par.outer.outer_steps,
+                "codec": str(method.step_method), "bytes_wire_per_sync": 0}
     if not isinstance(method, LocalUpdateMethod):
         return None
     outer, totals = par.handle, par.handle.stats.totals()

@@ -180,8 +180,8 @@ COMM_FIELDS = ("comm_time_ms_total", "comm_time_ms_by_op", "extra_collective_tim
                "bytes_raw_total", "bytes_wire_total", "bytes_handed_total",
                "effective_bandwidth_bytes_per_s", "aggregation", "compression_ratio",
                "compression_ratio_steady", "encode_ms", "decode_ms", "extra_collectives",
-               "index_bytes", "density", "residual_norm", "grad_rel_error", "grad_cos_sim",
-               "links")
+               "index_bytes", "bits_per_kept_value", "density", "residual_norm",
+               "grad_rel_error", "grad_cos_sim", "links")
 
 
 def communication_fields(comm: Any, steady: dict[str, int]) -> dict[str, Any]:
@@ -207,6 +207,7 @@ def communication_fields(comm: Any, steady: dict[str, int]) -> dict[str, Any]:
         "decode_ms": t["decode_ms"],
         "extra_collectives": t["extra_collectives"],
         "index_bytes": t["index_bytes"],
+        "bits_per_kept_value": t["bits_per_kept_value"],
         "density": t["density"],
         "residual_norm": t["residual_norm"],
         "grad_rel_error": t["grad_rel_error"],

@@ -35,7 +35,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradzip.comm.method import CodecMethod, LocalUpdateMethod, Method, TorchHookMethod
+from gradzip.comm.method import (
+    CodecMethod,
+    LocalUpdateMethod,
+    Method,
+    SnooMethod,
+    TorchHookMethod,
+)
 from gradzip.train.model import GPT
 
 
@@ -297,6 +303,27 @@ class DataParallel(Parallelism):
         self.handle.stats.end_step()  # the settling all-reduce is a step of its own
 
 
+class OuterStepped(DataParallel):
+    """DDP plus SNOO's outer step (``gradzip.train.snoo``) after every optimizer step;
+    checkpoints hold the codec's state and the outer step's."""
+
+    def __init__(self, ddp: DataParallel, outer: Any) -> None:
+        super().__init__(ddp.raw, ddp.model, ddp.handle)
+        self.outer = outer
+
+    def after_optimizer_step(self) -> None:
+        self.outer.step()
+
+    def codec_state(self) -> Any:
+        return {"codec": super().codec_state(), "snoo": self.outer.state_dict()}
+
+    def resume_codec(self, state: Any, sample: torch.Tensor) -> None:
+        if not isinstance(state, dict) or "snoo" not in state:
+            raise ValueError("this checkpoint has no SNOO state: resume with its --outer")
+        self.outer.load_state_dict(state["snoo"])
+        super().resume_codec(state["codec"], sample)
+
+
 class FullyShard(Parallelism):
     """FSDP2; without a codec FSDP's own reduce-scatter runs (no ``CommStats``)."""
 
@@ -334,6 +361,15 @@ def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, method: Method
                                              **method.options()))
     if isinstance(method, TorchHookMethod):
         return _torch_hook_ddp(raw, info, method, bucket_cap_mb)
+    if isinstance(method, SnooMethod):
+        from gradzip.train.snoo import NesterovOuterStep
+
+        ddp = parallelize(raw, info, parallel=parallel, method=method.step_method,
+                          bucket_cap_mb=bucket_cap_mb, seed=seed, diagnose=diagnose,
+                          nonfinite=nonfinite, capture=capture, node_size=node_size,
+                          hierarchical=hierarchical)
+        return OuterStepped(cast(DataParallel, ddp), NesterovOuterStep(
+            raw, sync_every=method.sync_every, lr=method.lr, momentum=method.momentum))
     if parallel == "ddp":
         model = apply_ddp(raw, info, bucket_cap_mb=bucket_cap_mb)
         nodes = ranks_per_node(info, node_size) if hierarchical else 0
