@@ -91,6 +91,19 @@ def test_sparseloco_is_diloco_with_its_outer_step_and_codec_spelled_out() -> Non
     assert dense.sync_every == 15
 
 
+def test_fragments_may_each_have_their_own_codec() -> None:
+    m = parse_method("diloco(sync_every=8, fragments=2) | int8 / centroid(bits=4)")
+    assert isinstance(m, LocalUpdateMethod)
+    assert [str(c) for c in m.per_fragment] == ["int8", "centroid(bits=4)"]
+    assert str(m) == ("diloco(sync_every=8, lr=0.7, momentum=0.9, fragments=2) | int8 / "
+                      "centroid(bits=4)")
+    assert [str(c) for c in m.options()["codec"]] == ["int8", "centroid(bits=4)"]
+    assert [str(c) for c in m.codecs] == ["int8", "centroid(bits=4)"]
+    assert m.to_json()["codec"][1] == Codec.from_spec("centroid(bits=4)").to_json()
+    with pytest.raises(ValueError, match="3 codecs separated by ' / ' for 2 fragment"):
+        parse_method("diloco(fragments=2) | int8 / fp16 / none")
+
+
 def test_snoo_is_ddp_with_an_outer_step() -> None:
     m = parse_method("snoo(sync_every=16) | fp16")
     assert isinstance(m, SnooMethod)
@@ -105,6 +118,7 @@ def test_snoo_is_ddp_with_an_outer_step() -> None:
     "sparseloco", "sparseloco(sync_every=10, density=0.05, ef_decay=0.9)",
     "snoo(sync_every=8, lr=0.5, momentum=0.5)", "snoo | int8",
     "diloco(sync_every=8, overlap=2, alpha=0.5) | centroid(bits=4)",
+    "diloco(sync_every=8, fragments=2) | int8 / none",
 ])
 def test_train_flags_run_the_method_they_came_from(text: str) -> None:
     """compare runs a method through ``gradzip train``'s flags: parsed back from them

@@ -4,6 +4,7 @@ synchronous SGD, state survives a checkpoint exactly, bytes are counted, bad opt
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -130,12 +131,12 @@ def test_fragments_are_consecutive_blocks_with_the_outer_parameters_nearest() ->
 
 
 class _Blocks(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 8) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.inp = nn.Linear(8, 8)
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
-        self.out = nn.Linear(8, 1)
+        self.inp = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+        self.out = nn.Linear(width, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
@@ -173,18 +174,18 @@ def test_fragments_are_synchronized_on_their_staggered_schedule() -> None:
     assert run_ranks(_fragment_schedule, 2)[1] == expected  # rank 1 against rank 0's
 
 
-def _fragment_resume(rank: int) -> bool:
+def _fragment_resume(rank: int, codec: Any = "ef | int8") -> bool:
     whole = _Blocks()
-    w_outer = DiLoCo(whole, sync_every=4, codec="ef | int8", fragments=2)
+    w_outer = DiLoCo(whole, sync_every=4, codec=codec, fragments=2)
     w_opt = torch.optim.AdamW(whole.parameters(), lr=1e-2)
     _train(rank, range(9), whole, w_outer, w_opt)
     first = _Blocks()
-    f_outer = DiLoCo(first, sync_every=4, codec="ef | int8", fragments=2)
+    f_outer = DiLoCo(first, sync_every=4, codec=codec, fragments=2)
     f_opt = torch.optim.AdamW(first.parameters(), lr=1e-2)
     _train(rank, range(3), first, f_outer, f_opt)  # after fragment 1's sync, before fragment 0's
     saved = (copy.deepcopy(f_outer.state_dict()), copy.deepcopy(f_opt.state_dict()))
     second = _Blocks()
-    s_outer = DiLoCo(second, sync_every=4, codec="ef | int8", fragments=2)
+    s_outer = DiLoCo(second, sync_every=4, codec=codec, fragments=2)
     s_opt = torch.optim.AdamW(second.parameters(), lr=1e-2)
     s_outer.load_state_dict(saved[0])
     s_opt.load_state_dict(saved[1])
@@ -195,8 +196,31 @@ def _fragment_resume(rank: int) -> bool:
                                                  strict=True))
 
 
-def test_fragment_state_survives_a_checkpoint_exactly() -> None:
-    assert all(run_ranks(_fragment_resume, 2))
+@pytest.mark.parametrize("codec", ["ef | int8", ["ef | int8", "ef | centroid(bits=4)"]])
+def test_fragment_state_survives_a_checkpoint_exactly(codec: Any) -> None:
+    """One codec for both fragments (its state keyed by fragment), or one each."""
+    assert all(run_ranks(_fragment_resume, 2, codec))
+
+
+def _codec_per_fragment(rank: int) -> tuple[float, float]:
+    model = _Blocks(width=128)  # large enough that gloo's framing is a small share
+    outer = DiLoCo(model, sync_every=2, codec=["int8", "none"], fragments=2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    sent = []
+    for step in range(2):  # fragment 1 (fp32) syncs after inner step 1, fragment 0 at 2
+        before = outer.stats.totals()["bytes_wire"]
+        _train(rank, range(step, step + 1), model, outer, opt)
+        outer.stats.end_step()
+        sent.append(outer.stats.totals()["bytes_wire"] - before)
+    numels = [sum(outer.params[i].numel() for i in idx) for idx in outer.fragments]
+    return sent[0] / numels[1], sent[1] / numels[0]
+
+
+def test_each_fragment_crosses_the_link_through_its_own_codec() -> None:
+    for fp32, int8 in run_ranks(_codec_per_fragment, 2):
+        # link bytes per value: an fp32 all-reduce (4 at 2 ranks, plus gloo's framing),
+        # then int8's (1, plus its scales, a second round and framing)
+        assert 4 <= fp32 < 4.5 and int8 < 1.5, (fp32, int8)
 
 
 def test_overlap_must_land_before_the_next_exchange() -> None:

@@ -53,6 +53,8 @@ LOCAL_KEYS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "overlap": ("overlap_steps", int, "--overlap-steps"),
     "alpha": ("alpha", float, "--outer-alpha"),
 }
+#: separates the codecs of a method's fragments: ``diloco(fragments=2) | int8 / fp16``
+FRAGMENT_SEPARATOR = " / "
 #: ``sparseloco(...)`` keys that build its codec -> type (without an explicit ``| CODEC``)
 SPARSELOCO_KEYS: dict[str, Callable[[str], Any]] = {
     "k": int, "density": float, "chunk": int, "bits": int, "ef_decay": float}
@@ -178,6 +180,9 @@ class LocalUpdateMethod:
     overlap_steps: int = 0
     #: the pseudo-gradients' codec; None: the fp32 all-reduce
     codec: CodecMethod | None = None
+    #: one codec per fragment (``int8 / centroid(bits=4)``: fragment 0's, then 1's, ...);
+    #: empty: ``codec`` for every fragment
+    per_fragment: tuple[CodecMethod | None, ...] = ()
     #: Streaming DiLoCo's mixing after an outer step: weights <- alpha * local + (1 -
     #: alpha) * synchronized; None: the synchronized weights plus the local change since
     #: the exchange began (all of it: the same as alpha = 0 without overlap)
@@ -187,6 +192,17 @@ class LocalUpdateMethod:
     def __post_init__(self) -> None:
         check_options(self.sync_every, self.lr, self.momentum, self.outer, self.fragments,
                       self.overlap_steps, self.alpha)
+        if self.per_fragment and len(self.per_fragment) != self.fragments:
+            raise ValueError(f"{len(self.per_fragment)} codecs separated by ' / ' for "
+                             f"{self.fragments} fragment(s): give one per fragment")
+
+    @property
+    def codec_text(self) -> str:
+        """The pseudo-gradients' codec as ``--outer-codec`` takes it (``none``: fp32)."""
+        if self.per_fragment:
+            return FRAGMENT_SEPARATOR.join(str(c) if c is not None else "none"
+                                           for c in self.per_fragment)
+        return str(self.codec) if self.codec is not None else "none"
 
     def __str__(self) -> str:
         params = [f"sync_every={self.sync_every}"]
@@ -199,17 +215,21 @@ class LocalUpdateMethod:
         if self.alpha is not None:
             params.append(f"alpha={self.alpha:g}")
         name = f"{self.outer}({', '.join(params)})"
-        return name if self.codec is None else f"{name} | {self.codec}"
+        return name if self.codec_text == "none" else f"{name} | {self.codec_text}"
 
     @property
     def codecs(self) -> list[Codec]:
-        return self.codec.codecs if self.codec is not None else []
+        every = self.per_fragment or (self.codec,)
+        return [c for m in every if m is not None for c in m.codecs]
 
     def to_json(self) -> dict[str, Any]:
+        def one(c: CodecMethod | None) -> Any:
+            return c.to_json() if c is not None else None
+
+        codec = [one(c) for c in self.per_fragment] if self.per_fragment else one(self.codec)
         return {"outer": self.outer, "sync_every": self.sync_every, "lr": self.lr,
                 "momentum": self.momentum, "fragments": self.fragments,
-                "overlap_steps": self.overlap_steps, "alpha": self.alpha,
-                "codec": self.codec.to_json() if self.codec is not None else None}
+                "overlap_steps": self.overlap_steps, "alpha": self.alpha, "codec": codec}
 
     def check(self, *, parallel: str, blocks: int | None = None, **_: Any) -> None:
         if parallel != "ddp":
@@ -223,13 +243,14 @@ class LocalUpdateMethod:
         """``DiLoCo``'s keywords (``gradzip.comm.outer``)."""
         return {"sync_every": self.sync_every, "outer_lr": self.lr,
                 "outer_momentum": self.momentum, "outer": self.outer,
-                "codec": self.codecs[0] if self.codecs else None,
+                "codec": ([c.codecs[0] if c is not None else None for c in self.per_fragment]
+                          if self.per_fragment else
+                          self.codec.codecs[0] if self.codec is not None else None),
                 "fragments": self.fragments, "overlap_steps": self.overlap_steps,
                 "alpha": self.alpha}
 
     def train_flags(self) -> list[str]:
-        flags = ["--outer", self.outer, "--outer-codec",
-                 str(self.codec) if self.codec is not None else "none"]
+        flags = ["--outer", self.outer, "--outer-codec", self.codec_text]
         for attr, _, flag in LOCAL_KEYS.values():
             value = getattr(self, attr)
             if value is not None:
@@ -330,10 +351,20 @@ def _local(text: str) -> LocalUpdateMethod | SnooMethod | None:
                          f"({', '.join(sparse)}) or an explicit codec after '|', not both")
     if outer == "sparseloco" and not codec:
         spec = sparseloco_codec(**{**SPARSELOCO_CODEC, **sparse})
-    pseudo = None if spec == "none" else CodecMethod(Policy.parse(spec))
     if outer == "snoo":
-        return SnooMethod(codec=pseudo, **values)
-    return LocalUpdateMethod(outer=outer, codec=pseudo, **values)
+        return SnooMethod(codec=None if spec == "none" else CodecMethod(Policy.parse(spec)),
+                          **values)
+    pseudo, per_fragment = pseudo_codecs(spec)
+    return LocalUpdateMethod(outer=outer, codec=pseudo, per_fragment=per_fragment, **values)
+
+
+def pseudo_codecs(spec: str) -> tuple[CodecMethod | None, tuple[CodecMethod | None, ...]]:
+    """The pseudo-gradients' codec of ``spec`` (None: fp32), or one per fragment where
+    ``spec`` lists several separated by `` / `` (then the first is also the codec)."""
+    parts = [p.strip() for p in spec.split(FRAGMENT_SEPARATOR.strip())] \
+        if not spec.lstrip().startswith("{") else [spec.strip()]
+    codecs = tuple(None if p == "none" else CodecMethod(Policy.parse(p)) for p in parts)
+    return codecs[0], codecs if len(codecs) > 1 else ()
 
 
 def _local_params(text: str, outer: str, params: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -368,9 +399,9 @@ def local_method(outer: str, *, sync_every: int, lr: float, momentum: float,
                  fragments: int, overlap_steps: int, codec: str,
                  alpha: float | None = None) -> LocalUpdateMethod:
     """The local-update method of ``gradzip train``'s --outer flags."""
-    pseudo = None if codec.strip() == "none" else CodecMethod(Policy.parse(codec))
+    pseudo, per_fragment = pseudo_codecs(codec)
     return LocalUpdateMethod(outer, sync_every, lr, momentum, fragments, overlap_steps,
-                             pseudo, alpha)
+                             pseudo, per_fragment, alpha)
 
 
 def every_codec(methods: Iterable[Method]) -> list[Codec]:

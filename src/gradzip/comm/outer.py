@@ -8,7 +8,8 @@ outer SGD step with Nesterov momentum; the new anchor becomes every rank's weigh
 momentum), the control without the outer optimizer.
 
 The pseudo-gradient crosses the link through a gradzip codec (``codec="int8"``,
-``"ef | topk(ratio=0.01)"``, ...; ``None``: the fp32 all-reduce) and its own reduction
+``"ef | topk(ratio=0.01)"``, ...; ``None``: the fp32 all-reduce; a list: one codec per
+fragment) and its own reduction
 (``Reducer.reduce_mean`` on gradzip's private group), so link bytes are counted in
 ``CommStats`` exactly as for the hooks; error feedback and other codec state stay per
 rank and are checkpointed. The model is not wrapped by DDP: nothing is communicated on
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -71,7 +72,8 @@ class DiLoCo:
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer | None = None,
                  *, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True,
-                 codec: str | Codec | None = None, outer: str = "diloco",
+                 codec: str | Codec | None | Sequence[str | Codec | None] = None,
+                 outer: str = "diloco",
                  process_group: dist.ProcessGroup | None = None, seed: int = 0,
                  nonfinite: str = "error", fragments: int = 1,
                  overlap_steps: int = 0, alpha: float | None = None) -> None:
@@ -94,9 +96,15 @@ class DiLoCo:
         self.optimizers = [
             torch.optim.SGD([self.anchor[i] for i in idx], lr=lr, momentum=momentum,
                             nesterov=nesterov and momentum > 0) for idx in self.fragments]
-        self.codec = build_codec(codec or "none", seed=seed, nonfinite=nonfinite)
         self.stats = CommStats()
-        self.reducer = Reducer(self.codec, self.stats)
+        specs: list[Any] = list(codec) if isinstance(codec, list | tuple) else [codec]
+        if len(specs) not in (1, fragments):
+            raise ValueError(f"{len(specs)} codecs for {fragments} fragments: give one, or "
+                             "one per fragment")
+        #: one codec for every fragment (its state keyed by fragment), or one each
+        self.codecs = [build_codec(c or "none", seed=seed, nonfinite=nonfinite)
+                       for c in specs]
+        self.reducers = [Reducer(c, self.stats) for c in self.codecs]
         self.inner_steps = 0
         self.syncs = 0  # since the run began (restored on resume)
         self.syncs_here = 0  # by this process: what ``stats`` covers
@@ -157,7 +165,8 @@ class DiLoCo:
         """The ranks' mean pseudo-gradient of the fragment, through the codec."""
         key = "pseudo_gradient" if len(self.fragments) == 1 else f"pseudo_gradient.{fragment}"
         shapes = [p.shape for p in self._params(fragment)[1]]
-        return self.reducer.reduce_mean(pseudo, key, self.comm, shapes=shapes)
+        reducer = self.reducers[fragment if len(self.reducers) > 1 else 0]
+        return reducer.reduce_mean(pseudo, key, self.comm, shapes=shapes)
 
     @torch.no_grad()
     def _outer_step(self, fragment: int, mean: torch.Tensor,
@@ -221,7 +230,13 @@ class DiLoCo:
                 "local": [p.detach().clone() for p in self.params],
                 "anchor": [a.clone() for a in self.anchor], "fragments": len(self.fragments),
                 "optimizers": [o.state_dict() for o in self.optimizers],
-                "codec": self.codec.state_dict()}
+                **self._codec_states()}
+
+    def _codec_states(self) -> dict[str, Any]:
+        """``codec``: the one codec's state; ``codecs``: each fragment's."""
+        if len(self.codecs) == 1:
+            return {"codec": self.codecs[0].state_dict()}
+        return {"codecs": [c.state_dict() for c in self.codecs]}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("kind") != "diloco":
@@ -240,7 +255,12 @@ class DiLoCo:
                 p.copy_(saved)
         for opt, state in zip(self.optimizers, states, strict=True):
             opt.load_state_dict(state)
-        self.codec.load_state_dict(sd["codec"])
+        states = sd["codecs"] if "codecs" in sd else [sd["codec"]]
+        if len(states) != len(self.codecs):
+            raise ValueError(f"the checkpoint has {len(states)} pseudo-gradient codec(s), this "
+                             f"run {len(self.codecs)}: resume with the same --outer-codec")
+        for c, state in zip(self.codecs, states, strict=True):
+            c.load_state_dict(state)
         self.inner_steps, self.syncs = int(sd["inner_steps"]), int(sd["syncs"])
         if sd.get("pending") and self._pool is None:
             raise ValueError("the checkpoint has exchanges in flight (--overlap-steps): "

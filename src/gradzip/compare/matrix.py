@@ -80,7 +80,7 @@ _LONG_METHODS = ("torch:none", "torch:fp16", "int8", "ef | powersgd(rank=4)",
                  "ef | topk(ratio=0.01)", "diloco(sync_every=32) | int8")
 # The low-bandwidth frontier (docs/benchmarks/frontier.md): SparseLoCo, DiLoCo with 4-bit
 # outer gradients, and SNOO (16-bit DDP plus DiLoCo's outer step): the matched baseline
-_FRONTIER_METHODS = ("sparseloco", "diloco(sync_every=32) | centroid(bits=4)",
+_FRONTIER_METHODS = ("sparseloco", "diloco(sync_every=32) | centroid(bits=4) | ans",
                      "snoo(sync_every=32) | fp16")
 
 PRESETS: dict[str, Preset] = {

@@ -315,10 +315,30 @@ def render(summaries: list[SettingSummary], out: Path,
                        else latency_s)
     if projection is not None:
         parts.append(sweep_section(projection, out))
+    parts += frontier_sections(summaries, projection, out)
     parts.append(recommendation(summaries, projection))
     path = out / "report.md"
     path.write_text("\n\n".join(parts) + "\n", encoding="utf-8")
     return path
+
+
+def frontier_sections(summaries: list[SettingSummary], projection: Any,
+                      out: Path) -> list[str]:
+    """The low-bandwidth frontier (``compare.frontier``) of every setting that ran a
+    local-update method or SNOO; times to target where ``projection`` was fitted there."""
+    from gradzip.compare.frontier import frontier, has_frontier
+    from gradzip.compare.frontier_report import frontier_section
+
+    parts = []
+    for s in summaries:
+        if not has_frontier(s):
+            continue
+        here = projection if projection is not None and projection.fitted == s.setting \
+            else None
+        bound = {c.method for c in here.curves if any(f.link_bound for f in c.fits)} \
+            if here else set()
+        parts.append(frontier_section(frontier(s, here), out, bound))
+    return parts
 
 
 def recommendation(summaries: list[SettingSummary], projection: Any) -> str:

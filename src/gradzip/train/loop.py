@@ -551,7 +551,7 @@ def _outer_summary(par: Any, method: Method) -> dict[str, Any] | None:
     outer, totals = par.handle, par.handle.stats.totals()
     here = outer.syncs_here  # the byte totals cover this process's syncs
     return {"kind": method.outer, "sync_every": method.sync_every,
-            "codec": str(method.codec) if method.codec is not None else "none",
+            "codec": method.codec_text,
             "fragments": method.fragments, "overlap_steps": method.overlap_steps,
             "syncs": outer.syncs,
             "bytes_wire_per_sync": totals["bytes_wire"] / here if here else None}

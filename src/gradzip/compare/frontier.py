@@ -1,0 +1,206 @@
+"""The low-bandwidth frontier: local-update methods against a matched baseline.
+
+For a setting whose runs include local-update methods (``diloco``, ``sparseloco``) or
+SNOO, one table row per method over its seeds:
+
+- link bytes per token, and how many times fewer than a 16-bit DDP all-reduce of the
+  same gradients sends every step (the per-step baseline's fp32 all-reduce link model,
+  halved: what ``torch:bf16`` sends on NCCL);
+- for sparsifiers, payload bits per kept value for indices and values;
+- final validation loss, and its change against DDP (the setting's baseline) and
+  against SNOO (DDP plus DiLoCo's outer step), seed by seed;
+- the time to the baseline's final loss x 1.01 at 100 Mbit/s and 1 Gbit/s from the
+  race's bandwidth model (``sweep.py``; real links, no token-bucket credit).
+
+**The gap against length.** A method's gap to DDP at step ``s`` is its loss over DDP's
+at the same step, minus 1, seed by seed, averaged. From step ``FIT_FROM`` on, where the
+gap is positive, ``gap = a * s ** b`` is fitted by least squares on logarithms; with
+``b < 0`` the gap would reach ``CLOSED`` (1%) at ``(CLOSED / a) ** (1 / b)`` steps: a
+projection from this run's horizon, not a measurement.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from gradzip.compare.runs import Run
+from gradzip.compare.summary import GRAD_BYTES, MethodSummary, SettingSummary, Stat
+from gradzip.compare.sweep import Sweep
+
+#: the steps the table of gaps reports
+GAP_STEPS = (300, 1000, 2000)
+#: the fit of the gap uses evaluations from this step on (earlier ones are warm-up)
+FIT_FROM = 300
+#: the gap the projection asks for: within 1% of DDP
+CLOSED = 0.01
+#: rates of the time-to-target columns, bits/s
+FRONTIER_RATES = (100e6, 1e9)
+#: method kinds of the frontier (``gradzip.comm.method``)
+LOCAL_KINDS = ("local", "snoo")
+
+
+def method_kind(name: str) -> str:
+    """``codec``, ``torch``, ``local`` or ``snoo`` (``unknown`` if it does not parse)."""
+    from gradzip.comm.method import parse_method
+
+    try:
+        return str(parse_method(name).kind)
+    except ValueError:
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class GapFit:
+    """``gap = a * steps ** b`` over the evaluations from ``FIT_FROM`` on."""
+
+    a: float
+    b: float
+    points: int
+
+    def at(self, steps: float) -> float:
+        return self.a * steps ** self.b
+
+    @property
+    def closes_at(self) -> float | None:
+        """Steps at which the fitted gap reaches ``CLOSED``; None if it does not shrink."""
+        if self.b >= 0:
+            return None
+        return (CLOSED / self.a) ** (1 / self.b) if self.a > CLOSED else None
+
+
+@dataclass
+class Gap:
+    """One method's gap to DDP against training length."""
+
+    method: str
+    #: (step, mean gap over the seeds evaluated at that step in both)
+    curve: list[tuple[float, float]]
+    fit: GapFit | None
+
+    def at(self, step: float) -> float | None:
+        return next((g for s, g in self.curve if s == step), None)
+
+
+@dataclass
+class FrontierRow:
+    method: str
+    kind: str
+    seeds: int
+    bytes_per_token: float | None
+    vs_16bit: float | None
+    bits_per_kept: dict[str, float] | None
+    val_loss: Stat | None
+    vs_ddp_pct: float | None
+    vs_snoo_pct: float | None
+    #: rate -> modelled seconds to the target (None: no seed reached it)
+    time_to_target: dict[float, float | None] = field(default_factory=dict)
+    reached: int = 0
+
+
+@dataclass
+class Frontier:
+    setting: SettingSummary
+    rows: list[FrontierRow]
+    snoo: str | None
+    gaps: list[Gap]
+
+    @property
+    def baseline(self) -> str | None:
+        return self.setting.baseline
+
+
+def has_frontier(summary: SettingSummary) -> bool:
+    """Whether the setting ran a local-update method or SNOO next to a baseline."""
+    return summary.baseline is not None and any(
+        method_kind(m.method) in LOCAL_KINDS for m in summary.methods)
+
+
+def frontier(summary: SettingSummary, projection: Sweep | None) -> Frontier:
+    """The frontier table and the gaps of one setting (``has_frontier``)."""
+    snoo = next((m.method for m in summary.methods if method_kind(m.method) == "snoo"),
+                None)
+    base = summary.method(summary.baseline) if summary.baseline else None
+    ref = summary.method(snoo) if snoo else None
+    rows = [_row(m, base, ref, projection) for m in summary.methods]
+    gaps = [gap(m, base) for m in summary.methods if base is not None and m is not base]
+    return Frontier(summary, rows, snoo, [g for g in gaps if g.curve])
+
+
+def _row(m: MethodSummary, base: MethodSummary | None, snoo: MethodSummary | None,
+         projection: Sweep | None) -> FrontierRow:
+    tokens = [t for r in m.runs if (t := r.num("global_batch_tokens"))]
+    per_token = m.wire_per_step / statistics.fmean(tokens) if tokens and m.wire_per_step \
+        else None
+    row = FrontierRow(m.method, method_kind(m.method), len(m.runs), per_token,
+                      vs_16bit(m, base), _bits_per_kept(m.runs), m.val_loss,
+                      paired_change(m.runs, base.runs) if base else None,
+                      paired_change(m.runs, snoo.runs) if snoo and snoo is not m else None)
+    curve = next((c for c in projection.curves if c.method == m.method), None) \
+        if projection else None
+    for bits in FRONTIER_RATES:
+        row.time_to_target[bits] = curve.at(bits) if curve else None
+    row.reached = curve.reached if curve else 0
+    return row
+
+
+def vs_16bit(m: MethodSummary, base: MethodSummary | None) -> float | None:
+    """How many times fewer link bytes per step than a 16-bit all-reduce of the model's
+    gradients every step: the per-step baseline's fp32 all-reduce (its link model,
+    ``bytes_raw``), halved. A local-update method's own ``bytes_raw`` is per
+    synchronization, so it is not the reference."""
+    ref = base.raw_per_step if base is not None and method_kind(base.method) in (
+        "torch", "codec") else None
+    if not ref or not m.wire_per_step:
+        return None
+    return ref * 2 / GRAD_BYTES / m.wire_per_step
+
+
+def _bits_per_kept(runs: list[Run]) -> dict[str, float] | None:
+    found = [b for r in runs if isinstance(b := r.record.get("bits_per_kept_value"), dict)]
+    if not found:
+        return None
+    return {k: statistics.fmean(float(b[k]) for b in found) for k in ("indices", "values")}
+
+
+def paired_change(runs: list[Run], reference: list[Run]) -> float | None:
+    """Mean over the seeds both ran of final val loss / the reference's - 1, in %."""
+    ref = {r.seed: loss for r in reference if (loss := r.num("val_loss")) is not None}
+    changes = [loss / ref[r.seed] - 1 for r in runs
+               if (loss := r.num("val_loss")) is not None and r.seed in ref]
+    return 100 * statistics.fmean(changes) if changes else None
+
+
+def gap(m: MethodSummary, base: MethodSummary) -> Gap:
+    """``m``'s gap to ``base`` at every step both evaluated, over their common seeds."""
+    ref = {r.seed: {s: loss for s, _, loss in r.history()} for r in base.runs}
+    by_step: dict[float, list[float]] = {}
+    for r in m.runs:
+        theirs = ref.get(r.seed, {})
+        for s, _, loss in r.history():
+            if s in theirs:
+                by_step.setdefault(s, []).append(loss / theirs[s] - 1)
+    seeds = len(m.runs)
+    curve = sorted((s, statistics.fmean(g)) for s, g in by_step.items() if len(g) == seeds)
+    return Gap(m.method, curve, fit_gap(curve))
+
+
+def fit_gap(curve: list[tuple[float, float]]) -> GapFit | None:
+    """Least squares of log gap on log steps, from ``FIT_FROM`` on where the gap is
+    positive; None with fewer than 3 such points."""
+    pts = [(math.log(s), math.log(g)) for s, g in curve if s >= FIT_FROM and g > 0]
+    if len(pts) < 3:
+        return None
+    mx = statistics.fmean(x for x, _ in pts)
+    my = statistics.fmean(y for _, y in pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    if sxx == 0:
+        return None
+    b = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    return GapFit(math.exp(my - b * mx), b, len(pts))
+
+
+__all__ = ["CLOSED", "FIT_FROM", "FRONTIER_RATES", "GAP_STEPS", "Frontier", "FrontierRow",
+           "Gap", "GapFit", "fit_gap", "frontier", "gap", "has_frontier", "method_kind",
+           "paired_change"]
