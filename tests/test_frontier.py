@@ -98,3 +98,37 @@ def test_the_report_has_the_frontier_section_and_its_figure(tmp_path: Path) -> N
     assert "~40,000 steps (projected)" in text
     assert "not reached" in text  # sparseloco never reaches DDP x 1.01 in this horizon
     assert (tmp_path / "gap_100mbit-2r-shared.png").stat().st_size > 10_000
+
+
+def _length_records(steps: int) -> list[dict[str, Any]]:
+    """Runs of ``steps`` whose final gap follows 3.0 * steps ** -0.5 (sparseloco) and
+    stays at -1% (snoo)."""
+    out = []
+    for method in ("torch:none", "sparseloco", "snoo(sync_every=32) | fp16"):
+        for seed in (0, 1):
+            rec = record(method, seed)
+            gap = {"torch:none": 0.0, "sparseloco": 3.0 * steps ** -0.5}.get(method, -0.01)
+            rec["steps"], rec["val_loss"] = steps, ddp_loss(steps, seed) * (1 + gap)
+            rec["eval_history"] = [h for h in rec["eval_history"] if h["step"] <= steps]
+            out.append(rec)
+    return out
+
+
+def test_by_length_fits_the_final_gap_of_runs_of_several_lengths(tmp_path: Path) -> None:
+    import json
+
+    from gradzip.cli import main
+
+    files = []
+    for steps in (300, 1000, 2000, 4000):
+        path = tmp_path / f"len{steps}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in _length_records(steps)))
+        files.append(str(path))
+    assert main(["report", "--by-length", *files, "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "lengths.md").read_text()
+    # 3 / sqrt(steps) reaches 1% at (3 / 0.01) ** 2 = 90,000 steps
+    assert "| sparseloco | +17.32% | +9.49% | +6.71% | +4.74% | 3·s^-0.500 | " \
+        "~90,000 steps (projected) |" in text
+    assert "within 1% at 4,000 steps (measured)" in text  # snoo: never behind
+    assert (tmp_path / "out" / "gap_length.png").stat().st_size > 10_000
+    assert main(["report", "--by-length", files[0], "--out", str(tmp_path / "o")]) == 2

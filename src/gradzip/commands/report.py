@@ -8,8 +8,12 @@ baseline (torch:none, else none), the loss at a fixed time budget, the time to r
 the baseline's final loss x 1.01 and the speed-up against the baseline and
 torch:powersgd -- then validation loss against time and steps, the Pareto front of
 compression against loss, and the step-time breakdown. The same tables are printed.
-With shaped runs, a last section projects time to target from 10 Mbit/s to 100 Gbit/s
+With shaped runs, a section projects time to target from 10 Mbit/s to 100 Gbit/s
 (validated against the other shaped rates) with each method's break-even bandwidth.
+Where local-update methods or SNOO ran, a frontier section compares them with DDP and
+SNOO and fits each method's gap to DDP against training length. With --by-length, each
+results file is one run length (compare --steps N) and OUT/lengths.md fits the final gap
+against the length.
 
 Records without a "compare" object are grouped by their codec and seed, as runs on an
 unshaped loopback. A run directory may be given instead of its results.jsonl.
@@ -40,6 +44,10 @@ def register(sub: Any) -> None:
     from gradzip.commands.compare import add_sweep_options
 
     add_sweep_options(p)
+    p.add_argument("--by-length", action="store_true",
+                   help="each results file is one run length (compare --steps N): write "
+                        "OUT/lengths.md, each method's final gap to DDP against the length, "
+                        "with a fitted trend and the length at which it would reach 1%%")
     p.add_argument("--quiet", action="store_true", help="do not print the tables")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     p.set_defaults(func=run)
@@ -55,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.latency_us >= 0:
         raise ValueError(f"--latency-us must be >= 0, got {args.latency_us}")
     paths = [Path(p) for p in args.results]
+    if args.by_length:
+        return _by_length(paths, Path(args.out), args.budget_s)
     records, where = read_results(paths)
     summaries = summarize(records, args.budget_s, where)
     report = render(summaries, Path(args.out), [str(p) for p in paths],
@@ -62,4 +72,25 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         print_tables(summaries)
     print(f"report written to {report}")
+    return 0
+
+
+def _by_length(paths: list[Path], out: Path, budget_s: float | None) -> int:
+    """``--by-length``: one summary per results file (one length each)."""
+    from gradzip.compare.frontier_report import length_report
+    from gradzip.compare.runs import read_results
+    from gradzip.compare.summary import summarize
+
+    if len(paths) < 2:
+        raise ValueError("--by-length compares runs of several lengths: give one results "
+                         "file per length (two or more)")
+    summaries = []
+    for path in paths:
+        records, where = read_results([path])
+        found = summarize(records, budget_s, where)
+        if len(found) != 1:
+            raise ValueError(f"{path}: --by-length needs one link setting per results "
+                             f"file, found {len(found)}")
+        summaries += found
+    print(f"report written to {length_report(summaries, out, [str(p) for p in paths])}")
     return 0

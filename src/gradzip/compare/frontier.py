@@ -189,7 +189,12 @@ def gap(m: MethodSummary, base: MethodSummary) -> Gap:
 def fit_gap(curve: list[tuple[float, float]]) -> GapFit | None:
     """Least squares of log gap on log steps, from ``FIT_FROM`` on where the gap is
     positive; None with fewer than 3 such points."""
-    pts = [(math.log(s), math.log(g)) for s, g in curve if s >= FIT_FROM and g > 0]
+    return _least_squares([(math.log(s), math.log(g)) for s, g in curve
+                           if s >= FIT_FROM and g > 0])
+
+
+def _least_squares(pts: list[tuple[float, float]]) -> GapFit | None:
+    """``log gap = log a + b log steps`` by least squares; None with under 3 points."""
     if len(pts) < 3:
         return None
     mx = statistics.fmean(x for x, _ in pts)
@@ -201,6 +206,47 @@ def fit_gap(curve: list[tuple[float, float]]) -> GapFit | None:
     return GapFit(math.exp(my - b * mx), b, len(pts))
 
 
+@dataclass
+class LengthGap:
+    """One method's final gap to DDP in runs of several lengths (each run with its own
+    learning-rate schedule), and ``gap = a * steps ** b`` fitted over them."""
+
+    method: str
+    #: (steps, final loss over the baseline's, seed by seed, averaged, minus 1)
+    points: list[tuple[float, float]]
+    fit: GapFit | None
+
+
+def run_length(summary: SettingSummary) -> float | None:
+    """The steps the setting's baseline runs trained (one length per results file)."""
+    if summary.baseline is None:
+        return None
+    steps = [s for r in summary.method(summary.baseline).runs if (s := r.num("steps"))]
+    return max(steps) if steps else None
+
+
+def gaps_by_length(summaries: list[SettingSummary]) -> list[LengthGap]:
+    """Each method's final gap at each length (a summary per length: the runs of one
+    ``--steps``), in the order methods first appear; fitted where 3 or more lengths
+    leave it behind DDP."""
+    points: dict[str, list[tuple[float, float]]] = {}
+    for s in summaries:
+        steps = run_length(s)
+        if steps is None:
+            continue
+        base = s.method(s.baseline) if s.baseline else None
+        for m in s.methods:
+            change = paired_change(m.runs, base.runs) if base and m is not base else None
+            if change is not None:
+                points.setdefault(m.method, []).append((steps, change / 100))
+    out = []
+    for method, pts in points.items():
+        pts.sort()
+        positive = [(math.log(x), math.log(g)) for x, g in pts if g > 0]
+        out.append(LengthGap(method, pts, _least_squares(positive)))
+    return out
+
+
 __all__ = ["CLOSED", "FIT_FROM", "FRONTIER_RATES", "GAP_STEPS", "Frontier", "FrontierRow",
-           "Gap", "GapFit", "fit_gap", "frontier", "gap", "has_frontier", "method_kind",
-           "paired_change"]
+           "Gap", "GapFit", "LengthGap", "fit_gap", "frontier", "gap", "gaps_by_length",
+           "has_frontier", "method_kind", "paired_change", "run_length"]

@@ -10,11 +10,15 @@ from gradzip.compare.frontier import (
     FIT_FROM,
     FRONTIER_RATES,
     GAP_STEPS,
+    LOCAL_KINDS,
     Frontier,
     FrontierRow,
     Gap,
+    LengthGap,
+    gaps_by_length,
 )
 from gradzip.compare.report import fmt_bytes, fmt_pct, fmt_ratio, fmt_stat, markdown_table
+from gradzip.compare.summary import SettingSummary
 from gradzip.compare.sweep import rate_label
 
 FRONTIER_HELP = """
@@ -88,17 +92,31 @@ def gap_rows(f: Frontier) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+def plotted_gaps(f: Frontier) -> list[Gap]:
+    """The figure's methods: local-update methods, SNOO and the per-step method with the
+    lowest final loss, each with every seed the setting ran (a one-seed probe stays in
+    the tables)."""
+    seeds = max(r.seeds for r in f.rows)
+    rows = {r.method: r for r in f.rows}
+    per_step = [r for r in f.rows if r.kind not in LOCAL_KINDS and r.method != f.baseline
+                and r.val_loss is not None and r.seeds == seeds]
+    best = min(per_step, key=lambda r: r.val_loss.mean if r.val_loss else 0.0, default=None)
+    return [g for g in f.gaps if rows[g.method].seeds == seeds
+            and (rows[g.method].kind in LOCAL_KINDS or (best and g.method == best.method))]
+
+
 def plot_gaps(f: Frontier, path: Path) -> Path | None:
     """The gap to DDP against steps, measured (solid) and fitted (dashed, extended to
-    where it would reach ``CLOSED``)."""
+    where it would reach ``CLOSED``), for ``plotted_gaps``."""
     from gradzip.compare.plots import figure, legend, method_colors, save
 
-    if not f.gaps:
+    gaps = plotted_gaps(f)
+    if not gaps:
         return None
-    fig, ax = figure()
+    fig, ax = figure(10.0, 4.8)  # room for long method names in the legend
     colors = method_colors([m.method for m in f.setting.methods])
-    last = max(g.curve[-1][0] for g in f.gaps)
-    for g in f.gaps:
+    last = max(g.curve[-1][0] for g in gaps)
+    for g in gaps:
         steps = [s for s, _ in g.curve]
         ax.plot(steps, [100 * v for _, v in g.curve], color=colors[g.method], lw=1.2,
                 label=g.method)
@@ -124,9 +142,89 @@ def frontier_section(f: Frontier, out: Path, bound: set[str]) -> str:
              "### The gap to DDP against length",
              f"Loss over {f.baseline}'s at the same step, seed by seed, averaged; fitted "
              f"from step {FIT_FROM} where positive. A projected length is an extrapolation "
-             "of this horizon's trend, not a measurement.",
+             "of this horizon's trend, not a measurement. The figure shows the "
+             "local-update methods, SNOO and the per-step method of lowest final loss "
+             "that ran every seed.",
              markdown_table(*gap_rows(f))]
     png = plot_gaps(f, out / f"gap_{f.setting.setting.slug()}.png")
     if png is not None:
         parts.append(f"![gap to DDP against length]({png.name})")
     return "\n\n".join(parts)
+
+
+def _length_closes(g: LengthGap) -> str:
+    last = g.points[-1]
+    if last[1] <= CLOSED:
+        return f"within {CLOSED:.0%} at {last[0]:,.0f} steps (measured)"
+    at = g.fit.closes_at if g.fit else None
+    if g.fit is None:
+        return "fewer than 3 lengths behind DDP: no fit"
+    if at is None:
+        return "does not close (the fitted gap does not shrink)"
+    return f"~{at:,.0f} steps (projected)" if at < 1e6 else f"~{at:.1e} steps (projected)"
+
+
+def length_rows(gaps: list[LengthGap]) -> tuple[list[str], list[list[str]]]:
+    lengths = sorted({s for g in gaps for s, _ in g.points})
+    head = ["method", *(f"{s:,.0f} steps" for s in lengths), "fit: a·steps^b",
+            f"reaches {CLOSED:.0%}"]
+    rows = []
+    for g in gaps:
+        at = dict(g.points)
+        behind = g.points[-1][1] > CLOSED
+        fit = f"{g.fit.a:.3g}·s^{g.fit.b:.3f}" if g.fit and behind else "-"
+        rows.append([g.method, *(fmt_pct(100 * at[s]) if s in at else "-" for s in lengths),
+                     fit, _length_closes(g)])
+    return head, rows
+
+
+def plot_length_gaps(gaps: list[LengthGap], baseline: str, path: Path) -> Path | None:
+    """Final gap to DDP against run length (markers), fits dashed to where they would
+    reach ``CLOSED`` (at most 100x the longest run)."""
+    from gradzip.compare.plots import figure, legend, method_colors, save
+
+    if not gaps:
+        return None
+    fig, ax = figure(10.0, 4.8)  # room for long method names in the legend
+    colors = method_colors([g.method for g in gaps])
+    last = max(s for g in gaps for s, _ in g.points)
+    first = min(s for g in gaps for s, _ in g.points)
+    for g in gaps:
+        xs, ys = zip(*g.points, strict=True)
+        ax.plot(xs, [100 * y for y in ys], marker="o", color=colors[g.method], lw=1.0,
+                label=g.method)
+        if g.fit is not None and g.points[-1][1] > CLOSED:
+            end = min(max(g.fit.closes_at or last, last), 100 * last)
+            fx = [first * (end / first) ** (i / 60) for i in range(61)]
+            ax.plot(fx, [100 * g.fit.at(x) for x in fx], color=colors[g.method], lw=0.9,
+                    ls="--")
+    ax.axhline(100 * CLOSED, color="grey", lw=0.8, ls=":", label=f"{CLOSED:.0%} of DDP")
+    ax.axhline(0, color="black", lw=0.6)
+    ax.set_xscale("log")
+    ax.set_xlabel("run length (optimizer steps, each with its own schedule)")
+    ax.set_ylabel(f"final val loss vs {baseline} (%)")
+    ax.set_title("Gap to DDP against run length (fits dashed)", fontsize=9)
+    legend(ax)
+    return save(fig, path)
+
+
+def length_report(summaries: list[SettingSummary], out: Path,
+                  sources: list[str]) -> Path:
+    """``out/lengths.md`` and its figure: the final gap to DDP of runs of several lengths,
+    one results file per length (``gradzip report --by-length``)."""
+    gaps = gaps_by_length(summaries)
+    baseline = next((s.baseline for s in summaries if s.baseline), "DDP")
+    out.mkdir(parents=True, exist_ok=True)
+    parts = ["# The gap to DDP against run length",
+             "From " + ", ".join(f"`{s}`" for s in sources) + ": one results file per "
+             f"length. Each method's final validation loss over {baseline}'s, seed by seed, "
+             "averaged; `a·steps^b` is fitted by least squares on logarithms over the "
+             f"lengths where the gap is positive, and the length at which it reaches "
+             f"{CLOSED:.0%} is an extrapolation of that trend, not a measurement.",
+             markdown_table(*length_rows(gaps))]
+    png = plot_length_gaps(gaps, baseline or "DDP", out / "gap_length.png")
+    if png is not None:
+        parts.append(f"![gap to DDP against run length]({png.name})")
+    path = out / "lengths.md"
+    path.write_text("\n\n".join(parts) + "\n", encoding="utf-8")
+    return path

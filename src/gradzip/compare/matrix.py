@@ -79,8 +79,13 @@ _LONG_SMALL = ("--model", "small", "--dataset", "stdlib", "--max-tokens", "33000
 _LONG_METHODS = ("torch:none", "torch:fp16", "int8", "ef | powersgd(rank=4)",
                  "ef | topk(ratio=0.01)", "diloco(sync_every=32) | int8")
 # The low-bandwidth frontier (docs/benchmarks/frontier.md): SparseLoCo, DiLoCo with 4-bit
-# outer gradients, and SNOO (16-bit DDP plus DiLoCo's outer step): the matched baseline
-_FRONTIER_METHODS = ("sparseloco", "diloco(sync_every=32) | centroid(bits=4) | ans",
+# outer gradients, each also with Streaming DiLoCo's alpha-mixing (and DiLoCo with its
+# fragments and overlap), and SNOO (16-bit DDP plus DiLoCo's outer step): the matched
+# baseline
+_FRONTIER_METHODS = ("sparseloco", "sparseloco(alpha=0.5)",
+                     "diloco(sync_every=32) | centroid(bits=4) | ans",
+                     "diloco(sync_every=32, fragments=2, overlap=4, alpha=0.5) | "
+                     "centroid(bits=4) | ans",
                      "snoo(sync_every=32) | fp16")
 
 PRESETS: dict[str, Preset] = {
@@ -101,7 +106,7 @@ PRESETS: dict[str, Preset] = {
     "long": Preset(
         methods=_LONG_METHODS + _FRONTIER_METHODS, rates=("100mbit",), ranks=(2,), seeds=3,
         train=_LONG,
-        doc="tiny GPT for 2,000 steps on non-repeating tokens, 2 ranks, 100 Mbit/s, 9 "
+        doc="tiny GPT for 2,000 steps on non-repeating tokens, 2 ranks, 100 Mbit/s, 11 "
             "methods (the frontier's SparseLoCo, 4-bit DiLoCo and SNOO included), 3 seeds "
             "(about 45 min on 2 cores)"),
     "long-small": Preset(
