@@ -199,3 +199,14 @@ def test_race_between_nodes_counts_each_uplink(tmp_path: Path) -> None:
         assert c["shaped"] and len(c["uplink_bytes"]["sent"]) == 2
         assert min(c["uplink_bytes"]["sent"]) > 0
         assert "uplink bytes/step (kernel)" in (out / "report.md").read_text()
+
+
+def test_the_frontier_race_runs_as_the_issue_writes_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``gradzip compare --preset long --methods "torch:fp16;sparseloco"``: both resolve
+    as their ``gradzip train`` runs would, 3 seeds each (the runs themselves are on
+    docs/benchmarks/frontier.md)."""
+    assert main(["compare", "--preset", "long", "--methods", "torch:fp16;sparseloco",
+                 "--dry-run", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("  ")[-1] for line in lines] == ["torch:fp16", "sparseloco"] * 3

@@ -77,6 +77,7 @@ def test_the_table_compares_seed_by_seed_against_ddp_and_snoo() -> None:
     assert sparse.vs_16bit == pytest.approx(280_000 / 200)
     assert sparse.bits_per_kept == {"indices": 8.0, "values": 2.5}
     assert rows["snoo(sync_every=32) | fp16"].vs_snoo_pct is None  # not against itself
+    assert sparse.time_to_target == {}  # no bandwidth model given: no time column
 
 
 def test_the_gap_law_is_recovered_and_projected_to_one_percent() -> None:

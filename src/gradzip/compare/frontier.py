@@ -94,7 +94,8 @@ class FrontierRow:
     val_loss: Stat | None
     vs_ddp_pct: float | None
     vs_snoo_pct: float | None
-    #: rate -> modelled seconds to the target (None: no seed reached it)
+    #: rate -> modelled seconds to the target (None: no seed reached it); empty without
+    #: a bandwidth model fitted on this setting (no shaped runs)
     time_to_target: dict[float, float | None] = field(default_factory=dict)
     reached: int = 0
 
@@ -137,8 +138,9 @@ def _row(m: MethodSummary, base: MethodSummary | None, snoo: MethodSummary | Non
                       vs_16bit(m, base), _bits_per_kept(m.runs), m.val_loss,
                       paired_change(m.runs, base.runs) if base else None,
                       paired_change(m.runs, snoo.runs) if snoo and snoo is not m else None)
-    curve = next((c for c in projection.curves if c.method == m.method), None) \
-        if projection else None
+    if projection is None:  # no shaped runs to fit the bandwidth model on: no column
+        return row
+    curve = next((c for c in projection.curves if c.method == m.method), None)
     for bits in FRONTIER_RATES:
         row.time_to_target[bits] = curve.at(bits) if curve else None
     row.reached = curve.reached if curve else 0
@@ -227,8 +229,8 @@ def run_length(summary: SettingSummary) -> float | None:
 
 def gaps_by_length(summaries: list[SettingSummary]) -> list[LengthGap]:
     """Each method's final gap at each length (a summary per length: the runs of one
-    ``--steps``), in the order methods first appear; fitted where 3 or more lengths
-    leave it behind DDP."""
+    ``--steps``), in the order methods first appear, for methods raced at two lengths or
+    more; fitted where 3 or more lengths leave it behind DDP."""
     points: dict[str, list[tuple[float, float]]] = {}
     for s in summaries:
         steps = run_length(s)
@@ -241,6 +243,8 @@ def gaps_by_length(summaries: list[SettingSummary]) -> list[LengthGap]:
                 points.setdefault(m.method, []).append((steps, change / 100))
     out = []
     for method, pts in points.items():
+        if len(pts) < 2:  # one length has no trend (a method only the longest run raced)
+            continue
         pts.sort()
         positive = [(math.log(x), math.log(g)) for x, g in pts if g > 0]
         out.append(LengthGap(method, pts, _least_squares(positive)))

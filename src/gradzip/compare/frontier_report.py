@@ -42,7 +42,9 @@ def fmt_small_bytes(b: float | None) -> str:
 
 
 def _seconds(row: FrontierRow, bits: float, bound: bool) -> str:
-    t = row.time_to_target.get(bits)
+    if bits not in row.time_to_target:
+        return "- (no shaped runs)"
+    t = row.time_to_target[bits]
     if t is None:
         return "not reached"
     reached = f" ({row.reached}/{row.seeds} seeds)" if row.reached < row.seeds else ""
