@@ -85,6 +85,8 @@ class Gap:
 
 @dataclass
 class FrontierRow:
+    """One method's row of the frontier table, over its seeds."""
+
     method: str
     kind: str
     seeds: int
@@ -102,6 +104,8 @@ class FrontierRow:
 
 @dataclass
 class Frontier:
+    """A setting's frontier: its rows, its SNOO method (if any) and each method's gap."""
+
     setting: SettingSummary
     rows: list[FrontierRow]
     snoo: str | None
