@@ -221,3 +221,26 @@ def test_a_ddp_run_parses_its_spec_at_most_twice_per_rank(cache: Path,
     record = last_result(out)
     assert record["method"] == "ef | topk(ratio=0.1) | eg"
     assert record["codec_config"] == Codec.from_spec("ef | topk(ratio=0.1) | eg").to_json()
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"outer": "snoo", "outer_codec": "int8"}, "its outer step sends nothing"),
+    ({"outer": "snoo", "fragments": 2}, "--fragments"),
+    ({"outer": "snoo", "codec": "torch:fp16"}, "takes a gradzip --codec"),
+])
+def test_snoo_flags_refuse_what_does_not_apply(changes: dict, match: str) -> None:
+    from gradzip.train.checks import method_of
+    from gradzip.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match=match):
+        method_of(dataclasses.replace(TrainConfig(parallel="ddp"), **changes))
+
+
+def test_an_unknown_outer_kind_names_the_choices() -> None:
+    from gradzip.cli import build_parser
+    from gradzip.commands.train import resolve_args
+
+    args = build_parser().parse_args(["train", "--parallel", "ddp", "--outer", "demo"])
+    with pytest.raises(ValueError, match="--outer must be one of none, diloco, average, "
+                                         "sparseloco, snoo"):
+        resolve_args(args).validate()

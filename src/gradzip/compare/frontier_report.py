@@ -4,6 +4,7 @@ of the gap to DDP against training length."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from gradzip.compare.frontier import (
     CLOSED,
@@ -14,6 +15,7 @@ from gradzip.compare.frontier import (
     Frontier,
     FrontierRow,
     Gap,
+    GapFit,
     LengthGap,
     gaps_by_length,
 )
@@ -94,6 +96,29 @@ def gap_rows(f: Frontier) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+def _draw_fit(ax: Any, fit: GapFit | None, start: float, last: float, color: Any) -> None:
+    """A fitted gap, dashed, from ``start`` to where it would reach ``CLOSED`` (at least
+    ``last``, at most 100x it)."""
+    if fit is None:
+        return
+    end = min(max(fit.closes_at or last, last), 100 * last)
+    xs = [start * (end / start) ** (i / 60) for i in range(61)]
+    ax.plot(xs, [100 * fit.at(x) for x in xs], color=color, lw=0.9, ls="--")
+
+
+def _finish(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+    """The 1% line, the zero line, a log x axis, labels and the legend."""
+    from gradzip.compare.plots import legend
+
+    ax.axhline(100 * CLOSED, color="grey", lw=0.8, ls=":", label=f"{CLOSED:.0%} of DDP")
+    ax.axhline(0, color="black", lw=0.6)
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    legend(ax)
+
+
 def plotted_gaps(f: Frontier) -> list[Gap]:
     """The figure's methods: local-update methods, SNOO and the per-step method with the
     lowest final loss, each with every seed the setting ran (a one-seed probe stays in
@@ -110,7 +135,7 @@ def plotted_gaps(f: Frontier) -> list[Gap]:
 def plot_gaps(f: Frontier, path: Path) -> Path | None:
     """The gap to DDP against steps, measured (solid) and fitted (dashed, extended to
     where it would reach ``CLOSED``), for ``plotted_gaps``."""
-    from gradzip.compare.plots import figure, legend, method_colors, save
+    from gradzip.compare.plots import figure, method_colors, save
 
     gaps = plotted_gaps(f)
     if not gaps:
@@ -122,18 +147,10 @@ def plot_gaps(f: Frontier, path: Path) -> Path | None:
         steps = [s for s, _ in g.curve]
         ax.plot(steps, [100 * v for _, v in g.curve], color=colors[g.method], lw=1.2,
                 label=g.method)
-        if g.fit is not None:
-            end = min(max(g.fit.closes_at or last, last), 100 * last)
-            xs = [FIT_FROM * (end / FIT_FROM) ** (i / 60) for i in range(61)]
-            ax.plot(xs, [100 * g.fit.at(x) for x in xs], color=colors[g.method], lw=0.9,
-                    ls="--")
-    ax.axhline(100 * CLOSED, color="grey", lw=0.8, ls=":", label=f"{CLOSED:.0%} of DDP")
-    ax.axhline(0, color="black", lw=0.6)
-    ax.set_xscale("log")
-    ax.set_xlabel("optimizer steps")
-    ax.set_ylabel(f"val loss vs {f.baseline} (%)")
-    ax.set_title(f"Gap to DDP against length, {f.setting.setting.title()}", fontsize=9)
-    legend(ax)
+        if g.curve[-1][1] > CLOSED:
+            _draw_fit(ax, g.fit, FIT_FROM, last, colors[g.method])
+    _finish(ax, "optimizer steps", f"val loss vs {f.baseline} (%)",
+            f"Gap to DDP against length, {f.setting.setting.title()}")
     return save(fig, path)
 
 
@@ -183,7 +200,7 @@ def length_rows(gaps: list[LengthGap]) -> tuple[list[str], list[list[str]]]:
 def plot_length_gaps(gaps: list[LengthGap], baseline: str, path: Path) -> Path | None:
     """Final gap to DDP against run length (markers), fits dashed to where they would
     reach ``CLOSED`` (at most 100x the longest run)."""
-    from gradzip.compare.plots import figure, legend, method_colors, save
+    from gradzip.compare.plots import figure, method_colors, save
 
     if not gaps:
         return None
@@ -195,18 +212,10 @@ def plot_length_gaps(gaps: list[LengthGap], baseline: str, path: Path) -> Path |
         xs, ys = zip(*g.points, strict=True)
         ax.plot(xs, [100 * y for y in ys], marker="o", color=colors[g.method], lw=1.0,
                 label=g.method)
-        if g.fit is not None and g.points[-1][1] > CLOSED:
-            end = min(max(g.fit.closes_at or last, last), 100 * last)
-            fx = [first * (end / first) ** (i / 60) for i in range(61)]
-            ax.plot(fx, [100 * g.fit.at(x) for x in fx], color=colors[g.method], lw=0.9,
-                    ls="--")
-    ax.axhline(100 * CLOSED, color="grey", lw=0.8, ls=":", label=f"{CLOSED:.0%} of DDP")
-    ax.axhline(0, color="black", lw=0.6)
-    ax.set_xscale("log")
-    ax.set_xlabel("run length (optimizer steps, each with its own schedule)")
-    ax.set_ylabel(f"final val loss vs {baseline} (%)")
-    ax.set_title("Gap to DDP against run length (fits dashed)", fontsize=9)
-    legend(ax)
+        if g.points[-1][1] > CLOSED:
+            _draw_fit(ax, g.fit, first, last, colors[g.method])
+    _finish(ax, "run length (optimizer steps, each with its own schedule)",
+            f"final val loss vs {baseline} (%)", "Gap to DDP against run length (fits dashed)")
     return save(fig, path)
 
 
