@@ -66,6 +66,10 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--close-steps", action="store_true",
+                   help="call handle.stats.end_step() after every optimizer step, as "
+                        "README's attach example does (per-step figures in "
+                        "handle.stats.summary()); the race's clock is the same either way")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -88,6 +92,8 @@ def main() -> None:
         loss_of(model, rows).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if args.close_steps:
+            handle.stats.end_step()
         if step % args.eval_every == 0 or step == args.steps:
             model.eval()
             with torch.no_grad():

@@ -184,3 +184,43 @@ def test_histograms_are_titled_and_count_in_whole_buckets() -> None:
     fig.canvas.draw()
     assert all(float(t).is_integer() for t in ax.get_yticks()), ax.get_yticks()
     plt.close(fig)
+
+
+def test_pt_buckets_of_two_ranks_give_the_what_if_of_their_packed_archive(
+        tmp_path: Path) -> None:
+    """The seeds' capture format (``R_{r}_E_{e}_S_{s}_B_{b}.pt``) holds several ranks'
+    buckets: the what-if takes the mean over them, exactly as from the HDF5 archive of
+    the same gradients."""
+    from test_archive_cli import _write_pt
+
+    from gradzip.analyze.summary import write_summary
+    from gradzip.capture.convert import pack_directory
+
+    src = tmp_path / "pt"
+    src.mkdir()
+    for rank in (0, 1):
+        for step in (1, 2):
+            _write_pt(src, rank, step, 0, dtype=torch.float32)
+    pack_directory(src, tmp_path / "archive", workers=1)
+    options = Options(codecs=("int8", "topk(ratio=0.1)"))
+    rows = {}
+    for name, source in (("pt", src), ("h5", tmp_path / "archive")):
+        assert not run_analysis(source, tmp_path / name, options=options).failed
+        rows[name] = {r["key"]: {k: v for k, v in r.items() if k != "source"}
+                      for r in _rows(tmp_path / name / "buckets.csv")}
+    assert rows["pt"] == rows["h5"] and len(rows["pt"]) == 4
+    assert {r["whatif_ranks"] for r in rows["pt"].values()} == {"2"}
+    assert any(r["int8: mean_rel_error"] != r["int8: rel_error"] for r in rows["pt"].values())
+    summary = write_summary(tmp_path / "pt").read_text()
+    assert f"Source: {src} (4 files), ranks 0, 1, 2 step(s)." in summary
+
+
+def test_a_directory_without_capture_names_is_refused(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "pt"
+    src.mkdir()
+    torch.save({"w": torch.randn(8)}, src / "grads_step1.pt")
+    assert main(["analyze", str(src), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "no .pt file is named R_{rank}_E_{epoch}_S_{step}_B_{bucket}.pt" in err
+    assert "grads_step1.pt" in err and not (tmp_path / "out").exists()

@@ -198,3 +198,38 @@ def test_every_command_takes_debug_and_documents_its_options(
         assert "Exit status: 0" in text
     if argv == ["archive", "ls"]:
         assert "the training step" in text
+
+
+def test_pack_refuses_a_directory_of_other_names(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Files not named as capture buckets are named as skipped; with nothing to pack the
+    command fails and leaves no empty archive behind."""
+    src = tmp_path / "pt"
+    src.mkdir()
+    torch.save(_bucket(0, 1, 0), src / "step1.pt")
+    out = tmp_path / "a"
+    assert main(["archive", "pack", str(src), "--out", str(out), "--workers", "1"]) == 2
+    assert "step1.pt" in capsys.readouterr().err and not out.exists()
+    _write_pt(src, 0, 1, 0)  # one good file beside it: packed, the other named
+    assert main(["archive", "pack", str(src), "--out", str(out), "--workers", "1"]) == 0
+    captured = capsys.readouterr()
+    assert f"skipped {src / 'step1.pt'}: not named R_{{rank}}_E_{{epoch}}_S_{{step}}" \
+        in captured.err and "1 skipped" in captured.out
+
+
+def test_export_by_name_needs_no_bucket_and_verify_of_nothing_exits_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "pt"
+    src.mkdir()
+    _write_pt(src, 0, 1, 0, dtype=torch.float32)
+    pack_directory(src, tmp_path / "a", workers=1)
+    out = tmp_path / "w.npy"
+    assert main(["archive", "export", str(tmp_path / "a"), "--name", "model.layers.0.mlp.w",
+                 "--out", str(out)]) == 0
+    assert np.load(out).shape == (16, 8)
+    assert main(["archive", "export", str(tmp_path / "a"), "--out", str(out)]) == 2
+    assert "give --step and --bucket (one bucket), or --name" in capsys.readouterr().err
+    missing = tmp_path / "nosuch"
+    assert main(["archive", "verify", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.count(str(missing)) == 1, err

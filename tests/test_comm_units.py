@@ -129,3 +129,19 @@ def test_hsdp_state_and_specs_are_checked() -> None:
     assert split_spec({"codec": "int8"}) == ({"codec": "int8"}, "none")  # a policy
     shapes = [torch.Size((2, 3)), torch.Size((4,))]
     assert layout_or_none(shapes, 10) == shapes and layout_or_none(shapes, 6) is None
+
+
+def test_bits_per_kept_value_count_only_reductions_that_sent_a_payload() -> None:
+    from gradzip.comm.stats import CommStats, Reduction
+
+    stats = CommStats()
+    stats.record(Reduction(numel=1000, sent_values=1000, bytes_raw=4000,
+                           paths=["plain"]))  # DDP's first step
+    stats.end_step()
+    for _ in range(3):
+        stats.record(Reduction(numel=1000, sent_values=10, bytes_raw=4000, index_bytes=40,
+                               payload_bytes=85, paths=["gather"]))
+        stats.end_step()
+    assert stats.totals()["bits_per_kept_value"] == {"indices": 32.0, "values": 36.0}
+    assert stats.summary()["bits_per_kept_value"] == {"indices": 32.0, "values": 36.0}
+    assert stats.steady_bytes()["bytes_raw"] == 3 * 4000

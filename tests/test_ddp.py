@@ -595,3 +595,28 @@ def test_powersgd_many_buckets_two_all_reduces_each_never_hangs():
     compressed = t["aggregation"]["multi_round"]
     assert compressed >= 4 * 49  # 4+ buckets, every step after the first
     assert t["calls_by_op"]["all_reduce"] == t["aggregation"]["plain"] + 2 * compressed
+
+
+# ---------------------------------------------------------------- bits per kept value
+def _topk_bits(rank: int) -> dict:
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 16)))
+    handle = gradzip.attach(model, "ef | topk(ratio=0.01)")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(50):
+        x, _ = _batch(step, rank)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        handle.stats.end_step()
+    return {"total": handle.stats.totals()["bits_per_kept_value"],
+            "steady": handle.stats.summary()["bits_per_kept_value"]}
+
+
+def test_bits_per_kept_value_leave_the_plain_first_step_out():
+    """DDP's first step is the plain fp32 all-reduce: its values were sent outside any
+    payload, so they are not "kept values" of the codec (they made 0.32 bits of 32)."""
+    r0, _ = run_ranks(_topk_bits, 2)
+    for part in ("indices", "values"):
+        assert r0["total"][part] == pytest.approx(r0["steady"][part], rel=0.05), r0
+    assert r0["steady"]["indices"] > 8  # an index per kept value costs bits, not fractions

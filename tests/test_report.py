@@ -197,7 +197,7 @@ def test_a_rerun_replaces_the_earlier_record() -> None:
     [slow, _] = summarize([*recs, again])
     topk = slow.method(TOPK)
     assert len(topk.runs) == 2 and topk.val_loss and topk.val_loss.mean == pytest.approx(3.015)
-    assert any("replaced by the later record 13" in n for n in slow.notes)
+    assert any("replaced by the later record 13" in n for n in slow.warnings)
 
 
 def test_bad_lines_name_the_file_and_line(tmp_path: Path) -> None:
@@ -293,3 +293,69 @@ def test_links_and_uplinks_reach_the_report(tmp_path: Path) -> None:
     assert "uplink bytes/step (kernel)" in text and "10.25 KiB" in text  # 420,000 B / 40
     assert f"**{TOPK}** per link, per rank per step: inter_node 1,000 B (12.00x), " \
            "intra_node 9,000 B (1.00x)" in text
+
+
+def test_a_run_whose_clock_timed_nothing_names_no_winner(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A script run that lost its clock records zero training time: it must not
+    "reach the target in 0.0 s"; the report says it was not measured."""
+    records = [record("100mbit", m, 0) for m in ("torch:none", TOPK)]
+    for r in records:
+        if r["compare"]["method"] == TOPK:
+            r["train_time_s"], r["timed_steps"] = 0.0, 0
+            for h in r["eval_history"]:
+                h["train_time_s"] = 0.0
+    [s] = summarize(records)
+    topk = s.method(TOPK)
+    assert topk.ttt is not None and topk.ttt.reached is None and topk.ttt.runs == 0
+    assert any(f"`{TOPK}` seed 0" in w and "not measured" in w for w in s.warnings)
+    from gradzip.compare.report import print_tables
+    from gradzip.compare.verdict import verdict
+
+    assert "in 0.0 s" not in verdict(s) and TOPK not in verdict(s)
+    print_tables([s])
+    assert "was not measured" in capsys.readouterr().out
+    for r in records:  # no run measured at all: no verdict
+        r["train_time_s"], r["timed_steps"] = 0.0, 0
+        for h in r["eval_history"]:
+            h["train_time_s"] = 0.0
+    [s] = summarize(records)
+    assert "no verdict, since no run here was measured" in verdict(s)
+    records[1]["eval_history"] = []  # no evaluation is also no measurement
+    assert any("logged no evaluation" in w for w in summarize(records)[0].warnings)
+
+
+def test_records_of_different_models_are_never_raced_against_each_other(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A 4.26M-parameter run beside a 0.14M DiLoCo run on the same (unshaped) link:
+    two settings, each named by its workload, neither a verdict across them."""
+    small = {"method": "none", "codec": "none", "model": "small", "params": 4_260_000,
+             "global_batch_tokens": 2048, "steps": 40, "dataset": "stdlib", "seed": 0,
+             "world_size": 2, "val_loss": 4.0, "train_time_s": 100.0, "timed_steps": 35,
+             "eval_history": [{"step": 40, "train_time_s": 100.0, "val_loss": 4.0}]}
+    tiny = {**small, "method": "diloco(sync_every=8) | int8", "model": "tiny",
+            "params": 140_000, "val_loss": 3.0, "train_time_s": 1.0,
+            "eval_history": [{"step": 40, "train_time_s": 1.0, "val_loss": 3.0}]}
+    a, b = (write_jsonl(tmp_path / f"{n}.jsonl", [r]) for n, r in (("a", small), ("b", tiny)))
+    assert main(["report", str(a), str(b), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    text = (tmp_path / "rep" / "report.md").read_text()
+    assert "as fast as" not in text and "as fast as" not in out
+    assert "small (4.26M params)" in text and "tiny (0.14M params)" in text
+    assert "model small vs tiny; params 4260000 vs 140000" in out
+    [s_small, s_tiny] = sorted(summarize([small, tiny]), key=lambda s: s.setting.workload.model
+                               or "")
+    assert s_small.setting != s_tiny.setting and s_small.setting.slug() != s_tiny.setting.slug()
+    # a different step size alone keeps runs apart too
+    other_batch = {**small, "method": "int8", "global_batch_tokens": 4096}
+    assert len(summarize([small, other_batch])) == 2
+    assert len(summarize([small, {**small, "method": "int8"}])) == 1
+
+
+def test_a_replaced_record_is_said_on_the_terminal(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    first = write_jsonl(tmp_path / "a.jsonl", [record("100mbit", "torch:none", 0)])
+    again = write_jsonl(tmp_path / "b.jsonl", [record("100mbit", "torch:none", 0)])
+    assert main(["report", str(first), str(again), "--out", str(tmp_path / "rep")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "a.jsonl:1 (`torch:none`, seed 0) is replaced by the later" in out

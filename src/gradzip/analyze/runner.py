@@ -56,8 +56,7 @@ def _groups(refs: list[BucketRef]) -> list[list[BucketRef]]:
     """Buckets of one (epoch, step, bucket) across ranks together; others alone."""
     groups: dict[Any, list[BucketRef]] = {}
     for ref in refs:
-        key = (ref.path if ref.step is None or ref.kind != "archive"
-               else (ref.epoch, ref.step, ref.bucket))
+        key = ref.path if ref.step is None else (ref.epoch, ref.step, ref.bucket)
         groups.setdefault(key, []).append(ref)
     return list(groups.values())
 

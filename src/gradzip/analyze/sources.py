@@ -9,6 +9,7 @@ dtype (bfloat16 as its uint16 bits) with each tensor's name, shape and offset.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ class BucketData:
 def find_buckets(path: str | os.PathLike[str]) -> list[BucketRef]:
     """Every bucket under ``path`` (an archive, a .pt directory or one file), in order."""
     from gradzip.capture.index import INDEX_NAME
-    from gradzip.capture.layout import parse_pt_name
+    from gradzip.capture.layout import split_pt_files, unnamed_files_message
 
     p = Path(path)
     if p.is_dir() and (p / INDEX_NAME).is_file():
@@ -56,19 +57,19 @@ def find_buckets(path: str | os.PathLike[str]) -> list[BucketRef]:
         with Archive(p) as archive:
             keys = sorted({(e.rank, e.epoch, e.step, e.bucket)
                            for e in archive.entries(kind="local")})
+        if not keys:
+            raise FileNotFoundError(f"{p}: an empty capture archive (no bucket in it)")
         return [BucketRef("archive", str(p), *k) for k in keys]
     if p.is_dir():
-        refs = []
-        for f in sorted(p.glob("*.pt")):
-            parsed = parse_pt_name(f.name)
-            if parsed is not None:
-                key, bucket = parsed
-                refs.append(BucketRef("pt", str(f), key.rank, key.epoch, key.step, bucket))
-            else:
-                refs.append(BucketRef("pt", str(f)))
-        if not refs:
-            raise FileNotFoundError(f"{p}: no capture archive (index.sqlite) and no .pt files")
-        return refs
+        named, other = split_pt_files(p)
+        if not named:
+            raise FileNotFoundError(unnamed_files_message(p, other) if other else
+                                    f"{p}: no capture archive (index.sqlite) and no .pt files")
+        if other:
+            print(f"{p}: {len(other)} .pt file(s) not named as capture buckets are left "
+                  f"out (e.g. {other[0].name})", file=sys.stderr)
+        return [BucketRef("pt", str(f), key.rank, key.epoch, key.step, bucket)
+                for f, key, bucket in named]
     if p.is_file():
         return [BucketRef("file", str(p))]
     raise FileNotFoundError(f"{p}: no such archive, directory or tensor file")

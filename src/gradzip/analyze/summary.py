@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +169,19 @@ def _plots(rows: list[dict[str, str]], out: Path) -> list[str]:
     return made
 
 
+def describe_source(rows: list[dict[str, str]]) -> str:
+    """Where the rows came from: the one source, or the directory of several files,
+    with the ranks and steps they hold."""
+    sources = sorted({r.get("source") or "?" for r in rows})
+    where = sources[0] if len(sources) == 1 else \
+        f"{os.path.commonpath(sources)} ({len(sources)} files)"
+    ranks = sorted({int(r["rank"]) for r in rows if r.get("rank")})
+    steps = {(r.get("epoch"), r["step"]) for r in rows if r.get("step")}
+    if not steps:
+        return where
+    return f"{where}, ranks {', '.join(map(str, ranks))}, {len(steps)} step(s)"
+
+
 def write_summary(out_dir: str | Path) -> Path:
     """``OUT/summary.md`` (and its PNGs) from the analysis in ``out_dir``."""
     out = Path(out_dir)
@@ -176,7 +190,7 @@ def write_summary(out_dir: str | Path) -> Path:
         raise ValueError(f"{out}/buckets.csv holds no rows: nothing to summarize")
     impl = rows[0].get("deflate_impl", "?")
     lines = [f"# Gradient compressibility: {len(rows)} buckets", "",
-             f"Source: {rows[0].get('source', '?')}. Deflate by {impl}. Ratios are against "
+             f"Source: {describe_source(rows)}. Deflate by {impl}. Ratios are against "
              f"the captured dtype ({rows[0].get('dtype')}); bits are per value.", "",
              "## Per metric", ""]
     lines += _table(["metric", "count", "mean", "std", "min", "25%", "50%", "75%", "max"],

@@ -120,12 +120,9 @@ class Problem:
 
 def verify(directory: str | os.PathLike[str]) -> tuple[int, list[Problem]]:
     """(tensors checked, problems): every indexed tensor's bytes against its CRC-32, its
-    dataset in the pack's HDF5 structure; datasets no committed step lists are notes."""
-    try:
-        archive = Archive(directory)
-    except ArchiveError as err:
-        return 0, [Problem(str(directory), str(err))]
-    with archive:
+    dataset in the pack's HDF5 structure; datasets no committed step lists are notes.
+    Raises ArchiveError when ``directory`` is not an archive."""
+    with Archive(directory) as archive:
         entries = list(archive)
         problems = [p for e in entries for p in _check_bytes(archive, e)]
         by_pack: dict[str, list[Entry]] = {}

@@ -30,7 +30,13 @@ import numpy as np
 
 from gradzip.capture import index
 from gradzip.capture.archive import Archive
-from gradzip.capture.layout import StepKey, parse_pt_name
+from gradzip.capture.layout import (
+    PT_PATTERN,
+    StepKey,
+    parse_pt_name,
+    split_pt_files,
+    unnamed_files_message,
+)
 from gradzip.capture.packs import DEFAULT_PACK_CAP, PackWriter
 
 
@@ -43,6 +49,8 @@ class PackReport:
     present: int = 0
     deleted: int = 0
     failed: dict[str, str] = field(default_factory=dict)
+    #: .pt files left alone, and why (a name that is not the capture format)
+    skipped: dict[str, str] = field(default_factory=dict)
 
 
 def bucket_arrays(path: Path) -> tuple[np.ndarray, str, list[tuple[str, tuple[int, ...], int]]]:
@@ -106,9 +114,13 @@ class _Finder:
 
     def poll(self, report: PackReport) -> list[Path]:
         ready = []
-        for path in sorted(self.source.glob("R_*_E_*_S_*_B_*.pt")):
+        for path in sorted(self.source.glob("*.pt")):
             parsed = parse_pt_name(path.name)
-            if path in self.taken or parsed is None:
+            if path in self.taken:
+                continue
+            if parsed is None:
+                self.taken.add(path)
+                report.skipped[str(path)] = f"not named {PT_PATTERN}"
                 continue
             key, bucket = parsed
             if index.has_bucket(self.db, key.rank, key.epoch, key.step, bucket):
@@ -143,6 +155,9 @@ def pack_directory(source: str | os.PathLike[str], out: str | os.PathLike[str], 
         raise FileNotFoundError(f"{source_dir}: no such directory of .pt bucket files")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    named, other = split_pt_files(source_dir)
+    if not watch and not named:  # refuse before making an empty archive
+        raise FileNotFoundError(unnamed_files_message(source_dir, other))
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     tasks, results = ctx.Queue(), ctx.Queue()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 #: what a captured dataset holds: the gradient this rank sent, or the mean it got back
 KINDS = {"local": "B", "aggregated": "A"}
@@ -54,6 +55,33 @@ def parse_pt_name(filename: str) -> tuple[StepKey, int] | None:
         return None
     r, e, s, b = map(int, m.groups())
     return StepKey(r, e, s), b
+
+
+#: the bucket file names gradzip reads, for messages
+PT_PATTERN = "R_{rank}_E_{epoch}_S_{step}_B_{bucket}.pt"
+
+
+def split_pt_files(directory: Path) -> tuple[list[tuple[Path, StepKey, int]], list[Path]]:
+    """The ``.pt`` files of ``directory``: those named ``R_{r}_E_{e}_S_{s}_B_{b}.pt``,
+    with their step and bucket, in (rank, epoch, step, bucket) order, and the others."""
+    named, other = [], []
+    for f in sorted(directory.glob("*.pt")):
+        parsed = parse_pt_name(f.name)
+        if parsed is None:
+            other.append(f)
+        else:
+            named.append((f, *parsed))
+    named.sort(key=lambda item: (item[1], item[2]))
+    return named, other
+
+
+def unnamed_files_message(directory: Path, other: list[Path]) -> str:
+    """Why no bucket file was found in ``directory``, naming what is there instead."""
+    if not other:
+        return f"{directory}: no .pt bucket files here (named {PT_PATTERN})"
+    return (f"{directory}: no .pt file is named {PT_PATTERN} (the capture format), so "
+            f"none is a bucket of a known rank and step; {len(other)} other .pt file(s), "
+            f"e.g. {other[0].name}: rename them, or analyze one as a FILE")
 
 
 def parse_size(text: str | int | float) -> int:

@@ -64,6 +64,10 @@ class _Acc:
     reductions: int = 0
     numel: int = 0
     sent_values: int = 0
+    #: values and values kept of the reductions that sent an encoded payload (a plain
+    #: reduction, DDP's first step or before ``start_step``, sends every value)
+    coded_numel: int = 0
+    coded_kept: int = 0
     bytes_raw: int = 0
     bytes_wire: int = 0
     bytes_handed: int = 0
@@ -98,7 +102,8 @@ class _Acc:
     def merge(self, o: _Acc) -> None:
         """Add a closed step ``o`` into these totals."""
         self.closed_comm_s += o.comm_s()
-        for name in ("reductions", "numel", "sent_values", "bytes_raw", "bytes_wire",
+        for name in ("reductions", "numel", "sent_values", "coded_numel", "coded_kept",
+                     "bytes_raw", "bytes_wire",
                      "bytes_handed", "index_bytes", "payload_bytes", "encode_s", "decode_s",
                      "bytes_diagnostic", "err_sq", "ref_sq", "est_sq", "dot", "extra_collective_s"):
             setattr(self, name, getattr(self, name) + getattr(o, name))
@@ -120,12 +125,14 @@ class _Acc:
 
     def bits_per_kept_value(self) -> dict[str, float] | None:
         """Payload bits per value a sparsifier kept, for its indices and its values
-        (everything else: scales, headers); None when every value was sent."""
-        if not self.sent_values or self.sent_values >= self.numel or not self.payload_bytes:
+        (everything else: scales, headers), over the reductions that sent a payload;
+        None when every value was sent. Plain reductions are left out: their values
+        were kept but crossed outside any payload."""
+        kept = self.coded_kept
+        if not kept or kept >= self.coded_numel or not self.payload_bytes:
             return None
         values = max(self.payload_bytes - self.index_bytes, 0)
-        return {"indices": 8 * self.index_bytes / self.sent_values,
-                "values": 8 * values / self.sent_values}
+        return {"indices": 8 * self.index_bytes / kept, "values": 8 * values / kept}
 
     def view(self, steps: int) -> dict[str, Any]:
         calls = sum(self.calls_by_op.values())
@@ -219,6 +226,10 @@ class CommStats:
         self._residuals: dict[str, float] = {}
         self._settlers: list[Callable[[], None]] = []
         self._held = 0  # reductions to be recorded when the step settles
+        self._recorded = 0  # reductions recorded, every step
+        #: bytes_raw and bytes_wire of the closed steps compressed throughout (no plain
+        #: reduction): the steady compression ratio
+        self._steady = {"bytes_raw": 0, "bytes_wire": 0}
         self.steps = 0
 
     def add_settler(self, settle: Callable[[], None]) -> None:
@@ -231,9 +242,13 @@ class CommStats:
         """Add one reduced tensor to the open step."""
         with self._lock:
             a = self._open
+            self._recorded += 1
             a.reductions += 1
             a.numel += r.numel
             a.sent_values += r.sent_values
+            if r.payload_bytes:
+                a.coded_numel += r.numel
+                a.coded_kept += r.sent_values
             a.bytes_raw += r.bytes_raw
             a.bytes_handed += r.bytes_handed
             a.index_bytes += r.index_bytes
@@ -290,6 +305,9 @@ class CommStats:
                 self._open.residual_norm = math.sqrt(sum(v * v for v in self._residuals.values()))
             self._last = self._open
             self._total.merge(self._open)
+            if self._open.reductions and "plain" not in self._open.paths:
+                self._steady["bytes_raw"] += self._open.bytes_raw
+                self._steady["bytes_wire"] += self._open.bytes_wire
             self._open = _Acc()
             self.steps += 1
 
@@ -303,6 +321,18 @@ class CommStats:
         """Cumulative over all completed steps (same keys as ``summary``)."""
         with self._lock:
             return self._total.view(self.steps)
+
+    def steady_bytes(self) -> dict[str, int]:
+        """bytes_raw and bytes_wire summed over the closed steps that sent no plain
+        reduction (DDP's first step and steps before ``start_step`` are left out)."""
+        with self._lock:
+            return dict(self._steady)
+
+    def reductions_seen(self) -> int:
+        """Reductions so far, recorded or held, over every step: it grows whenever
+        anything is reduced, whoever closes the steps."""
+        with self._lock:
+            return self._recorded + self._held
 
     def hold(self) -> None:
         """One reduction of the open step will be recorded when it settles (its times

@@ -72,10 +72,10 @@ def _filters(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="the capturing rank" + (" (default 0)" if required else every))
     p.add_argument("--epoch", type=int, default=None if not required else 0,
                    help="the epoch" + (" (default 0)" if required else every))
-    p.add_argument("--step", type=int, required=required, default=None,
-                   help="the training step" + every)
-    p.add_argument("--bucket", type=int, required=required, default=None,
-                   help="the bucket index (DDP's, or the FSDP unit's)" + every)
+    needed = " (needed without --name)" if required else every
+    p.add_argument("--step", type=int, default=None, help="the training step" + needed)
+    p.add_argument("--bucket", type=int, default=None,
+                   help="the bucket index (DDP's, or the FSDP unit's)" + needed)
     p.add_argument("--name", default=None, help="a tensor name (glob patterns in ls)")
 
 
@@ -123,6 +123,10 @@ def _verify(args: argparse.Namespace) -> int:
     for p in problems:
         print(p, file=sys.stderr if p.fatal else sys.stdout)
     fatal = [p for p in problems if p.fatal]
+    if not checked and not fatal:
+        print(f"0 tensors checked: {args.archive} is an empty archive (nothing was captured "
+              "or packed into it)")
+        return 1
     print(f"{checked} tensors checked: " + (f"{len(fatal)} problem(s)" if fatal else "all good"))
     return 1 if fatal else 0
 
@@ -136,6 +140,8 @@ def _export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.suffix not in (".npy", ".pt"):
         raise ValueError(f"--out must end in .npy or .pt, got {out.name}")
+    if args.name is None and (args.step is None or args.bucket is None):
+        raise ValueError("give --step and --bucket (one bucket), or --name (one tensor)")
     kind = "aggregated" if args.aggregated else "local"
     with Archive(args.archive) as archive:
         if args.name is None:
@@ -147,9 +153,9 @@ def _export(args: argparse.Namespace) -> int:
         else:
             found = _select(archive, args, kind)
             if len(found) != 1:
-                raise ValueError(f"--name {args.name!r} matches {len(found)} tensors in that "
-                                 "bucket; give one exact name (see `gradzip archive ls "
-                                 "--tensors`)")
+                raise ValueError(f"--name {args.name!r} matches {len(found)} tensors in the "
+                                 "selected steps and buckets; give one exact name, or narrow "
+                                 "it with --step/--bucket (see `gradzip archive ls --tensors`)")
             tensor = archive.tensor(found[0])
     tmp = out.with_name(out.name + ".tmp")
     if out.suffix == ".pt":
@@ -186,7 +192,12 @@ def _pack(args: argparse.Namespace) -> int:
                                 on_file=done)
     finally:
         bar.close()
+    for path, why in report.skipped.items():
+        print(f"skipped {path}: {why}", file=sys.stderr)
     print(f"packed {report.packed} file(s), {report.bytes / 1e6:.1f} MB into {args.out}; "
           f"{report.present} already there; {report.deleted} source file(s) deleted; "
-          f"{len(report.failed)} failed")
+          f"{len(report.failed)} failed; {len(report.skipped)} skipped")
+    if not (report.packed or report.present):
+        print(f"error: nothing was packed from {args.source}", file=sys.stderr)
+        return 1
     return 1 if report.failed else 0

@@ -218,6 +218,8 @@ def link_lines(summary: SettingSummary) -> list[str]:
 def setting_lines(summary: SettingSummary) -> list[str]:
     """Baseline, target and time budget of a setting, as markdown bullets."""
     lines = link_lines(summary)
+    lines.append(f"- **Workload**: {summary.setting.workload.describe()} (runs race each "
+                 "other only on the same model, tokens per step, steps and data).")
     if summary.baseline and summary.target is not None:
         base = summary.method(summary.baseline)
         loss = base.val_loss.mean if base.val_loss else float("nan")
@@ -246,8 +248,8 @@ def setting_section(summary: SettingSummary, plots: dict[str, Path]) -> str:
 
     parts = [f"## {summary.setting.title()}", "\n".join(setting_lines(summary)),
              markdown_table(*table(summary)), f"**Verdict.** {verdict(summary)}"]
-    if summary.notes:
-        parts.append("\n".join(f"- {n}" for n in summary.notes))
+    if summary.notes or summary.warnings:
+        parts.append("\n".join(f"- {n}" for n in summary.warnings + summary.notes))
     if per_link := per_link_lines(summary):
         parts.append("\n".join(per_link))
     if summary.trials:
@@ -429,5 +431,8 @@ def print_tables(summaries: list[SettingSummary], console: Any = None) -> None:
 
     for t in rich_tables(summaries, console.width):
         console.print(t)
+    for s in summaries:
+        for warning in s.warnings:
+            console.print(escape(f"note ({s.setting.link_title()}): {warning}"))
     for sentence in verdicts(summaries):
         console.print(escape(sentence))

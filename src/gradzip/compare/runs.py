@@ -12,6 +12,7 @@ Figures that were not measured stay ``None`` and are shown as "-", never guessed
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -24,6 +25,7 @@ NUMBER_FIELDS = (
     "val_loss", "step_time_ms_p50", "step_time_ms_mean", "tokens_per_s", "comm_ratio",
     "bytes_wire_total", "bytes_raw_total", "compression_ratio_steady", "steps",
     "resumed_from_step", "encode_ms", "decode_ms", "world_size", "params", "train_time_s",
+    "timed_steps", "global_batch_tokens",
 )
 
 _RATE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(bit|bps)\s*$", re.IGNORECASE)
@@ -40,27 +42,94 @@ def rate_bits_per_s(rate: str | None) -> float | None:
 
 
 @dataclass(frozen=True)
+class Workload:
+    """What makes two runs' figures comparable besides the link: the same model and
+    parameter count, tokens per optimizer step, steps and data. A field a record does
+    not carry is None (a script's record has no tokens or data)."""
+
+    model: str | None = None
+    params: int | None = None
+    tokens_per_step: int | None = None
+    steps: int | None = None
+    dataset: str | None = None
+
+    @classmethod
+    def of(cls, record: dict[str, Any]) -> Workload:
+        """The workload a results record describes."""
+        def number(name: str) -> int | None:
+            v = record.get(name)
+            return int(v) if isinstance(v, int | float) and _is_number(v) else None
+
+        def text(name: str) -> str | None:
+            v = record.get(name)
+            return str(v) if v is not None else None
+
+        return cls(text("model"), number("params"), number("global_batch_tokens"),
+                   number("steps"), text("dataset"))
+
+    def describe(self) -> str:
+        """E.g. ``tiny (0.14M params), 4,096 tokens/step, 300 steps, data stdlib``."""
+        parts = []
+        if self.model is not None or self.params is not None:
+            size = f" ({self.params / 1e6:.2f}M params)" if self.params is not None else ""
+            parts.append(f"{self.model or 'model ?'}{size}")
+        if self.tokens_per_step is not None:
+            parts.append(f"{self.tokens_per_step:,} tokens/step")
+        if self.steps is not None:
+            parts.append(f"{self.steps:,} steps")
+        if self.dataset is not None:
+            parts.append(f"data {self.dataset}")
+        return ", ".join(parts) or "workload not recorded"
+
+    def differences(self, other: Workload) -> list[str]:
+        """What differs from ``other``, e.g. ``params 140000 vs 4260000``."""
+        return [f"{name} {mine} vs {theirs}" for name in self.__dataclass_fields__
+                if (mine := getattr(self, name)) != (theirs := getattr(other, name))]
+
+
+@dataclass(frozen=True)
 class Setting:
-    """A link setting: runs compete only with runs of the same rate, ranks and link kind."""
+    """A link setting: runs compete only with runs of the same rate, ranks and link kind,
+    and of the same workload (model, tokens per step, steps, data)."""
 
     rate: str | None
     ranks: int | None
     link: str
+    workload: Workload = field(default_factory=Workload)
+    #: name the workload in the title and file names: set when another setting of the
+    #: same report shares this link (otherwise the workload is a line under the title)
+    qualified: bool = field(default=False, compare=False)
 
-    def sort_key(self) -> tuple[float, int, str, str]:
-        """Slowest link first, unlimited last; then ranks, then link kind."""
+    def sort_key(self) -> tuple[float, int, str, str, str]:
+        """Slowest link first, unlimited last; then ranks, then link kind, workload."""
         bits = rate_bits_per_s(self.rate)
         return (bits if bits is not None else math.inf, self.ranks or 0, self.link,
-                self.rate or "")
+                self.rate or "", repr(self.workload))
 
-    def title(self) -> str:
+    def link_title(self) -> str:
         """E.g. ``100mbit, 2 ranks, shared link``."""
         ranks = f"{self.ranks} ranks" if self.ranks is not None else "? ranks"
         return f"{self.rate or 'unlimited'}, {ranks}, {self.link} link"
 
+    def title(self) -> str:
+        """The link, and the workload when it is ``qualified``, e.g. ``100mbit, 2
+        ranks, shared link; tiny (0.14M params), 4,096 tokens/step, 300 steps``."""
+        if not self.qualified:
+            return self.link_title()
+        return f"{self.link_title()}; {self.workload.describe()}"
+
+    def same_link(self, other: Setting) -> bool:
+        """The same ranks, link kind and workload: ``other`` may differ in rate only."""
+        return (self.ranks, self.link, self.workload) == (other.ranks, other.link,
+                                                          other.workload)
+
     def slug(self) -> str:
-        """A file-name-safe form of the title, for the plots of this setting."""
+        """A file-name-safe form of the title, for the plots of this setting (when
+        ``qualified``, a short digest tells settings of different workloads apart)."""
         text = f"{self.rate or 'unlimited'}-{self.ranks or 'x'}r-{self.link}"
+        if self.qualified:
+            digest = hashlib.sha1(repr(self.workload).encode()).hexdigest()[:6]
+            text += f"-{self.workload.model or 'model'}-{digest}"
         return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
 
 
@@ -112,6 +181,21 @@ class Run:
             if isinstance(loss, int | float) and math.isfinite(loss):
                 out.append((float(h["step"]), float(h["train_time_s"]), float(loss)))
         return out
+
+    def unmeasured(self) -> str | None:
+        """Why the run's time to target cannot be known, or None when it can: a run with
+        no evaluation, or whose clock timed no training (a zero training time would
+        otherwise "reach the target in 0.0 s")."""
+        if not self.record.get("eval_history"):
+            return "it logged no evaluation"
+        timed = self.num("timed_steps")
+        total = self.num("train_time_s")
+        times = [t for _, t, _ in self.history()]
+        if (timed == 0 and not total) or (total is not None and total <= 0) \
+                or (times and max(times) <= 0):
+            return ("its clock timed no training step (train_time_s 0, timed_steps "
+                    f"{int(timed) if timed is not None else '?'})")
+        return None
 
     def phase(self, name: str) -> float | None:
         """Mean ms per timed step of one phase (``phase_ms_mean``), ``None`` if unknown."""
@@ -171,7 +255,8 @@ def _from_compare(c: Any, record: dict[str, Any], where: str) -> dict[str, Any]:
         isinstance(k, str) and isinstance(v, str) for k, v in trial.items())), where,
         f"compare.trial must map options to value strings, got {trial!r}")
     shaped = bool(c.get("shaped", False))
-    return {"setting": Setting(c.get("rate"), ranks, c.get("link") or "unknown"),
+    return {"setting": Setting(c.get("rate"), ranks, c.get("link") or "unknown",
+                               Workload.of(record)),
             "method": c["method"].strip(), "seed": c.get("seed", record.get("seed")),
             "shaped": shaped, "achieved_rate": c.get("achieved_rate_bits_per_s"),
             "link_model": c.get("link_model"),
@@ -187,7 +272,8 @@ def _from_plain(record: dict[str, Any], where: str) -> dict[str, Any]:
                          "'compare' object naming the method)")
     _check(ranks is None or isinstance(ranks, int), where,
            f"field 'world_size' must be an integer, got {ranks!r}")
-    return {"setting": Setting(None, ranks, "unshaped"), "method": codec.strip(),
+    return {"setting": Setting(None, ranks, "unshaped", Workload.of(record)),
+            "method": codec.strip(),
             "seed": record.get("seed"), "shaped": False, "achieved_rate": None,
             "link_model": "loopback, not rate-limited (a plain gradzip train record)"}
 

@@ -33,8 +33,9 @@ The trainer keeps parameters, and so gradients, in fp32 under every ``--dtype``
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gradzip.compare.runs import Run, Setting, parse_run
@@ -189,6 +190,8 @@ class SettingSummary:
     seed_targets: dict[int | None, float] = field(default_factory=dict)
     #: ``--tune``: each tuned method's trials, the chosen one raced (``trials.py``)
     trials: dict[str, list[TrialResult]] = field(default_factory=dict)
+    #: notes the terminal shows too: unmeasured runs, replaced records, runs kept apart
+    warnings: list[str] = field(default_factory=list)
 
     def target_for(self, run: Run) -> float | None:
         """The target of ``run``: its seed's, else the mean target."""
@@ -254,9 +257,9 @@ def _method_row(name: str, runs: list[Run], raw_by_model: dict[Any, float]) -> M
 
 def _time_to_target(runs: list[Run], targets: dict[int | None, float],
                     fallback: float) -> TimeToTarget:
-    """Times to target (each run's seed's target) of runs with evaluations; runs without
-    any are left out."""
-    evaluated = [r for r in runs if r.history()]
+    """Times to target (each run's seed's target) of the measured runs with evaluations;
+    the others are left out (the setting's notes name the unmeasured ones)."""
+    evaluated = [r for r in runs if r.history() and r.unmeasured() is None]
     times = [time_to_target(r, targets.get(r.seed, fallback)) for r in evaluated]
     return TimeToTarget(stat(times), sum(t is None for t in times), len(evaluated))
 
@@ -273,7 +276,8 @@ def _speedup(ref: MethodSummary, row: MethodSummary) -> Speedup | None:
 
 def _default_budget(runs: list[Run]) -> float | None:
     """The earliest end of evaluations over the runs: a time every run has a loss at."""
-    ends = [t for t in map(final_eval_time, runs) if t is not None]
+    ends = [t for r in runs if r.unmeasured() is None
+            and (t := final_eval_time(r)) is not None]
     return min(ends) if ends else None
 
 
@@ -297,13 +301,15 @@ def summarize_setting(setting: Setting, runs: list[Run],
         if base and base.val_loss and row.val_loss:
             row.delta_pct = (row.val_loss.mean / base.val_loss.mean - 1) * 100
         if budget is not None:
-            row.at_budget = stat(loss_at_time(r, budget) for r in row.runs)
+            row.at_budget = stat(loss_at_time(r, budget) for r in row.runs
+                                 if r.unmeasured() is None)
         if target is not None:
             row.ttt = _time_to_target(row.runs, seed_targets, target)
     for row in rows:
         row.speedups = {ref: _speedup(rows[order.index(ref)], row) for ref in refs}
     return SettingSummary(setting, rows, baseline, target, budget, budget_s is not None,
-                          refs, _notes(rows, baseline, target), seed_targets, trials)
+                          refs, _notes(rows, baseline, target), seed_targets, trials,
+                          warnings=_unmeasured_notes(rows))
 
 
 def choose_trials(runs: list[Run]) -> tuple[dict[str, list[Run]], dict[str, list[TrialResult]]]:
@@ -320,6 +326,13 @@ def choose_trials(runs: list[Run]) -> tuple[dict[str, list[Run]], dict[str, list
             results[method] = [TrialResult(t, mean(r.num("val_loss") for r in rs), len(rs),
                                            t == best) for t, rs in by_trial.items()]
     return chosen, results
+
+
+def _unmeasured_notes(rows: list[MethodSummary]) -> list[str]:
+    """One note per run whose time to target cannot be known (``Run.unmeasured``)."""
+    return [f"`{r.method}` seed {r.seed} ({r.where}) was not measured: {why}; it has no "
+            "time to target and names no winner." for m in rows for r in m.runs
+            if (why := r.unmeasured()) is not None]
 
 
 def _notes(rows: list[MethodSummary], baseline: str | None, target: float | None) -> list[str]:
@@ -371,10 +384,31 @@ def summarize(records: list[dict[str, Any]], budget_s: float | None = None,
     by_setting: dict[Setting, list[Run]] = {}
     for r in runs:
         by_setting.setdefault(r.setting, []).append(r)
+    links = Counter(s.link_title() for s in by_setting)
+    for setting, its_runs in list(by_setting.items()):
+        if links[setting.link_title()] > 1:  # several workloads on one link: name them
+            named = replace(setting, qualified=True)
+            for r in its_runs:
+                r.setting = named
+            del by_setting[setting]
+            by_setting[named] = its_runs
     out = []
     for setting in sorted(by_setting, key=Setting.sort_key):
         summary = summarize_setting(setting, by_setting[setting], budget_s)
-        summary.notes += replaced.get(setting, [])
+        summary.warnings += replaced.get(setting, []) + _kept_apart(setting, by_setting)
         out.append(summary)
     return out
+
+
+def _kept_apart(setting: Setting, by_setting: dict[Setting, list[Run]]) -> list[str]:
+    """A note for each other setting on the same link whose runs ran another workload:
+    they are not compared with this one's, and the note says what differs."""
+    notes = []
+    for other, runs in by_setting.items():
+        if other != setting and other.link_title() == setting.link_title():
+            diff = "; ".join(setting.workload.differences(other.workload))
+            notes.append(f"Not compared with the {len(runs)} run(s) of another workload on "
+                         f"this link ({diff}): runs race each other only on the same model, "
+                         "parameters, tokens per step, steps and data.")
+    return notes
 

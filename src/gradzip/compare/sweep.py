@@ -297,9 +297,7 @@ def sweep(summaries: list[SettingSummary], fit_rate: str | None = None,
     base = next((c for name in SIXTEEN_BIT for c in curves if c.method == name), None)
     checks = []
     for other in summaries:
-        s = other.setting
-        if other is fitted or (s.ranks, s.link) != (fitted.setting.ranks,
-                                                    fitted.setting.link):
+        if other is fitted or not other.setting.same_link(fitted.setting):
             continue
         checks += _checks(other, fits)
     return Sweep(fitted.setting, latency_s, curves, base, checks)

@@ -66,6 +66,9 @@ def verdict(s: SettingSummary) -> str:
     if s.target is None:
         return (f"{where}: no verdict, since no baseline (torch:none, none or a 16-bit "
                 "all-reduce) finished with a validation loss to set the target.")
+    if not any(m.ttt and m.ttt.runs for m in s.methods):
+        return (f"{where}: no verdict, since no run here was measured (each needs timed "
+                "training steps and an evaluation; the notes say what each run lacks).")
     reached = [m for m in s.methods if _reached(m)]
     if not reached:
         return (f"{where}: no method reached the target ({s.target:.4f}) within its steps; "
@@ -79,9 +82,13 @@ def verdict(s: SettingSummary) -> str:
     ref_name = ("the best 16-bit all-reduce" if sixteen
                 else "the uncompressed baseline (no 16-bit all-reduce ran or reached it)")
     if ref is None:
+        blind = [m.method for m in s.methods if (m.method in SIXTEEN_BIT or m.method ==
+                                                  s.baseline) and not (m.ttt and m.ttt.runs)]
+        why = (f"{', '.join(f'`{b}`' for b in blind)} ran but was not measured, so no "
+               "speed-up against it is known" if blind else
+               "neither a 16-bit all-reduce nor the uncompressed baseline reached it")
         return (f"{where}, `{best.method}` reached the target soonest, in "
-                f"{_mean_ttt(best):.1f} s of training{partial}; neither a 16-bit all-reduce "
-                "nor the uncompressed baseline reached it.")
+                f"{_mean_ttt(best):.1f} s of training{partial}; {why}.")
     if best is ref or best.method in SIXTEEN_BIT:
         others = [m for m in reached if m is not best]
         after = (f"; the next, `{min(others, key=_mean_ttt).method}`, took "

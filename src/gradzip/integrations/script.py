@@ -7,6 +7,7 @@ shaped link with:
 - ``GRADZIP_SEED``: the run's seed (seed k of every method is the same: the script
   seeds its model and data order with it);
 - ``GRADZIP_RUN_DIR``: the run's directory, where the record goes (``results.jsonl``);
+  a script started by hand without it writes to ``runs/<script name>`` and says so;
 - ``GRADZIP_NODE_SIZE`` (``--link nodes=NxL`` only): ranks per node, so that gradzip's
   codecs compress between nodes only;
 - ``GRADZIP_START_STEP`` (``--start-step``): gradzip's codecs send plain until then.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,16 +92,27 @@ def attach(model: Any, spec: Any = None, **options: Any) -> Any:
     return ScriptHandle(model, launch, **options)
 
 
+def default_run_dir() -> Path:
+    """Where a script run outside ``gradzip compare`` writes its record:
+    ``runs/<script name>`` under the working directory."""
+    script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
+    return Path("runs") / (script if script and script != "-c" else "script")
+
+
 class StepClock:
     """Training time per optimizer step, from the forward calls of ``module`` and the
-    reductions ``stats`` saw (the module docstring says how steps are told apart)."""
+    reductions ``stats`` saw (the module docstring says how steps are told apart).
+
+    A script may close its steps itself (``handle.stats.end_step()``, as README's
+    ``attach`` example does): the clock then closes its own step without closing the
+    statistics' step again, so both kinds of script time the same steps."""
 
     def __init__(self, module: torch.nn.Module, stats: Any) -> None:
         self.module, self.stats = module, stats
         self.step_ms: list[float] = []
-        self.steady = {"bytes_raw": 0, "bytes_wire": 0}
         self._start: float | None = None
         self._carried = 0.0  # ms of a step interrupted by an evaluation
+        self._seen = stats.reductions_seen()  # when the clock last closed a step
         self._hook = module.register_forward_pre_hook(self._on_forward)
 
     @property
@@ -120,18 +133,16 @@ class StepClock:
             self._start = None
 
     def settle(self) -> None:
-        """Close the open step if its gradients were reduced (before an evaluation is
-        logged, and at the end)."""
-        if self.stats.open_reductions() == 0:
+        """Close the open step if gradients were reduced since the last one closed
+        (before an evaluation is logged, and at the end)."""
+        if self.stats.reductions_seen() == self._seen:
             return
         now = time.perf_counter()
         ms = self._carried + ((now - self._start) * 1e3 if self._start is not None else 0.0)
         self._start, self._carried = None, 0.0
-        self.stats.end_step()
-        last = self.stats.summary()
-        if "plain" not in last["aggregation"]:
-            for k in self.steady:
-                self.steady[k] += last[k]
+        if self.stats.open_reductions():  # the script did not close it itself
+            self.stats.end_step()
+        self._seen = self.stats.reductions_seen()
         self.step_ms.append(ms)
 
     def close(self) -> None:
@@ -149,6 +160,7 @@ class ScriptHandle:
         from gradzip.comm.method import CodecMethod, TorchHookMethod, parse_method
 
         self.launch = launch
+        self.run_dir = launch.run_dir or default_run_dir()
         self.method = parse_method(launch.method)
         if isinstance(self.method, TorchHookMethod):
             if options:
@@ -203,10 +215,14 @@ class ScriptHandle:
         self.clock.close()
         self.handle.close()
         self.record = build_record(self)
-        if self.rank == 0 and self.launch.run_dir is not None:
+        if self.rank == 0:
             from gradzip.train.metrics import append_results
 
-            append_results(self.record, [self.launch.run_dir / "results.jsonl"])
+            path = self.run_dir / "results.jsonl"
+            append_results(self.record, [path])
+            if self.launch.run_dir is None:  # outside compare: say where it went
+                print(f"gradzip: the run's record was appended to {path} (set "
+                      f"{ENV_RUN_DIR} to choose the directory)", file=sys.stderr, flush=True)
 
     def __repr__(self) -> str:
         return f"gradzip.ScriptHandle({self.launch.method!r}, seed={self.launch.seed})"
@@ -224,10 +240,10 @@ def build_record(h: ScriptHandle) -> dict[str, Any]:
 
     timed = h.clock.step_ms[TIMING_WARMUP:]
     total = sum(timed)
-    comm = communication_fields(h.stats, h.clock.steady)
+    comm = communication_fields(h.stats)
     comm_ms = h.stats.totals()["comm_ms"]
     last = h.evals[-1]["val_loss"] if h.evals else None
-    run_name = h.launch.run_dir.name if h.launch.run_dir is not None else None
+    run_name = h.run_dir.name
     return {
         "run_name": run_name, "world_size": h.world_size, "parallel": "ddp",
         "model": h.model_name, "params": h.params, "method": str(h.method),

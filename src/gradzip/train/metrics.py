@@ -96,7 +96,6 @@ class RunMetrics:
         self.tokens = 0  # tokens (all ranks) in the timed steps
         self.nonfinite_steps = 0
         self.clipped_steps = 0
-        self.steady = {"bytes_raw": 0, "bytes_wire": 0}  # steps compressed throughout
         self.last_comm: dict[str, Any] = {}
         self._interval_ms, self._interval_tokens = 0.0, 0
 
@@ -107,9 +106,6 @@ class RunMetrics:
             self.comm.end_step()
             self.last_comm = self.comm.summary()
             phases["comm"] = self.last_comm["comm_ms"]
-            if "plain" not in self.last_comm["aggregation"]:
-                for k in self.steady:
-                    self.steady[k] += self.last_comm[k]
         if grad_norm is not None and not math.isfinite(grad_norm):
             self.nonfinite_steps += 1
         elif grad_norm is not None and 0 < self.grad_clip < grad_norm:
@@ -168,7 +164,7 @@ class RunMetrics:
 
     def communication(self) -> dict[str, Any]:
         """The record's communication fields, totals over every step of this process."""
-        return communication_fields(self.comm, self.steady)
+        return communication_fields(self.comm)
 
     def counters(self) -> dict[str, int]:
         return {"nonfinite_grad_steps": self.nonfinite_steps,
@@ -184,13 +180,13 @@ COMM_FIELDS = ("comm_time_ms_total", "comm_time_ms_by_op", "extra_collective_tim
                "grad_rel_error", "grad_cos_sim", "links")
 
 
-def communication_fields(comm: Any, steady: dict[str, int]) -> dict[str, Any]:
+def communication_fields(comm: Any) -> dict[str, Any]:
     """The record's communication fields from a ``CommStats`` (all None without one):
-    totals over every step; ``steady`` holds the bytes_raw and bytes_wire of the steps
-    compressed throughout."""
+    totals over every step; the steady ratio over the steps compressed throughout."""
     if comm is None:
         return dict.fromkeys(COMM_FIELDS)
     t = comm.totals()
+    steady = comm.steady_bytes()
     seconds = t["comm_ms"] / 1e3
     return {
         "comm_time_ms_total": t["comm_ms"],
