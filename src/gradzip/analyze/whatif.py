@@ -1,12 +1,12 @@
 """What each lossy codec would cost on a bucket: link bytes, ratio, error.
 
 Each codec runs its own reduction protocol over the simulated communicator, exactly as
-in an N-rank run: with every captured rank's bucket of one step when the source has
-them (an archive, or ``R_{r}_E_{e}_S_{s}_B_{b}.pt`` files), else with 2 ranks holding
-this bucket. Per codec: the link bytes one rank sends (the link byte model's count, as ``bytes_wire`` in training), the ratio
-against the fp32 all-reduce of the same ranks and against the captured dtype, the
-relative L2 error and cosine similarity of this rank's decoded contribution, and of the
-aggregated mean against the exact mean.
+in an N-rank run: with every captured rank's bucket of one step when the source has them
+(an archive, or ``R_{r}_E_{e}_S_{s}_B_{b}.pt`` files), else with 2 ranks holding this
+bucket. Per codec: the link bytes one rank sends (the link byte model's count, as
+``bytes_wire`` in training), the ratio against the fp32 all-reduce of the same ranks and
+against the captured dtype, the relative L2 error and cosine similarity of this rank's
+decoded contribution, and of the aggregated mean against the exact mean.
 """
 
 from __future__ import annotations
