@@ -52,3 +52,15 @@ def test_an_unknown_page_lists_the_pages(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["bench", "page", "nope"]) == 2
     err = capsys.readouterr().err
     assert "no benchmark page 'nope'" in err and "race" in err and "codecs" in err
+
+
+def test_every_pages_commands_parse_and_hold_no_placeholder() -> None:
+    """``bench page NAME --run`` runs the commands as written: an elided ``...`` or a
+    ``<placeholder>`` would stop the rerun half-way."""
+    import shlex
+
+    for page in sorted(pages_dir().glob("*.md")):
+        for command in page_commands(page.read_text()):
+            words = shlex.split(command)  # quotes balance
+            assert not any("..." in w or re.fullmatch(r"<[A-Za-z_-]+>", w) for w in words), \
+                f"{page.name}: {command}"

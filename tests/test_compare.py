@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_results_schema import documented_compare_fields
 
 from gradzip.cli import main
 from gradzip.comm.netns import netns_available
@@ -48,9 +49,8 @@ def test_race_of_two_methods_writes_records_report_and_plots(tmp_path: Path) -> 
         if shaped:
             assert 0.5e8 < c["achieved_rate_bits_per_s"] < 1.5e8
             assert "shared by all ranks" in c["link_model"]
-        for key in ("target_val_loss", "time_to_target_s", "quality_budget_s",
-                    "quality_at_time"):
-            assert key in c
+        assert set(c) == documented_compare_fields()  # docs/results.md lists each field
+        assert c["unmeasured"] is None
         assert r["eval_history"] and r["bytes_wire_total"] > 0
     baseline = records[0]
     assert baseline["codec_config"] == {"torch_hook": "allreduce_hook"}  # PyTorch's own

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import gradzip
 from gradzip.codecs import Compressor, Payload, registered
 from gradzip.codecs.layout import SMALL, tensor_layout
+from gradzip.codecs.payload import PayloadError
 from gradzip.collectives import run_simulated
 
 PER_TENSOR = ["terngrad", "efsignsgd", "onebit", "qsgd", "int8"]
@@ -292,3 +293,12 @@ def test_device_piece_size_gives_the_same_statistics() -> None:
         assert len(device.pieces) < len(host.pieces)
         for kind in ("absmax", "sumsq"):
             torch.testing.assert_close(block_stats(x, device, kind), block_stats(x, host, kind))
+
+
+def test_decoding_a_per_tensor_payload_without_its_shapes_says_to_pass_them() -> None:
+    codec = gradzip.codec("int8")
+    shapes = [(100, 200), (5964,)]
+    payload = codec.encode(torch.randn(25964), "k", shapes=shapes)
+    with pytest.raises(PayloadError, match=r"decode needs the same ones .*shapes=shapes"):
+        codec.decode(payload)
+    assert codec.decode(payload, shapes=shapes).shape == (25964,)

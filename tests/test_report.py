@@ -359,3 +359,17 @@ def test_a_replaced_record_is_said_on_the_terminal(
     assert main(["report", str(first), str(again), "--out", str(tmp_path / "rep")]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "a.jsonl:1 (`torch:none`, seed 0) is replaced by the later" in out
+
+
+def test_a_run_whose_first_evaluation_came_after_the_budget_has_no_loss_there(
+        tmp_path: Path) -> None:
+    late = record("100mbit", PSGD, 0)  # 0.5 s a step: evaluated at 15 s and 20 s only
+    late["eval_history"] = late["eval_history"][3:]
+    records = [record("100mbit", m, 0) for m in ("torch:none", TOPK)] + [late]
+    [s] = summarize(records)
+    assert s.budget_s == 10.0  # the top-k run's last evaluation
+    assert s.method(PSGD).at_budget is None and s.method(TOPK).at_budget is not None
+    text = write_report(records, tmp_path).read_text()
+    assert md_table(text, "100mbit, 2 ranks, shared link")[PSGD]["val loss at 10.0 s"] == "-"
+    assert 'a run whose first evaluation\n  came after B, or that never evaluated, shows "-"' \
+        in text

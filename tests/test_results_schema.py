@@ -16,13 +16,24 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "results.md"
 def documented_fields() -> set[str]:
     """Field names in the first column of the tables (``a_p50`` / ``_p90`` shorthands)."""
     names: set[str] = set()
-    for line in DOC.read_text().splitlines():
+    for line in DOC.read_text().split(COMPARE_HEADING)[0].splitlines():
         if not line.startswith("| `"):
             continue
         tokens = re.findall(r"`([^`]+)`", line.split("|")[1])
         for tok in tokens:
             names.add(tokens[0].rsplit("_", 1)[0] + tok if tok.startswith("_") else tok)
     return names
+
+
+#: the heading of the ``compare`` object's section (documented apart from the record)
+COMPARE_HEADING = "## The `compare` object"
+
+
+def documented_compare_fields() -> set[str]:
+    """The fields of the ``compare`` object that docs/results.md lists."""
+    section = DOC.read_text().split(COMPARE_HEADING)[1]
+    return {re.findall(r"`([^`]+)`", line)[0] for line in section.splitlines()
+            if line.startswith("| `")}
 
 
 def test_the_documented_fields_parse() -> None:

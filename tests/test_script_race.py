@@ -301,3 +301,23 @@ def test_a_script_that_closes_its_steps_is_timed_as_one_that_does_not(tmp_path: 
     # a timing is not a test's verdict: only that neither lost its clock (the 10% bar is
     # measured in the issue's note)
     assert closing["train_time_s"] > 0.3 * plain["train_time_s"] > 0
+
+
+@pytest.mark.dist
+def test_a_script_started_by_hand_writes_its_record_and_says_where(tmp_path: Path) -> None:
+    """``GRADZIP_METHOD=int8 torchrun ... examples/ddp_train.py`` (the example's own
+    docstring) outside compare: the record goes to runs/<script name>, said on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADZIP_")}
+    env["GRADZIP_METHOD"] = "int8"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         "2", str(EXAMPLES / "ddp_train.py"), "--steps", "6", "--eval-every", "3"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [record] = _records(tmp_path / "runs" / "ddp_train")
+    assert record["method"] == "int8" and record["steps"] == 6
+    assert "record was appended to runs/ddp_train/results.jsonl" in proc.stderr

@@ -143,3 +143,51 @@ def test_sparseloco_resume_and_its_bits_per_kept_value(cache: Path, tmp_path: Pa
     # ~1.6% of the values at ~13 bits against fp32: well over 100x per sync
     assert straight["bytes_raw_total"] / straight["bytes_wire_total"] > 100
     assert straight["replicas_identical"]
+
+
+def test_a_usage_error_under_torchrun_is_said_once(tmp_path: Path) -> None:
+    """A bad spec stops every rank; the error is printed once (local rank 0), with a
+    line saying that the launcher's report adds nothing."""
+    cmd = [*launch(2), "-m", "gradzip", "train", "--parallel", "ddp", "--codec",
+           "ef | tpok(ratio=0.01)", "--out", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.count("unknown codec stage 'tpok'") == 1, proc.stderr
+    assert "every rank stopped on this error" in proc.stderr
+
+
+def test_train_nproc_checks_before_any_rank_starts_then_launches(cache: Path,
+                                                                  tmp_path: Path) -> None:
+    from gradzip.cli import main
+
+    bad = subprocess.run([*launch(1)[:2], "gradzip", "train", "--nproc", "2", "--parallel",
+                          "ddp", "--codec", "ef | tpok(ratio=0.01)"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "unknown codec stage 'tpok'" in bad.stderr
+    assert main(["train", "--nproc", "2", "--parallel", "none", "--codec", "none"]) == 2
+    good = subprocess.run([*launch(1)[:2], "gradzip", "train", "--nproc=2", *flags(
+        cache, tmp_path / "run", "--parallel", "ddp", "--max-steps", "2", "--eval-every", "0")],
+        capture_output=True, text=True, timeout=600)
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert last_result(tmp_path / "run")["world_size"] == 2
+
+
+def test_eval_of_a_two_rank_checkpoint_prints_its_recorded_loss(
+        cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``gradzip eval --ckpt`` reads the batches each of the run's 2 ranks read at its
+    end and averages them as they did: the recorded val_loss, to 1e-4."""
+    import json
+
+    from gradzip.cli import main
+
+    torchrun(*flags(cache, tmp_path / "run", "--parallel", "ddp", "--max-steps", "4",
+                    "--eval-every", "0", "--eval-steps", "3"))
+    recorded = last_result(tmp_path / "run")["val_loss"]
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", str(tmp_path / "run"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert abs(result["val_loss"] - recorded) < 1e-4, (result, recorded)
+    assert (result["ranks"], result["batches"]) == (2, 6)
+    assert main(["eval", "--ckpt", str(tmp_path / "run")]) == 0
+    assert "the run's evaluation: 2 rank(s) x 3 batches" in capsys.readouterr().out

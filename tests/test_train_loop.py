@@ -105,10 +105,14 @@ def test_eval_and_generate_commands(cache: Path, tmp_path: Path,
     out = tmp_path / "run"
     rec = train(cache, out, "--max-steps", "4")
     capsys.readouterr()
-    assert main(["eval", "--ckpt", str(out), "--steps", "2", "--json"]) == 0
+    assert main(["eval", "--ckpt", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    # the same batches the run evaluated at its end: the same loss
+    # by default the batches the run evaluated at its end: the same loss
     assert result["val_loss"] == pytest.approx(rec["val_loss"], rel=1e-6)
+    assert result["recorded_val_loss"] == rec["val_loss"] and result["selection"] == "run"
+    assert main(["eval", "--ckpt", str(out), "--whole-split", "--json"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert whole["selection"] == "split" and whole["batches"] >= result["batches"]
     assert main(["eval", "--ckpt", str(out), "--split", "train", "--steps", "1"]) == 0
     assert "train loss" in capsys.readouterr().out
     other = tmp_path / "other.txt"  # any text: evaluated whole, with the run's tokenizer

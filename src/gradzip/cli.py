@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         command = f"{args.command} {sub}" if sub else args.command
         parser.exit(2, f"gradzip {command}: error: unrecognized arguments: "
                        f"{' '.join(extras)} (see gradzip {command} --help)\n")
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given (train --nproc)
     try:
         result = args.func(args)
     except ModuleNotFoundError as e:
@@ -86,7 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         if getattr(args, "debug", False):
             raise
-        print(f"gradzip {args.command}: error: {e}", file=sys.stderr)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun: once per node
+            print(f"gradzip {args.command}: error: {e}", file=sys.stderr)
+            if "TORCHELASTIC_RUN_ID" in os.environ:
+                print(f"gradzip {args.command}: every rank stopped on this error; the "
+                      "launcher's report that follows says only that they exited (check "
+                      "a command before launching it: gradzip train --nproc N ... "
+                      "validates, then starts torchrun)", file=sys.stderr)
         return 2
     return int(result or 0)
 

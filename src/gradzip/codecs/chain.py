@@ -347,7 +347,16 @@ class Codec:
         if p.meta.get("nan"):
             return torch.full(shape, float("nan"), dtype=dtype, device=device)
         shapes = checked_shapes(shapes, shape.numel())
-        out = saturating_cast(self.decode_body(p, key, shape, shapes), dtype)
+        try:
+            body = self.decode_body(p, key, shape, shapes)
+        except PayloadError as e:
+            if shapes is None and self.compressors and self.compressors[0][1].per_tensor:
+                raise PayloadError(
+                    f"{e}. {self.compressors[0][1].name} scales per tensor: if encode was "
+                    "given shapes=, decode needs the same ones (codec.decode(payload, "
+                    "shapes=shapes))") from e
+            raise
+        out = saturating_cast(body, dtype)
         return out if device is None else out.to(device)
 
     def decode_body(self, p: Payload, key: str | None, shape: torch.Size,

@@ -73,6 +73,10 @@ def register(sub: Any) -> None:
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved configuration as JSON and exit")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="check every option here, then start N ranks on this machine "
+                        "(torchrun --standalone --nproc_per_node N -m gradzip train ...): a "
+                        "bad flag or spec fails once, before any rank starts")
     add_config_args(p)
     p.set_defaults(func=run)
 
@@ -163,6 +167,29 @@ def check_environment(cfg: Any) -> None:
         require_wandb()
     _check_inputs(cfg.data)
     _check_run_dir(cfg)
+
+
+def without_nproc(argv: list[str]) -> list[str]:
+    """The command line less ``--nproc N`` (or ``--nproc=N``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def launch_ranks(nproc: int, argv: list[str]) -> int:
+    """Run ``gradzip train`` (``argv``, less --nproc) on ``nproc`` ranks under torchrun,
+    once every option was checked here; torchrun's exit status."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", str(nproc), "-m", "gradzip", *without_nproc(argv)]
+    return subprocess.call(cmd)
 
 
 def _say_if_one_rank(parallel: str) -> None:
@@ -257,8 +284,18 @@ def _check_resumable(cfg: Any, ckpt: Path, meta: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Resolve and check everything, then print the config or train."""
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nproc is not None and "WORLD_SIZE" in os.environ:
+        raise ValueError("--nproc starts torchrun itself: drop it when launching with "
+                         "torchrun")
     cfg = resolve_args(args)
     check_environment(cfg)
+    if args.nproc is not None and args.nproc > 1 and cfg.train.parallel == "none":
+        raise ValueError(f"--nproc {args.nproc} starts {args.nproc} ranks: choose --parallel "
+                         "ddp, fsdp or hsdp")
+    if args.nproc is not None and not args.print_config:
+        return launch_ranks(args.nproc, getattr(args, "argv", None) or sys.argv[1:])
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0

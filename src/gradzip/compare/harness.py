@@ -213,8 +213,10 @@ def add_race_figures(records: list[dict[str, Any]], budget_s: float | None) -> N
                 c = run.record["compare"]
                 target = setting.target_for(run)
                 c["target_val_loss"] = target
+                c["unmeasured"] = run.unmeasured()
                 c["time_to_target_s"] = (time_to_target(run, target)
-                                         if target is not None else None)
+                                         if target is not None and not c["unmeasured"]
+                                         else None)
                 c["quality_budget_s"] = setting.budget_s
                 c["quality_at_time"] = (loss_at_time(run, setting.budget_s)
                                         if setting.budget_s is not None else None)

@@ -47,7 +47,8 @@ COLUMN_HELP = f"""\
 - **val loss at B s**: the validation loss after B seconds of training time, linearly
   interpolated between the two evaluations around it (never extrapolated: "-" if a run's
   evaluations do not span B). By default B is the earliest time at which a run of the
-  setting made its last evaluation, so every run has a value (`--budget-s` sets it).
+  setting made its last evaluation (`--budget-s` sets it): a run whose first evaluation
+  came after B, or that never evaluated, shows "-".
 - **time to target**: training time (step time, evaluation excluded) of the first
   evaluation at or below the run's target: the final validation loss of the baseline run
   with the same seed (same initialization and data order) x {TARGET_FACTOR}, so seed

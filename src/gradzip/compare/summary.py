@@ -15,8 +15,8 @@ uncompressed training soonest". So, within one setting (rate, ranks, link kind):
   runs that never got there are counted, not dropped;
 - its **loss at the time budget** is the validation loss at a fixed training time,
   linearly interpolated between the two evaluations around it (never extrapolated);
-  the default budget is the earliest end of any run's evaluations in the setting, so
-  every run has a value;
+  the default budget is the earliest end of any run's evaluations in the setting (a
+  run whose first evaluation came later has none);
 - **speed-ups** are ratios of mean times to target: first against the best 16-bit
   all-reduce that ran (``torch:bf16`` where the backend has it, else ``torch:fp16``:
   what anyone would use without gradzip), then against the baseline and every
@@ -275,7 +275,8 @@ def _speedup(ref: MethodSummary, row: MethodSummary) -> Speedup | None:
 
 
 def _default_budget(runs: list[Run]) -> float | None:
-    """The earliest end of evaluations over the runs: a time every run has a loss at."""
+    """The earliest end of evaluations over the measured runs (a run whose first
+    evaluation came after it has no loss there)."""
     ends = [t for r in runs if r.unmeasured() is None
             and (t := final_eval_time(r)) is not None]
     return min(ends) if ends else None

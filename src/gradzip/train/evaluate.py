@@ -45,6 +45,31 @@ def evaluate(
     dtype: str = "fp32",
 ) -> dict[str, float]:
     """Mean loss over ``steps`` batches per rank, averaged over ranks; and its perplexity."""
+    mean = rank_mean_loss(model, shards, make_loader=make_loader, batch_size=batch_size,
+                          seq_len=seq_len, steps=steps, rank=rank, world_size=world_size,
+                          device=device, dtype=dtype)
+    (val_loss,) = all_reduce_mean([mean], device)
+    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+
+
+@torch.no_grad()
+def evaluate_as_ranks(model: nn.Module, shards: Any, *, world_size: int,
+                      **kw: Any) -> dict[str, float]:
+    """In one process, what ``evaluate`` gives on ``world_size`` ranks: each rank's own
+    batches (its loader), each rank's mean, then their float64 mean as the ranks'
+    all-reduce computes it. So a checkpoint reproduces the loss its run recorded."""
+    means = torch.tensor([rank_mean_loss(model, shards, rank=r, world_size=world_size, **kw)
+                          for r in range(world_size)], dtype=torch.float64)
+    val_loss = float(means.sum() / world_size)
+    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+
+
+@torch.no_grad()
+def rank_mean_loss(model: nn.Module, shards: Any, *, make_loader: Callable[..., Any],
+                   batch_size: int, seq_len: int, steps: int, rank: int, world_size: int,
+                   device: torch.device, dtype: str = "fp32") -> float:
+    """Mean loss over the ``steps`` validation batches rank ``rank`` of ``world_size``
+    reads (a fresh loader with ``EVAL_SEED``: the same batches every time)."""
     was_training = model.training
     model.eval()
     total = 0.0
@@ -56,8 +81,7 @@ def evaluate(
                 _, loss = model(x.to(device), y.to(device))
             total += loss.item()  # .item() syncs; fine, evaluation is not the hot loop
     model.train(was_training)
-    (val_loss,) = all_reduce_mean([total / steps], device)
-    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+    return total / steps
 
 
 def load_run(ckpt: str | Path, device: torch.device) -> tuple[GPT, JobConfig, Path, Any]:
