@@ -286,3 +286,53 @@ def test_fsdp2_policy_per_unit_and_start_step():
     assert t["aggregation"] == {"plain": 6, "reduce_scatter": 6}
     assert t["calls_by_op"]["all_to_all"] == 2 * 2
     assert t["calls_by_op"]["reduce_scatter"] == 6 + 2
+
+
+# ------------------------------------------------------- plain FSDP2, counted from outside
+def _plain_fsdp2_counted(rank: int) -> dict:
+    """Plain FSDP2 (its own reduce-scatter) under ``NativeCollectives``, with the test's
+    own counting wrapper beneath it: every byte FSDP2 hands to a reduce-scatter."""
+    import torch.distributed as dist
+
+    from gradzip.collectives.linkmodel import link_bytes
+    from gradzip.comm.native import REDUCE_SCATTERS, NativeCollectives
+
+    seen: list[int] = []
+    originals = {n: getattr(dist, n) for n in REDUCE_SCATTERS if hasattr(dist, n)}
+
+    def wrap(original):  # type: ignore[no-untyped-def]
+        def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+            t = kwargs["input"] if "input" in kwargs else args[1]
+            seen.append(t.numel() * t.element_size())
+            return original(*args, **kwargs)
+        return counting
+
+    for name, original in originals.items():
+        setattr(dist, name, wrap(original))
+    native = NativeCollectives()
+    model = _fsdp2(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = _batch(step, rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        native.stats.end_step()
+    native.close()
+    restored = all(getattr(dist, n) is not o for n, o in originals.items())  # the test's
+    for name, original in originals.items():
+        setattr(dist, name, original)
+    expected = sum(link_bytes("reduce_scatter", n, 2, "gloo") for n in seen)
+    return {"totals": native.stats.totals(), "expected": expected, "calls": len(seen),
+            "handed": sum(seen), "wrappers_left_in_place": restored}
+
+
+def test_plain_fsdp2_is_counted_from_outside_without_replacing_its_reduce_scatter():
+    r0, _ = run_ranks(_plain_fsdp2_counted, 2)
+    t = r0["totals"]
+    assert r0["calls"] == 3 * 3  # 3 units (the root holds no parameter), 3 steps
+    assert t["bytes_handed"] == r0["handed"]
+    assert abs(t["bytes_wire"] - r0["expected"]) <= 0.01 * r0["expected"]
+    assert t["bytes_wire"] == t["bytes_raw"] and t["compression_ratio"] == 1.0
+    assert t["calls_by_op"] == {"reduce_scatter": 9} and t["comm_ms"] > 0
+    assert r0["wrappers_left_in_place"]  # close put back only what it had wrapped

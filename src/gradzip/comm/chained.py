@@ -73,7 +73,8 @@ class PendingChecks:
         origin, self._origin = self._origin, None
         for r, start, end, stats in untimed:
             end.synchronize()
-            r.seconds_by_op = {"all_reduce": start.elapsed_time(end) / 1e3}
+            op = next(iter(r.calls_by_op), "all_reduce")
+            r.seconds_by_op = {op: start.elapsed_time(end) / 1e3}
             r.span = (origin.elapsed_time(start) / 1e3, origin.elapsed_time(end) / 1e3)
             stats.record(r)
             stats.release()

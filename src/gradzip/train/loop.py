@@ -464,8 +464,8 @@ class Trainer:
         totals are what this process sent, so a DDP run resumed with a codec also counts
         the one uncompressed synchronization that rebuilds DDP's buckets
         (``settle_ddp_buckets``), as an uninterrupted run counts its uncompressed first
-        step. FSDP without a codec has no communication figures (None): its collectives
-        run inside FSDP, visible only in ``--profile`` traces.
+        step. FSDP without a codec keeps FSDP2's own collectives, counted from outside
+        (``gradzip.comm.native``).
         """
         cfg, info, t, d = self.cfg, self.info, self.cfg.train, self.cfg.data
         p = self.progress

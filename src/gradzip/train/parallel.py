@@ -42,6 +42,7 @@ from gradzip.comm.method import (
     SnooMethod,
     TorchHookMethod,
 )
+from gradzip.comm.native import NativeCollectives
 from gradzip.train.model import GPT
 
 
@@ -325,9 +326,26 @@ class OuterStepped(DataParallel):
 
 
 class FullyShard(Parallelism):
-    """FSDP2; without a codec FSDP's own reduce-scatter runs (no ``CommStats``)."""
+    """FSDP2; without a codec FSDP's own reduce-scatter runs, counted from outside
+    (``gradzip.comm.native``)."""
 
     sharded = True
+
+    def __init__(self, raw: nn.Module, model: nn.Module, handle: Any = None,
+                 native: Any = None) -> None:
+        super().__init__(raw, model, handle)
+        self.native = native  # a NativeCollectives when FSDP2 reduces by itself
+
+    @property
+    def comm_stats(self) -> Any:
+        if self.handle is None and self.native is not None:
+            return self.native.stats
+        return super().comm_stats
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer,
+                       cleanup: contextlib.ExitStack) -> None:
+        if self.native is not None:
+            cleanup.callback(self.native.close)
 
     @contextlib.contextmanager
     def no_sync(self, enabled: bool) -> Iterator[None]:
@@ -380,9 +398,10 @@ def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, method: Method
         return _hsdp(raw, info, cast(CodecMethod, method), node_size, seed=seed,
                      diagnose=diagnose, nonfinite=nonfinite)
     model = apply_fsdp(cast(GPT, raw), info)
-    handle = None if method.plain and capture is None else attach_codec(
-        model, method, seed=seed, diagnose=diagnose, nonfinite=nonfinite, capture=capture)
-    return FullyShard(raw, model, handle)
+    if method.plain and capture is None:
+        return FullyShard(raw, model, native=NativeCollectives())
+    return FullyShard(raw, model, attach_codec(
+        model, method, seed=seed, diagnose=diagnose, nonfinite=nonfinite, capture=capture))
 
 
 def _hsdp(raw: nn.Module, info: DistInfo, method: CodecMethod, node_size: int, *,
@@ -391,7 +410,8 @@ def _hsdp(raw: nn.Module, info: DistInfo, method: CodecMethod, node_size: int, *
     the shard dimension with gradzip reducing the replicate link."""
     mesh = hsdp_mesh(info, node_size)
     if method.plain:
-        return FullyShard(raw, apply_fsdp(cast(GPT, raw), info, mesh), None)
+        return FullyShard(raw, apply_fsdp(cast(GPT, raw), info, mesh),
+                          native=NativeCollectives(mesh.get_group("replicate")))
     model = apply_fsdp(cast(GPT, raw), info, mesh["shard"])
     return FullyShard(raw, model, attach_codec(
         model, method, seed=seed, diagnose=diagnose, nonfinite=nonfinite,
