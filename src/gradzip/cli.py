@@ -58,6 +58,29 @@ def _command_in(argv: list[str]) -> str:
     return first if any(m.endswith("." + first) for m in COMMAND_MODULES) else ""
 
 
+class UsageError(ValueError):
+    """A bad flag, spec or file named on the command line, found before any work: every
+    rank of a torchrun launch finds the same one."""
+
+
+def say_error(command: str, e: Exception) -> None:
+    """Print ``e`` for the user. Under torchrun a ``UsageError`` is said once per node
+    (every rank has the same), with a line on the launcher's report that follows; any
+    other error by every rank that has it, naming the rank."""
+    rank = os.environ.get("RANK") if "TORCHELASTIC_RUN_ID" in os.environ else None
+    if rank is None:
+        print(f"gradzip {command}: error: {e}", file=sys.stderr)
+    elif isinstance(e, UsageError):
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"gradzip {command}: error: {e}", file=sys.stderr)
+            print(f"gradzip {command}: every rank stopped on this error before training; "
+                  "the launcher's report that follows says only that they exited (gradzip "
+                  "train --nproc N checks a command before it starts torchrun)",
+                  file=sys.stderr)
+    else:
+        print(f"gradzip {command} (rank {rank}): error: {e}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser(only=_command_in(sys.argv[1:] if argv is None else argv))
     args, extras = parser.parse_known_args(argv)
@@ -87,13 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         if getattr(args, "debug", False):
             raise
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun: once per node
-            print(f"gradzip {args.command}: error: {e}", file=sys.stderr)
-            if "TORCHELASTIC_RUN_ID" in os.environ:
-                print(f"gradzip {args.command}: every rank stopped on this error; the "
-                      "launcher's report that follows says only that they exited (check "
-                      "a command before launching it: gradzip train --nproc N ... "
-                      "validates, then starts torchrun)", file=sys.stderr)
+        say_error(args.command, e)
         return 2
     return int(result or 0)
 

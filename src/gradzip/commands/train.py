@@ -169,6 +169,21 @@ def check_environment(cfg: Any) -> None:
     _check_run_dir(cfg)
 
 
+def checked_config(args: argparse.Namespace) -> Any:
+    """The run's config, checked against this machine; what fails here is a usage error
+    (``cli.UsageError``: every rank of a launch finds the same)."""
+    from gradzip.cli import UsageError
+
+    try:
+        cfg = resolve_args(args)
+        check_environment(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        if getattr(args, "debug", False):
+            raise
+        raise UsageError(str(e)) from e
+    return cfg
+
+
 def without_nproc(argv: list[str]) -> list[str]:
     """The command line less ``--nproc N`` (or ``--nproc=N``)."""
     out, skip = [], False
@@ -289,8 +304,7 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and "WORLD_SIZE" in os.environ:
         raise ValueError("--nproc starts torchrun itself: drop it when launching with "
                          "torchrun")
-    cfg = resolve_args(args)
-    check_environment(cfg)
+    cfg = checked_config(args)
     if args.nproc is not None and args.nproc > 1 and cfg.train.parallel == "none":
         raise ValueError(f"--nproc {args.nproc} starts {args.nproc} ranks: choose --parallel "
                          "ddp, fsdp or hsdp")
