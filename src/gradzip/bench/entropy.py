@@ -58,6 +58,9 @@ def register(sub: Any) -> None:
                    help="symbols per synthetic input (default 4M)")
     p.add_argument("--repeat", type=int, default=3, help="timing repeats; the best counts")
     p.add_argument("--no-real", action="store_true", help="skip the real-gradient inputs")
+    p.add_argument("--floats-only", action="store_true",
+                   help="only the exact coding of real float gradients (lossless, zstd, "
+                        "zipnn)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
@@ -202,16 +205,20 @@ def bench_floats(seed: int, repeat: int) -> list[dict[str, Any]]:
 
 
 def _bench_float(name: str, x: torch.Tensor, zname: str, repeat: int) -> list[dict[str, Any]]:
+    import gradzip
     from gradzip.codecs.base import CodecState
     from gradzip.codecs.entropy.bytecoders import Zstd
     from gradzip.codecs.entropy.floatcodec import LosslessFloat
 
     codec, zstd = LosslessFloat(), Zstd()
+    chain = gradzip.codec("lossless")
     slot = CodecState().slot(0, "bench")  # the float codec keeps no state; encode wants one
     raw = x.numel() * x.element_size()
     candidates: list[tuple[str, Callable, Callable, Callable | None]] = [
         ("lossless", partial(codec.encode, x, slot),
          lambda p: codec.decode(p, x.shape, None), None),
+        # what a hook pays: the chain, with its input checks (finiteness included)
+        ("lossless (chain)", partial(chain.encode, x, "bench"), chain.decode, None),
         ("zstd-3 raw bytes", partial(zstd.encode_field, x), zstd.decode_field, None),
     ]
     try:
@@ -318,6 +325,10 @@ def check_bars(sym: list[dict[str, Any]], flt: list[dict[str, Any]]) -> dict[str
         zipnn = by.get((inp, "zipnn"))
         if zipnn is not None:
             bars[f"lossless ratio >= zipnn ({inp})"] = ours["ratio"] >= zipnn["ratio"]
+            chain = by.get((inp, "lossless (chain)"))
+            if chain is not None:  # what a hook pays, its finiteness check included
+                bars[f"lossless (chain) encode >= zipnn ({inp})"] = (
+                    chain["encode_mbps"] >= zipnn["encode_mbps"])
             for way in ("encode", "decode"):
                 bars[f"lossless {way} >= zipnn ({inp})"] = (
                     ours[f"{way}_mbps"] >= zipnn[f"{way}_mbps"])
@@ -330,13 +341,14 @@ def _fmt(v: Any, spec: str = ".1f") -> str:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
-    inputs = [(k, synthetic(k, args.symbols, args.seed))
-              for k in ("gaussian", "laplace", "gengauss0.5")]
-    if not args.no_real:
+    inputs = [] if args.floats_only else [(k, synthetic(k, args.symbols, args.seed))
+                                          for k in ("gaussian", "laplace", "gengauss0.5")]
+    if not args.no_real and not args.floats_only:
         inputs.append(("real gradients (int8)", real_int8(args.seed)))
     sym = [r for name, t in inputs for r in bench_symbols(name, t, args.repeat)]
     flt = [] if args.no_real else bench_floats(args.seed, args.repeat)
-    study = [] if args.no_real else bench_exponent_tables(args.seed, args.repeat)
+    study = [] if args.no_real or args.floats_only else bench_exponent_tables(args.seed,
+                                                                              args.repeat)
     bars = check_bars(sym, flt)
     if args.json:
         print(json.dumps({"symbols": sym, "floats": flt, "exponent_tables": study,

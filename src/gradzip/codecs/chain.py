@@ -238,15 +238,9 @@ class Codec:
             raise TypeError(f"codec input must be a floating-point tensor, got {x.dtype}")
         if x.dtype not in DTYPE_CODE:
             raise TypeError(f"codec input dtype {x.dtype} is not supported")
-        # one vectorised pass and one host read: NaN and +-inf make a sum non-finite, so
-        # a finite sum proves every element finite (for fp32/fp64 the sum is the
-        # cheapest pass); 16-bit sums overflow, so they, and an fp32 sum that overflowed,
-        # take the exact test
         if x.numel() == 0 or x.device.type == "meta":  # meta: shapes only, no values
             return True
-        if x.element_size() >= 4 and math.isfinite(float(x.detach().sum())):
-            return True
-        return bool(torch.isfinite(x.detach()).all())
+        return not bool(nonfinite_flag(x.detach()))  # one pass, one host read
 
     def encode(self, x: torch.Tensor, key: str = "", shapes: Shapes | None = None) -> Payload:
         """Compress ``x``; stateful stages update their state for ``key``.
@@ -550,6 +544,16 @@ def _refuse_positional_state_after_first(body: list[Stage]) -> None:
                 f"(e.g. '{s.name}' alone), or, for error feedback after a sparsifier, wrap "
                 f"a stateless compressor: 'ef | {prev.spec} | qsgd'"
             )
+
+
+def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor on ``x``'s device: whether non-empty ``x`` holds NaN or +-Inf.
+
+    One reduction pass and no host read: ``aminmax`` propagates NaN and keeps +-Inf, and
+    cannot overflow, so both ends are finite exactly when every value is. On one CPU core
+    it costs what a sum does (9 ms on 26M fp32 values), where ``isfinite(x).all()``
+    writes a bool per value first (150-230 ms here)."""
+    return ~torch.isfinite(torch.stack(torch.aminmax(x))).all()
 
 
 def checked_shapes(shapes: Shapes | None, numel: int) -> tuple[torch.Size, ...] | None:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradzip.codecs.chain import Codec
+from gradzip.codecs.chain import Codec, nonfinite_flag
 from gradzip.codecs.nonfinite import agreed_nonfinite_error
 from gradzip.collectives.linkmodel import link_bytes
 from gradzip.comm.communicator import TorchCommunicator
@@ -118,7 +118,7 @@ def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor
     # sum. Under 'propagate' only ``none`` runs here (``chainable``) and NaN/Inf cross
     # its all-reduce whole, as with DDP's own.
     check = not plain and codec.nonfinite == "error" and buffer.numel() > 0
-    bad = ~torch.isfinite(buffer).all() if check else None
+    bad = nonfinite_flag(buffer) if check else None  # on the device: no host read
     if plain:
         leaves = [buffer.div_(world)]
         payload = None
