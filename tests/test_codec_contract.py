@@ -284,3 +284,20 @@ def test_fresh_builds_the_same_chain_from_the_stages_without_parsing(name: str) 
     assert (f.state.seed, f.state.rank, f.aggregate) == (5, 3, "gather")
     assert not f.state.records and all(a is not b for a, b in zip(f.stages, c.stages,
                                                                   strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16,
+                                   torch.float64])
+def test_the_finiteness_check_is_exact(dtype: torch.dtype) -> None:
+    """One aminmax pass decides: values whose sum overflows are still finite; a single
+    NaN, +Inf or -Inf anywhere is not."""
+    from gradzip.codecs.chain import Codec, nonfinite_flag
+
+    big = torch.full((1000,), torch.finfo(dtype).max, dtype=dtype)  # the sum overflows
+    assert Codec.is_finite(big) and not bool(nonfinite_flag(big))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, 517, 999):
+            x = big.clone() if at % 2 else torch.randn(1000).to(dtype)
+            x[at] = bad
+            assert not Codec.is_finite(x) and bool(nonfinite_flag(x)), (bad, at)
+    assert Codec.is_finite(torch.empty(0, dtype=dtype))
