@@ -497,6 +497,22 @@ class Codec:
                 found = True
         return sq ** 0.5 if found else None
 
+    def take_residual(self, key: str, numel: int) -> torch.Tensor | None:
+        """Remove and return the error-feedback memory of ``key`` (``ef``'s residual or a
+        stage's own) when it holds ``numel`` values, summed over the stages that keep
+        one; None when there is none. What a caller that stops using this codec adds to
+        its next gradient, so that no dropped mass is lost."""
+        total: torch.Tensor | None = None
+        for k in self._records(key):
+            data = self.state.records[k]["data"]
+            residual = data.get("residual")
+            if k[1] == key and isinstance(residual, torch.Tensor) \
+                    and residual.numel() == numel:
+                del data["residual"]
+                flat = residual.reshape(-1)
+                total = flat.clone() if total is None else total.add_(flat)
+        return total
+
     def drop(self, prefix: str) -> int:
         """Forget all state of ``prefix`` and its sub-keys; returns how many records."""
         keys = self._records(prefix)

@@ -39,7 +39,8 @@ from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import CommStats
 
 if TYPE_CHECKING:
-    from gradzip.comm.method import CodecMethod
+    from gradzip.comm.auto import AutoOptions
+    from gradzip.comm.method import AutoMethod, CodecMethod
 
 
 class Handle:
@@ -108,7 +109,7 @@ class Handle:
 
 def attach(
     model: nn.Module,
-    spec: str | Codec | dict[str, Any] | Policy | CodecMethod,
+    spec: str | Codec | dict[str, Any] | Policy | CodecMethod | AutoMethod | AutoOptions,
     *,
     process_group: dist.ProcessGroup | None = None,
     seed: int = 0,
@@ -148,6 +149,15 @@ def attach(
     nodes, then share within the node (``gradzip.aggregation.hierarchical``); the
     stats report the ``intra_node`` and ``inter_node`` links.
     """
+    from gradzip.comm.auto import is_auto
+
+    if getattr(spec, "kind", None) == "auto":  # a parsed ``AutoMethod``
+        spec = spec.options  # type: ignore[union-attr]
+    if is_auto(spec):
+        return attach_auto(model, spec, process_group=process_group, seed=seed,
+                           diagnose=diagnose, nonfinite=nonfinite, groups=groups,
+                           start_step=start_step, aggregate=aggregate, capture=capture,
+                           replicate_group=replicate_group, node_size=node_size)
     rep_spec, shard_spec = split_spec(spec) if replicate_group is not None else (None, spec)
     built = partial(_built, groups=groups, start_step=start_step, seed=seed,
                     nonfinite=nonfinite, aggregate=aggregate)
@@ -174,6 +184,38 @@ def attach(
     if capture is not None:
         apply_capture(handle, model, capture, policy)
     return handle
+
+
+def attach_auto(model: nn.Module, spec: Any, *, process_group: dist.ProcessGroup | None,
+                seed: int, diagnose: bool, nonfinite: str, groups: Any, start_step: Any,
+                aggregate: Any, capture: Any, replicate_group: Any, node_size: int) -> Any:
+    """``auto`` on a DDP model (``gradzip.comm.auto``); what it cannot do yet is refused
+    here, before anything runs."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradzip.comm.auto import AutoHandle, AutoOptions, AutoState, auto_hook
+
+    options = AutoOptions.parse(spec)  # an unknown candidate raises first
+    refused = [name for name, given in (
+        ("groups", groups), ("start_step", start_step), ("aggregate", aggregate),
+        ("capture", capture), ("replicate_group (HSDP)", replicate_group),
+        ("node_size (hierarchical DDP)", node_size)) if given]
+    if refused:
+        raise ValueError(f"auto chooses among whole codecs on flat DDP; it does not take "
+                         f"{', '.join(refused)} yet: name a codec spec instead")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("gradzip.attach needs torch.distributed initialized")
+    if not isinstance(model, DistributedDataParallel):
+        raise ValueError(f"auto runs on DistributedDataParallel models for now, not "
+                         f"{type(model).__name__}: attach a codec spec (e.g. 'int8') to "
+                         "FSDP")
+    _refuse_paths(model, capture=False, node_size=0, replicate=False)
+    group = process_group if process_group is not None else model.process_group
+    start = START_ITERATION_STATIC_GRAPH if model.static_graph else START_ITERATION
+    state = AutoState(options, group, seed=seed, nonfinite=nonfinite, diagnose=diagnose,
+                      start_iteration=start)
+    model.register_comm_hook(state, auto_hook)
+    return AutoHandle(state)
 
 
 def _built(spec: Any, *, groups: dict[str, str] | None, start_step: int | None, seed: int,

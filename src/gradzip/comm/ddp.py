@@ -89,10 +89,11 @@ class DDPCommState:
     def __init__(self, codec: Codec, process_group: dist.ProcessGroup | None = None,
                  diagnose: bool = False, start_iteration: int = START_ITERATION,
                  group_codecs: Sequence[Codec] = (),
-                 groups: dict[int, int] | None = None, node_size: int = 0) -> None:
+                 groups: dict[int, int] | None = None, node_size: int = 0,
+                 stats: CommStats | None = None) -> None:
         self.codecs = [codec, *group_codecs]
         self.start_iteration = start_iteration
-        self.stats = CommStats()
+        self.stats = stats if stats is not None else CommStats()
         self.group = private_group(process_group)
         self.comm = TorchCommunicator(self.group)
         self.reducers = [Reducer(c, self.stats, diagnose=diagnose) for c in self.codecs]
@@ -236,12 +237,12 @@ def gradzip_hook(state: DDPCommState, bucket: dist.GradBucket) -> torch.futures.
                         "use the default optimize_ddp")
     capture = state.capture
     if capture is None or not capture.active:
-        return _reduce_bucket(state, bucket)
+        return reduce_bucket(state, bucket)
     index, params = bucket.index(), bucket.parameters()
     names = [state.names.get(id(p), f"param{k}") for k, p in enumerate(params)]
     shapes = [tuple(p.shape) for p in params]
     capture.record(index, names, shapes, bucket.buffer())
-    fut = _reduce_bucket(state, bucket)
+    fut = reduce_bucket(state, bucket)
     if not capture.aggregated:
         return fut
 
@@ -254,7 +255,7 @@ def gradzip_hook(state: DDPCommState, bucket: dist.GradBucket) -> torch.futures.
     return fut.then(record_mean)
 
 
-def _reduce_bucket(state: DDPCommState, bucket: dist.GradBucket) -> torch.futures.Future:
+def reduce_bucket(state: DDPCommState, bucket: dist.GradBucket) -> torch.futures.Future:
     """The mean of ``bucket`` over ranks, through the policy's codecs."""
     buffer = bucket.buffer()
     index = bucket.index()

@@ -31,11 +31,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from gradzip.codecs.chain import Codec
 from gradzip.codecs.registry import SpecError
 from gradzip.comm.attach import refuse_flat, unit_group
+from gradzip.comm.auto import AutoOptions, is_auto
 from gradzip.comm.outer import OUTER_KINDS, check_options
 from gradzip.comm.policy import Policy
 from gradzip.comm.torch_hooks import HOOKS, PREFIX, parse_torch_method
@@ -162,6 +163,35 @@ class TorchHookMethod:
         if parallel != "ddp":
             raise ValueError(f"--codec {self} is a PyTorch DDP comm hook: it needs "
                              f"--parallel ddp (got {parallel})")
+
+    def train_flags(self) -> list[str]:
+        return ["--codec", str(self)]
+
+
+@dataclass(frozen=True)
+class AutoMethod:
+    """``auto``: on DDP, the 16-bit all-reduce unless a candidate codec is measurably
+    faster on this run's link and hardware (``comm/auto.py``)."""
+
+    options: AutoOptions
+    kind: ClassVar[str] = "auto"
+
+    def __str__(self) -> str:
+        return str(self.options)
+
+    @property
+    def codecs(self) -> list[Codec]:
+        """Every candidate's codec (to compile their kernels before a run is timed)."""
+        return [Codec.from_spec(c) for c in self.options.candidates]
+
+    def to_json(self) -> dict[str, Any]:
+        return self.options.to_json()
+
+    def check(self, *, parallel: str, **_: Any) -> None:
+        if parallel != "ddp":
+            raise ValueError(f"--codec {self} chooses among whole codecs on DDP for now: "
+                             f"it needs --parallel ddp (got {parallel}); on FSDP or HSDP "
+                             "name a codec")
 
     def train_flags(self) -> list[str]:
         return ["--codec", str(self)]
@@ -305,7 +335,7 @@ class SnooMethod:
                 *self.step_method.train_flags()]
 
 
-Method = CodecMethod | TorchHookMethod | LocalUpdateMethod | SnooMethod
+Method = CodecMethod | TorchHookMethod | LocalUpdateMethod | SnooMethod | AutoMethod
 
 
 def parse_method(text: str | Policy | Codec | dict[str, Any] | list[Any], *,
@@ -319,6 +349,9 @@ def parse_method(text: str | Policy | Codec | dict[str, Any] | list[Any], *,
     if isinstance(text, str) and text.strip().startswith(PREFIX):
         _refuse_policy_options(text, groups, start_step)
         return TorchHookMethod.parse(text)
+    if is_auto(text):
+        _refuse_policy_options(str(text), groups, start_step)
+        return AutoMethod(AutoOptions.parse(cast(str, text)))
     if isinstance(text, str) and (local := _local(text)) is not None:
         _refuse_policy_options(text, groups, start_step)
         return local
@@ -409,5 +442,5 @@ def every_codec(methods: Iterable[Method]) -> list[Codec]:
     return [c for m in methods if not isinstance(m, TorchHookMethod) for c in m.codecs]
 
 
-__all__ = ["CodecMethod", "LocalUpdateMethod", "Method", "SnooMethod", "SpecError",
+__all__ = ["AutoMethod", "CodecMethod", "LocalUpdateMethod", "Method", "SnooMethod", "SpecError",
            "TorchHookMethod", "every_codec", "local_method", "parse_method", "sparseloco_codec"]

@@ -157,7 +157,7 @@ class ScriptHandle:
     def __init__(self, model: Any, launch: Launch, **options: Any) -> None:
         import torch.distributed as dist
 
-        from gradzip.comm.method import CodecMethod, TorchHookMethod, parse_method
+        from gradzip.comm.method import AutoMethod, CodecMethod, TorchHookMethod, parse_method
 
         self.launch = launch
         self.run_dir = launch.run_dir or default_run_dir()
@@ -169,7 +169,7 @@ class ScriptHandle:
             from gradzip.comm.torch_hooks import attach_torch
 
             self.handle: Any = attach_torch(model, str(self.method))
-        elif isinstance(self.method, CodecMethod):
+        elif isinstance(self.method, CodecMethod | AutoMethod):
             from gradzip.comm.attach import attach as attach_spec
 
             options.setdefault("seed", launch.seed)
@@ -263,6 +263,7 @@ def build_record(h: ScriptHandle) -> dict[str, Any]:
         "step_time_ms_p95": percentile(timed, 95),
         "phase_ms_mean": {"comm": comm_ms / h.clock.steps} if h.clock.steps else {},
         "comm_ratio": comm_ms / sum(h.clock.step_ms) if sum(h.clock.step_ms) else None,
+        "auto": h.handle.report() if hasattr(h.handle, "report") else None,
         **comm,
         **peak_memory(h.device),
     }

@@ -497,6 +497,7 @@ class Trainer:
             **self.metrics.communication(),
             **self.metrics.counters(),
             "ef_memory_bytes": _state_bytes(self.par.codec_state()),
+            "auto": self.par.auto_report(),
             # collective: every rank's weights digest (the synchronized weights)
             "replicas_identical": replicas_identical(self.par.replica_digest()),
             "compile_s": round(self.compile_s, 3),

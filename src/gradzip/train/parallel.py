@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradzip.comm.method import (
+    AutoMethod,
     CodecMethod,
     LocalUpdateMethod,
     Method,
@@ -167,7 +168,7 @@ def hsdp_mesh(info: DistInfo, node_size: int) -> Any:
                             mesh_dim_names=("replicate", "shard"))
 
 
-def attach_codec(model: nn.Module, method: CodecMethod, *, seed: int, diagnose: bool,
+def attach_codec(model: nn.Module, method: CodecMethod | AutoMethod, *, seed: int, diagnose: bool,
                  nonfinite: str = "error", capture: Any = None,
                  replicate_group: Any = None, node_size: int = 0) -> Any:
     """Install the gradient codec (and the capture, if any) on a DDP or FSDP2 module
@@ -222,6 +223,11 @@ class Parallelism:
     def evaluation_weights(self) -> contextlib.AbstractContextManager[None]:
         """The weights validation runs on (``LocalUpdates``: the synchronized ones)."""
         return contextlib.nullcontext()
+
+    def auto_report(self) -> dict[str, Any] | None:
+        """What ``auto`` chose, from which step, on which costs; None for other methods."""
+        report = getattr(self.handle, "report", None)
+        return report() if callable(report) else None
 
     def replica_digest(self) -> str | None:
         """A digest of the weights every rank must hold bit for bit (the synchronized
@@ -379,6 +385,13 @@ def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, method: Method
                                              **method.options()))
     if isinstance(method, TorchHookMethod):
         return _torch_hook_ddp(raw, info, method, bucket_cap_mb)
+    if isinstance(method, AutoMethod):
+        if parallel != "ddp" or hierarchical or capture is not None:
+            raise ValueError(f"--codec {method} runs on flat DDP for now: not with "
+                             "--hierarchical, --capture or FSDP/HSDP")
+        model = apply_ddp(raw, info, bucket_cap_mb=bucket_cap_mb)
+        return DataParallel(raw, model, attach_codec(model, method, seed=seed,
+                                                     diagnose=diagnose, nonfinite=nonfinite))
     if isinstance(method, SnooMethod):
         from gradzip.train.snoo import NesterovOuterStep
 

@@ -1,0 +1,400 @@
+"""``auto``: the 16-bit all-reduce, unless a candidate codec is measurably faster here.
+
+``gradzip.attach(ddp_model, "auto")`` (or ``"auto(candidates='fp16; int8', margin=0.05)"``)
+reduces every DDP bucket through one of its candidates, whole codecs tried in place:
+
+- **What is compared** is what a step pays: the wall time from one step's first bucket
+  to the next step's first bucket (forward, backward with the reductions it waits for,
+  encode and decode, the optimizer step), the median over a trial's steps.
+- **Trials.** After ``warmup`` steps (DDP's plain first step among them) every candidate
+  runs ``trial_steps`` steps in turn, the first of each left out (its caches and state
+  warm up). Trials repeat every ``every`` steps, and as soon as the chosen candidate's
+  step time drifts by more than ``drift`` from what its trial measured (checked every
+  ``window`` steps), as when a link slows down.
+- **Agreed on every rank.** The schedule is a function of the step count, and every
+  figure a decision reads is first all-reduced with MAX over the ranks (one small
+  collective per trial and per window, on a group of its own): the slowest rank's cost
+  decides, so ranks that measure differently still choose alike.
+- **Hysteresis.** The reference is the first candidate (the 16-bit all-reduce by
+  default); another replaces the current choice only if its cost is lower by more than
+  ``margin`` (5%).
+- **Nothing lost in a switch.** Leaving a codec whose error feedback holds residuals,
+  each bucket's residual is added to that bucket's next gradient; memories a stage keeps
+  in another form stay in its codec's state, carried until it runs again.
+- **Checkpointed and recorded.** ``state_dict`` holds the schedule, the choice, the
+  measured costs and every candidate's codec state; ``report()`` lists what was chosen,
+  from which step, on which agreed costs.
+
+The candidates are codecs; ``auto`` never looks inside them. It runs on flat DDP;
+FSDP, HSDP and hierarchical DDP refuse it when attached.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradzip.codecs.chain import Codec
+from gradzip.comm.ddp import DDPCommState, build_codec, private_group, reduce_bucket
+from gradzip.comm.stats import CommStats
+
+#: the default candidates: the 16-bit all-reduce first (the reference), then the codecs
+#: whose loss the long race shows within seed noise of DDP (docs/benchmarks/long.md)
+DEFAULT_CANDIDATES = ("fp16", "int8")
+_AUTO = re.compile(r"^\s*auto\s*(?:\((?P<body>.*)\))?\s*$", re.DOTALL)
+_OPTION = re.compile(r"\s*(\w+)\s*=\s*(\"[^\"]*\"|'[^']*'|[^,]+?)\s*(?:,|$)")
+
+
+def is_auto(spec: Any) -> bool:
+    """Whether ``spec`` names the ``auto`` method."""
+    return isinstance(spec, AutoOptions) or (isinstance(spec, str)
+                                             and _AUTO.match(spec) is not None)
+
+
+@dataclass(frozen=True)
+class AutoOptions:
+    """``auto(...)``'s options, each with its default."""
+
+    #: whole codecs, the reference (used unless another is measurably faster) first
+    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
+    #: how much cheaper (a fraction of the current choice's cost) a switch must be
+    margin: float = 0.05
+    #: synchronized steps before the first trial (DDP's plain first step among them)
+    warmup: int = 3
+    #: steps each candidate runs in a trial; the first of them is not measured
+    trial_steps: int = 6
+    #: steps from one trial to the next
+    every: int = 500
+    #: steps between drift checks of the current choice
+    window: int = 50
+    #: relative change of the current choice's step time that starts a new trial
+    drift: float = 0.25
+
+    @classmethod
+    def parse(cls, text: str | AutoOptions) -> AutoOptions:
+        """``auto`` or ``auto(candidates="fp16; int8 | ans", margin=0.1, ...)``;
+        ValueError names what is wrong (an unknown candidate raises its SpecError)."""
+        if isinstance(text, AutoOptions):
+            return text
+        m = _AUTO.match(text)
+        if m is None:
+            raise ValueError(f"not an auto method: {text!r}")
+        body = (m.group("body") or "").strip()
+        values: dict[str, Any] = {}
+        pos = 0
+        while pos < len(body):
+            opt = _OPTION.match(body, pos)
+            if opt is None or opt.end() == pos:
+                raise ValueError(f"auto: cannot read options {body[pos:]!r}: write them as "
+                                 "name=value, e.g. auto(candidates=\"fp16; int8\")")
+            values[opt.group(1)] = opt.group(2).strip("\"'")
+            pos = opt.end()
+        return cls.from_values(values)
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> AutoOptions:
+        known = cls.__dataclass_fields__
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"auto: unknown option(s) {', '.join(unknown)}; it takes "
+                             f"{', '.join(known)}")
+        out = cls()
+        for name, raw in values.items():
+            if name == "candidates":
+                names = raw if isinstance(raw, list | tuple) else str(raw).split(";")
+                out = replace(out, candidates=tuple(c.strip() for c in names if c.strip()))
+            else:
+                kind = type(getattr(out, name))
+                try:
+                    out = replace(out, **{name: kind(raw)})
+                except ValueError:
+                    raise ValueError(f"auto: {name} must be a {kind.__name__}, got "
+                                     f"{raw!r}") from None
+        out.check()
+        return out
+
+    def check(self) -> None:
+        """Values that cannot work, and candidates that are not gradzip codecs."""
+        if len(self.candidates) < 1:
+            raise ValueError("auto: name at least one candidate")
+        if len(set(self.candidates)) != len(self.candidates):
+            raise ValueError(f"auto: a candidate is named twice in {list(self.candidates)}")
+        for c in self.candidates:
+            if c.startswith("torch:") or c.startswith("auto"):
+                raise ValueError(f"auto: candidate {c!r} is not a gradzip codec spec")
+            Codec.from_spec(c)  # SpecError for an unknown stage or parameter
+        if not 0.0 <= self.margin < 1.0:
+            raise ValueError(f"auto: margin must be in [0, 1), got {self.margin}")
+        if self.trial_steps < 2:
+            raise ValueError(f"auto: trial_steps must be >= 2 (the first is warm-up), "
+                             f"got {self.trial_steps}")
+        if self.warmup < 1 or self.window < 1 or self.drift <= 0:
+            raise ValueError("auto: warmup and window must be >= 1, drift > 0")
+        if self.every < len(self.candidates) * self.trial_steps:
+            raise ValueError(f"auto: every ({self.every}) must cover a whole trial "
+                             f"({len(self.candidates)} x {self.trial_steps} steps)")
+
+    def __str__(self) -> str:
+        default = AutoOptions()
+        parts = [f'candidates="{"; ".join(self.candidates)}"'] \
+            if self.candidates != default.candidates else []
+        parts += [f"{k}={getattr(self, k)}" for k in self.__dataclass_fields__
+                  if k != "candidates" and getattr(self, k) != getattr(default, k)]
+        return f"auto({', '.join(parts)})" if parts else "auto"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"auto": {k: (list(v) if isinstance(v, tuple) else v)
+                         for k, v in self.__dict__.items()}}
+
+
+@dataclass
+class Decision:
+    """One choice: from which step, which candidate, on which agreed costs (ms/step)."""
+
+    from_step: int
+    method: str
+    costs_ms: dict[str, float]
+    why: str
+
+
+@dataclass
+class AutoController:
+    """The schedule and the choice, from step times only (no torch.distributed): ``agree``
+    maps this rank's figures to the same figures on every rank (the MAX over ranks)."""
+
+    options: AutoOptions
+    agree: Callable[[list[float]], list[float]]
+    step: int = 0  # synchronized steps begun so far: the current step's number (from 1)
+    choice: int = 0
+    trial_start: int | None = None  # the step the running trial began at
+    next_trial: int = 0
+    chosen_cost: float | None = None  # the agreed cost of the choice at its trial
+    samples: dict[int, list[float]] = field(default_factory=dict)  # candidate -> ms
+    window_ms: list[float] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.next_trial = self.next_trial or self.options.warmup
+
+    def active(self) -> int:
+        """The candidate that runs the current step."""
+        if self.trial_start is None:
+            return self.choice
+        return min((self.step - self.trial_start) // self.options.trial_steps,
+                   len(self.options.candidates) - 1)
+
+    def begin_step(self, last_step_ms: float | None) -> int:
+        """Account the step that just ended (``last_step_ms``; None for the first), move
+        the schedule on, and return the candidate of the step that begins now."""
+        if last_step_ms is not None:
+            self._account(last_step_ms)
+        self.step += 1
+        o = self.options
+        if self.trial_start is not None and \
+                self.step - self.trial_start >= len(o.candidates) * o.trial_steps:
+            self._decide()
+        if self.trial_start is None and self.step >= self.next_trial:
+            if len(o.candidates) > 1:
+                self.trial_start, self.samples = self.step, {}
+            self.next_trial = self.step + o.every
+        return self.active()
+
+    def _account(self, ms: float) -> None:
+        """File the step that just ended (its number is ``self.step``; steps count
+        from 1)."""
+        o, ended = self.options, self.step
+        if self.trial_start is not None and ended >= self.trial_start:
+            offset = ended - self.trial_start
+            if offset % o.trial_steps:  # the first step of each candidate warms it up
+                self.samples.setdefault(offset // o.trial_steps, []).append(ms)
+            return
+        if self.chosen_cost is None or ended < o.warmup:
+            return
+        self.window_ms.append(ms)
+        if len(self.window_ms) >= o.window:
+            (agreed,) = self.agree([statistics.median(self.window_ms)])
+            self.window_ms = []
+            if abs(agreed - self.chosen_cost) > o.drift * self.chosen_cost:
+                self.next_trial = self.step  # retried from the next step on
+
+    def _decide(self) -> None:
+        """Agree on every candidate's cost and choose (module docstring: hysteresis)."""
+        o = self.options
+        local = [statistics.median(self.samples[i]) if self.samples.get(i) else float("inf")
+                 for i in range(len(o.candidates))]
+        costs = self.agree(local)
+        best = min(range(len(costs)), key=lambda i: (costs[i], i))
+        current = self.choice
+        if costs[best] < (1.0 - o.margin) * costs[current]:
+            choice, why = best, (f"{(1 - costs[best] / costs[current]) * 100:.1f}% cheaper "
+                                 f"than {o.candidates[current]}")
+        else:
+            choice, why = current, f"no candidate more than {o.margin:.0%} cheaper"
+        self.choice, self.trial_start = choice, None
+        self.chosen_cost, self.window_ms = costs[choice], []
+        self.decisions.append(Decision(self.step, o.candidates[choice],
+                                       dict(zip(o.candidates, costs, strict=True)), why))
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "choice": self.choice, "trial_start": self.trial_start,
+                "next_trial": self.next_trial, "chosen_cost": self.chosen_cost,
+                "samples": {str(k): v for k, v in self.samples.items()},
+                "window_ms": list(self.window_ms),
+                "decisions": [d.__dict__ for d in self.decisions],
+                "candidates": list(self.options.candidates)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd.get("candidates") != list(self.options.candidates):
+            raise ValueError(f"auto state was saved for candidates {sd.get('candidates')}, "
+                             f"this run has {list(self.options.candidates)}")
+        self.step, self.choice = int(sd["step"]), int(sd["choice"])
+        self.trial_start, self.next_trial = sd["trial_start"], int(sd["next_trial"])
+        self.chosen_cost = sd["chosen_cost"]
+        self.samples = {int(k): list(v) for k, v in sd["samples"].items()}
+        self.window_ms = list(sd["window_ms"])
+        self.decisions = [Decision(**d) for d in sd["decisions"]]
+
+
+class AutoState:
+    """The DDP hook's state under ``auto``: one ``DDPCommState`` per candidate, one
+    ``CommStats`` for all of them, and the controller."""
+
+    def __init__(self, options: AutoOptions, process_group: dist.ProcessGroup | None,
+                 *, seed: int, nonfinite: str, diagnose: bool, start_iteration: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.options = options
+        self.stats = CommStats()
+        self.codecs = [build_codec(c, seed=seed, nonfinite=nonfinite)
+                       for c in options.candidates]
+        self.candidates = [DDPCommState(c, process_group, diagnose=diagnose,
+                                        start_iteration=start_iteration, stats=self.stats)
+                           for c in self.codecs]
+        self.group = private_group(process_group)  # the controller's own collectives
+        self.controller = AutoController(options, self._agree)
+        self.clock = clock
+        self.iteration = 0  # synchronized backward passes, as DDPCommState counts them
+        self._seen = -1  # the iteration whose first bucket came last
+        self._began: float | None = None
+        self.current = 0
+        self._leaving: Codec | None = None  # the codec switched from, this step
+
+    def _agree(self, values: list[float]) -> list[float]:
+        """The MAX of ``values`` over the ranks (every rank gets the same list)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
+    def route(self, bucket: dist.GradBucket) -> DDPCommState:
+        """The candidate that reduces ``bucket`` (the first bucket of a step moves the
+        controller on; a switch queues the old codec's residuals for the new one)."""
+        if self._seen != self.iteration:
+            self._seen = self.iteration
+            now = self.clock()
+            last = None if self._began is None else (now - self._began) * 1e3
+            self._began = now
+            chosen = self.controller.begin_step(last)
+            if chosen != self.current:
+                self._switch(self.current, chosen)
+        state = self.candidates[self.current]
+        state.iteration = self.iteration  # one count of steps for every candidate
+        if bucket.is_last():
+            self.iteration += 1
+        return state
+
+    def _switch(self, old: int, new: int) -> None:
+        """Run ``new`` from this step on; ``old``'s error-feedback residuals are added
+        to the next gradient of their buckets (``flush``)."""
+        self._leaving = self.codecs[old]
+        self.current = new
+
+    def flush(self, bucket: dist.GradBucket) -> None:
+        """Add what the codec left behind holds for this bucket to its gradient."""
+        leaving = self._leaving
+        if leaving is None:
+            return
+        buffer = bucket.buffer()
+        residual = leaving.take_residual(f"bucket{bucket.index()}", buffer.numel())
+        if residual is not None:
+            buffer.add_(residual.to(buffer))
+        if bucket.is_last():
+            self._leaving = None
+
+    def report(self) -> dict[str, Any]:
+        """What ``auto`` chose, from which step, on which agreed costs."""
+        c = self.controller
+        return {"method": str(self.options), "candidates": list(self.options.candidates),
+                "current": self.options.candidates[self.current],
+                "decisions": [d.__dict__ for d in c.decisions]}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"controller": self.controller.state_dict(), "current": self.current,
+                "codecs": [c.state_dict() for c in self.codecs]}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.controller.load_state_dict(sd["controller"])
+        self.current = int(sd["current"])
+        for codec, state in zip(self.codecs, sd["codecs"], strict=True):
+            codec.load_state_dict(state)
+
+    def close(self) -> None:
+        for state in self.candidates:
+            state.close()
+
+
+def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """DDP comm hook of ``auto``: the bucket through the candidate the controller runs
+    this step."""
+    candidate = state.route(bucket)
+    state.flush(bucket)
+    return reduce_bucket(candidate, bucket)
+
+
+auto_hook.__annotations__.update(bucket=dist.GradBucket,
+                                 **{"return": torch.futures.Future[torch.Tensor]})
+
+
+class AutoHandle:
+    """What ``attach(ddp_model, "auto")`` returns: stats, report and checkpoint state,
+    as ``Handle`` has them."""
+
+    kind = "ddp"
+
+    def __init__(self, state: AutoState) -> None:
+        self.state = state
+        self.stats = state.stats
+        self.codecs: Sequence[Codec] = state.codecs
+        self.capture: Any = None
+
+    @property
+    def codec(self) -> Codec:
+        """The codec running now."""
+        return self.state.codecs[self.state.current]
+
+    @property
+    def chained(self) -> bool:
+        return self.state.candidates[self.state.current].chained
+
+    def report(self) -> dict[str, Any]:
+        return self.state.report()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "auto", **self.state.state_dict()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd.get("kind") != "auto":
+            raise ValueError(f"comm state was saved for {sd.get('kind')!r}, this is auto")
+        self.state.load_state_dict(sd)
+
+    def close(self) -> None:
+        self.state.close()
+
+    def __repr__(self) -> str:
+        return f"gradzip.comm.AutoHandle({self.state.options})"

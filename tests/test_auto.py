@@ -1,0 +1,249 @@
+"""``auto``: options, the controller's schedule and choice, and the DDP hook on real
+gloo ranks (agreement at W=3 with rank-dependent timings, no error-feedback mass lost in
+a switch, resume continuing the same choice)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradzip
+from gradzip.codecs.registry import SpecError
+from gradzip.comm.auto import AutoController, AutoOptions
+from gradzip.comm.launch import run_ranks
+
+
+# ---------------------------------------------------------------- options
+def test_options_parse_print_and_refuse() -> None:
+    assert AutoOptions.parse("auto") == AutoOptions()
+    assert str(AutoOptions()) == "auto"
+    o = AutoOptions.parse('auto(candidates="fp16; int8 | ans", margin=0.1, every=100)')
+    assert o.candidates == ("fp16", "int8 | ans") and o.margin == 0.1 and o.every == 100
+    assert AutoOptions.parse(str(o)) == o
+    with pytest.raises(SpecError, match="tpok"):
+        AutoOptions.parse('auto(candidates="fp16; tpok(ratio=0.1)")')
+    with pytest.raises(ValueError, match="unknown option"):
+        AutoOptions.parse("auto(speed=3)")
+    with pytest.raises(ValueError, match="not a gradzip codec spec"):
+        AutoOptions.parse('auto(candidates="torch:fp16; int8")')
+    with pytest.raises(ValueError, match="margin must be"):
+        AutoOptions.parse("auto(margin=1.5)")
+    with pytest.raises(ValueError, match="every"):
+        AutoOptions.parse("auto(every=4)")
+
+
+# ---------------------------------------------------------------- controller
+def _run(controller: AutoController, cost_ms: dict[int, float], steps: int) -> list[int]:
+    """The candidate of each step when candidate i's steps take ``cost_ms[i]``."""
+    ran, last = [], None
+    for _ in range(steps):
+        active = controller.begin_step(last)
+        ran.append(active)
+        last = cost_ms[active]
+    return ran
+
+
+def test_a_candidate_replaces_the_reference_only_when_faster_by_the_margin() -> None:
+    o = AutoOptions(warmup=3, trial_steps=3, every=20, window=5)
+    ran = _run(AutoController(o, lambda v: v), {0: 10.0, 1: 7.0}, 30)
+    # steps 1-2 the reference; the trial runs each candidate 3 steps; then int8
+    assert ran[:2] == [0, 0] and ran[2:8] == [0, 0, 0, 1, 1, 1] and ran[8:22] == [1] * 14
+    slight = AutoController(o, lambda v: v)
+    assert set(_run(slight, {0: 10.0, 1: 9.7}, 30)[8:22]) == {0}  # 3%: within the margin
+    assert slight.decisions[0].method == "fp16"
+    assert "no candidate more than 5% cheaper" in slight.decisions[0].why
+
+
+def test_a_drifting_step_time_starts_a_new_trial() -> None:
+    o = AutoOptions(warmup=2, trial_steps=2, every=1000, window=4, drift=0.25)
+    c = AutoController(o, lambda v: v)
+    costs = {0: 10.0, 1: 20.0}
+    _run(c, costs, 12)
+    assert [d.method for d in c.decisions] == ["fp16"]
+    costs[0], costs[1] = 40.0, 12.0  # the link slowed down: the 16-bit path suffers most
+    more = _run(c, costs, 20)
+    assert [d.method for d in c.decisions] == ["fp16", "int8"]
+    assert more[-1] == 1
+
+
+# ---------------------------------------------------------------- on gloo ranks
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 8))
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _fake_clock(handle: object, cost_ms: dict[int, float]) -> None:
+    """Each step of candidate i takes ``cost_ms[i]``: the controller reads the clock at
+    each step's first bucket, before it switches."""
+    state = handle.state  # type: ignore[attr-defined]
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += cost_ms[state.current] / 1e3
+        return now[0]
+
+    state.clock = clock
+
+
+def _agree_ranks(rank: int, costs: list[dict[int, float]]) -> dict:
+    model = DDP(_model())
+    handle = gradzip.attach(model, "auto(trial_steps=3, every=50, window=5)")
+    _fake_clock(handle, costs[rank])
+    for step in range(16):
+        model(_batch(step, rank)).pow(2).mean().backward()
+        model.zero_grad()
+    report = handle.report()
+    handle.close()
+    return report
+
+
+@pytest.mark.dist
+def test_ranks_that_measure_differently_still_choose_alike() -> None:
+    """W=3; int8 looks faster on two ranks and slower on the third: the slowest rank's
+    costs decide, so every rank keeps fp16, at the same step."""
+    costs = [{0: 10.0, 1: 5.0}, {0: 10.0, 1: 12.0}, {0: 10.0, 1: 6.0}]
+    reports = run_ranks(_agree_ranks, 3, costs)
+    assert reports[0]["decisions"] == reports[1]["decisions"] == reports[2]["decisions"]
+    [decision] = reports[0]["decisions"]
+    assert decision["method"] == "fp16"
+    assert decision["costs_ms"] == pytest.approx({"fp16": 10.0, "int8": 12.0})
+    everywhere = [{0: 10.0, 1: 5.0}] * 3  # faster on every rank: every rank switches
+    reports = run_ranks(_agree_ranks, 3, everywhere)
+    assert {r["decisions"][0]["method"] for r in reports} == {"int8"}
+    assert {r["current"] for r in reports} == {"int8"}
+
+
+def _conserves(rank: int) -> dict:
+    """Gradients of fixed weights (no optimizer step), so every step's exact mean is
+    known: what auto delivered over the steps against the sum of the exact means."""
+    base = _model()
+    model, local = DDP(copy.deepcopy(base)), copy.deepcopy(base)
+    handle = gradzip.attach(
+        model, 'auto(candidates="ef | topk(ratio=0.1); fp16", trial_steps=3, every=50)')
+    _fake_clock(handle, {0: 10.0, 1: 5.0})
+    delivered = [torch.zeros_like(p) for p in base.parameters()]
+    exact = [torch.zeros_like(p) for p in base.parameters()]
+    for step in range(14):
+        x = _batch(step, rank)
+        model(x).pow(2).mean().backward()
+        local(x).pow(2).mean().backward()
+        for d, e, p, q in zip(delivered, exact, model.parameters(), local.parameters(),
+                              strict=True):
+            d.add_(p.grad)
+            g = q.grad.clone()
+            dist.all_reduce(g)
+            e.add_(g / dist.get_world_size())
+        model.zero_grad()
+        local.zero_grad()
+    codec = handle.codecs[0]  # ef | topk: left at the trial's switch to fp16
+    leftover = sum(codec.residual_norm(f"bucket{i}") or 0.0 for i in range(4))
+    err = max(float((d - e).abs().max()) for d, e in zip(delivered, exact, strict=True))
+    scale = max(float(e.abs().max()) for e in exact)
+    report = handle.report()
+    handle.close()
+    return {"err": err, "scale": scale, "leftover": leftover, "report": report}
+
+
+@pytest.mark.dist
+def test_a_switch_loses_no_error_feedback_mass() -> None:
+    """Leaving ``ef | topk`` for ``fp16``: each bucket's residual joins its next gradient,
+    so the gradients delivered over the run sum to the exact means (to fp16 rounding)."""
+    r0, _ = run_ranks(_conserves, 2)
+    assert r0["report"]["current"] == "fp16"
+    assert r0["leftover"] == 0.0
+    assert r0["err"] < 1e-2 * r0["scale"], r0
+
+
+def _resumes(rank: int) -> dict:
+    model = DDP(_model())
+    handle = gradzip.attach(model, "auto(trial_steps=3, every=50, window=5)")
+    _fake_clock(handle, {0: 10.0, 1: 5.0})
+    for step in range(12):
+        model(_batch(step, rank)).pow(2).mean().backward()
+        model.zero_grad()
+    saved, before = handle.state_dict(), handle.report()
+    handle.close()
+    again = DDP(_model())
+    resumed = gradzip.attach(again, "auto(trial_steps=3, every=50, window=5)")
+    resumed.load_state_dict(saved)
+    _fake_clock(resumed, {0: 10.0, 1: 5.0})
+    ran = []
+    for step in range(12, 16):
+        again(_batch(step, rank)).pow(2).mean().backward()
+        again.zero_grad()
+        ran.append(resumed.report()["current"])
+    after = resumed.report()
+    resumed.close()
+    return {"before": before, "after": after, "ran": ran}
+
+
+@pytest.mark.dist
+def test_a_resumed_run_continues_the_same_choice() -> None:
+    r0, r1 = run_ranks(_resumes, 2)
+    for r in (r0, r1):
+        assert r["before"]["current"] == "int8" and set(r["ran"]) == {"int8"}
+        assert r["after"]["decisions"] == r["before"]["decisions"]  # no new trial
+
+
+def test_auto_is_refused_where_it_cannot_run_yet() -> None:
+    import os
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = DDP(_model())
+        with pytest.raises(ValueError, match="does not take node_size"):
+            gradzip.attach(model, "auto", node_size=2)
+        with pytest.raises(ValueError, match="DistributedDataParallel models for now"):
+            gradzip.attach(_model(), "auto")
+        with pytest.raises(SpecError, match="tpok"):
+            gradzip.attach(model, 'auto(candidates="tpok")')
+    finally:
+        dist.destroy_process_group()
+
+
+def test_auto_is_a_method_of_the_grammar() -> None:
+    from gradzip.comm.method import AutoMethod, parse_method
+
+    m = parse_method('auto(candidates="fp16; int8 | ans")')
+    assert isinstance(m, AutoMethod) and str(m) == 'auto(candidates="fp16; int8 | ans")'
+    assert m.train_flags() == ["--codec", str(m)]
+    assert m.to_json()["auto"]["candidates"] == ["fp16", "int8 | ans"]
+    m.check(parallel="ddp")
+    with pytest.raises(ValueError, match="needs --parallel ddp"):
+        m.check(parallel="fsdp")
+    with pytest.raises(ValueError, match="takes its own options"):
+        parse_method("auto", start_step=5)
+
+
+@pytest.mark.dist
+def test_train_with_auto_records_its_choices(tmp_path_factory: pytest.TempPathFactory
+                                             ) -> None:
+    import subprocess
+
+    from train_helpers import flags, last_result, launch
+
+    out = tmp_path_factory.mktemp("auto") / "run"
+    cache = tmp_path_factory.mktemp("cache")
+    cmd = [*launch(2), "-m", "gradzip", "train", *flags(
+        cache, out, "--parallel", "ddp", "--codec", "auto(trial_steps=2, every=8)",
+        "--max-steps", "12", "--eval-every", "0")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = last_result(out)
+    auto = rec["auto"]
+    assert rec["method"] == "auto(trial_steps=2, every=8)" and auto["candidates"] == [
+        "fp16", "int8"]
+    assert auto["decisions"] and auto["decisions"][0]["from_step"] == 3 + 2 * 2
+    assert set(auto["decisions"][0]["costs_ms"]) == {"fp16", "int8"}
+    assert rec["bytes_wire_total"] < rec["bytes_raw_total"]  # fp16 or int8: compressed
