@@ -373,3 +373,16 @@ def test_a_run_whose_first_evaluation_came_after_the_budget_has_no_loss_there(
     assert md_table(text, "100mbit, 2 ranks, shared link")[PSGD]["val loss at 10.0 s"] == "-"
     assert 'a run whose first evaluation\n  came after B, or that never evaluated, shows "-"' \
         in text
+
+
+def test_what_auto_chose_is_a_table_and_a_bad_auto_field_is_refused(tmp_path: Path) -> None:
+    rec = record("100mbit", "torch:none", 0)
+    auto = {**record("100mbit", TOPK, 0), "auto": {"decisions": [
+        {"from_step": 15, "method": "int8", "costs_ms": {"fp16": 55.6, "int8": 51.2},
+         "why": "7.9% cheaper than fp16"}]}}
+    auto["compare"] = {**auto["compare"], "method": "auto"}
+    text = write_report([rec, auto], tmp_path).read_text()
+    assert "| `auto` | 0 | 15 | `int8` | `fp16` 55.6, `int8` 51.2 | 7.9% cheaper" in text
+    auto["auto"]["decisions"][0].pop("costs_ms")
+    with pytest.raises(ValueError, match=r"record 2: auto.decisions\[0\] must be"):
+        summarize([rec, auto])

@@ -253,6 +253,8 @@ def setting_section(summary: SettingSummary, plots: dict[str, Path]) -> str:
         parts.append("\n".join(f"- {n}" for n in summary.warnings + summary.notes))
     if per_link := per_link_lines(summary):
         parts.append("\n".join(per_link))
+    if auto := auto_table(summary):
+        parts.append(auto)
     if summary.trials:
         parts.append("\n".join(tuning_lines(summary)))
     parts += [f"![{_PLOT_TITLES[name]}]({path.name})" for name, path in plots.items()]
@@ -290,6 +292,24 @@ def per_link_lines(summary: SettingSummary) -> list[str]:
     head = ("**Per link** (gradzip's link model, per rank per step; a DDP run's first "
             "step is flat and in no link):")
     return [head, *lines] if lines else []
+
+
+def auto_table(summary: SettingSummary) -> str:
+    """What every ``auto`` run chose, from which step, on which agreed costs (ms per
+    step, the slowest rank's median over the trial): a markdown table, or ''."""
+    rows = []
+    for m in summary.methods:
+        for r in m.runs:
+            for d in (r.record.get("auto") or {}).get("decisions") or []:
+                costs = ", ".join(f"`{name}` {ms:.1f}" for name, ms in d["costs_ms"].items())
+                rows.append(f"| `{m.method}` | {r.seed} | {d['from_step']} | `{d['method']}` "
+                            f"| {costs} | {d['why']} |")
+    if not rows:
+        return ""
+    head = ("**What `auto` chose** (each trial's agreed cost, ms per step: the slowest "
+            "rank's median)\n\n| method | seed | from step | chose | costs | why |\n"
+            "|---|---:|---:|---|---|---|")
+    return "\n".join([head, *rows])
 
 
 def render(summaries: list[SettingSummary], out: Path,

@@ -226,10 +226,26 @@ def _check_numbers(record: dict[str, Any], where: str) -> None:
                and _is_number(h.get("train_time_s"))
                and (h.get("val_loss") is None or _is_number(h.get("val_loss"))), where,
                f"eval_history[{i}] must be {{step, train_time_s, val_loss}} numbers, got {h!r}")
+    _check_auto(record.get("auto"), where)
     phases = record.get("phase_ms_mean")
     _check(phases is None or (isinstance(phases, dict)
                               and all(v is None or _is_number(v) for v in phases.values())),
            where, f"field 'phase_ms_mean' must map phases to numbers, got {phases!r}")
+
+
+def _check_auto(auto: Any, where: str) -> None:
+    """``auto``'s field: null, or its decisions as ``auto.py`` writes them."""
+    if auto is None:
+        return
+    _check(isinstance(auto, dict) and isinstance(auto.get("decisions"), list), where,
+           f"field 'auto' must be an object with a 'decisions' list, got {auto!r}")
+    for i, d in enumerate(auto["decisions"]):
+        _check(isinstance(d, dict) and _is_number(d.get("from_step"))
+               and isinstance(d.get("method"), str) and isinstance(d.get("why"), str)
+               and isinstance(d.get("costs_ms"), dict)
+               and all(isinstance(k, str) and _is_number(v)
+                       for k, v in d["costs_ms"].items()), where,
+               f"auto.decisions[{i}] must be {{from_step, method, costs_ms, why}}, got {d!r}")
 
 
 def _from_compare(c: Any, record: dict[str, Any], where: str) -> dict[str, Any]:
