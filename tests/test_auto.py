@@ -247,3 +247,13 @@ def test_train_with_auto_records_its_choices(tmp_path_factory: pytest.TempPathFa
     assert auto["decisions"] and auto["decisions"][0]["from_step"] == 3 + 2 * 2
     assert set(auto["decisions"][0]["costs_ms"]) == {"fp16", "int8"}
     assert rec["bytes_wire_total"] < rec["bytes_raw_total"]  # fp16 or int8: compressed
+
+
+def test_a_candidate_some_rank_did_not_measure_is_not_chosen_nor_recorded() -> None:
+    """After a resume inside a trial a rank may lack a candidate's samples: its agreed
+    cost is unknown (inf), so it is neither chosen nor written as a cost."""
+    o = AutoOptions(warmup=1, trial_steps=2, every=100)
+    c = AutoController(o, lambda v: [float("inf"), *v[1:]])  # candidate 0 unknown
+    _run(c, {0: 10.0, 1: 5.0}, 8)
+    [d] = c.decisions
+    assert d.method == "fp16" and d.costs_ms == {"int8": 5.0} and "not measured" in d.why

@@ -32,6 +32,17 @@ def test_a_bad_spec_fails_before_any_training(tmp_path: Path,
     assert not out.exists()  # nothing trained, nothing written
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--rate", "1gbit>25mbit"], "needs '@SECONDS'"),
+    (["--rate", "1gbit@60>25mbit", "--link", "per-rank"], "shapes the shared link"),
+])
+def test_a_bad_rate_schedule_fails_before_any_training(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], says: str) -> None:
+    out = tmp_path / "race"
+    assert main(["compare", "--methods", "fp16;int8", *argv, "--out", str(out)]) == 2
+    assert says in capsys.readouterr().err and not out.exists()
+
+
 @pytest.mark.dist
 def test_race_of_two_methods_writes_records_report_and_plots(tmp_path: Path) -> None:
     """2 ranks, a few steps, shaped to 100 Mbit/s where namespaces work (else unshaped,

@@ -63,3 +63,26 @@ def test_run_in_netns_counts_and_shapes():
     shown = run_in_netns(["tc", "qdisc", "show", "dev", "lo"], rate="100mbit")
     assert "tbf" in shown.stdout and "100Mbit" in shown.stdout
     assert run_in_netns(["sh", "-c", "exit 3"]).returncode == 3
+
+
+def test_a_rate_schedule_parses_and_says_what_is_wrong():
+    from gradzip.comm.netns import rate_changes, rate_schedule
+
+    assert rate_schedule("100mbit") == [(0.0, "100mbit")] and rate_changes("100mbit") is None
+    assert rate_schedule("1gbit@60>25mbit@120>100mbit") == [
+        (0.0, "1gbit"), (60.0, "25mbit"), (120.0, "100mbit")]
+    assert rate_changes("1gbit@60>25mbit") == [{"after_s": 60.0, "rate": "25mbit"}]
+    for bad, says in (("1gbit>25mbit", "needs '@SECONDS'"), ("1gbit@60>2mbit@9", "lasts to"),
+                      ("1gbit@60>2mbit@30>1mbit", "increasing"), ("1gbit@60>2mbps", "bytes")):
+        with pytest.raises(ValueError, match=says):
+            rate_schedule(bad)
+
+
+@pytest.mark.skipif(not netns_available(shaping=True)[0],
+                    reason=f"no network namespace here: {netns_available(shaping=True)[1]}")
+def test_the_link_changes_rate_on_schedule_and_the_command_keeps_its_status():
+    show = "tc qdisc show dev lo; sleep 1.5; tc qdisc show dev lo; exit 3"
+    proc = run_in_netns(["sh", "-c", show], rate="100mbit@0.5>10mbit", timeout=60)
+    before, after = proc.stdout.strip().splitlines()
+    assert "rate 100Mbit" in before and "rate 10Mbit" in after
+    assert proc.returncode == 3

@@ -31,6 +31,7 @@ FSDP, HSDP and hierarchical DDP refuse it when attached.
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import time
@@ -229,18 +230,22 @@ class AutoController:
         o = self.options
         local = [statistics.median(self.samples[i]) if self.samples.get(i) else float("inf")
                  for i in range(len(o.candidates))]
-        costs = self.agree(local)
-        best = min(range(len(costs)), key=lambda i: (costs[i], i))
+        agreed = self.agree(local)  # inf: some rank has no sample of it (a resume)
+        measured = {i: c for i, c in enumerate(agreed) if math.isfinite(c)}
         current = self.choice
-        if costs[best] < (1.0 - o.margin) * costs[current]:
-            choice, why = best, (f"{(1 - costs[best] / costs[current]) * 100:.1f}% cheaper "
-                                 f"than {o.candidates[current]}")
+        best = min(measured, key=lambda i: (measured[i], i), default=current)
+        if current not in measured:
+            choice, why = current, "the current choice was not measured: kept"
+        elif measured[best] < (1.0 - o.margin) * measured[current]:
+            choice, why = best, (f"{(1 - measured[best] / measured[current]) * 100:.1f}% "
+                                 f"cheaper than {o.candidates[current]}")
         else:
             choice, why = current, f"no candidate more than {o.margin:.0%} cheaper"
         self.choice, self.trial_start = choice, None
-        self.chosen_cost, self.window_ms = costs[choice], []
+        self.chosen_cost, self.window_ms = measured.get(choice), []
         self.decisions.append(Decision(self.step, o.candidates[choice],
-                                       dict(zip(o.candidates, costs, strict=True)), why))
+                                       {o.candidates[i]: c for i, c in measured.items()},
+                                       why))
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -277,7 +282,10 @@ class AutoState:
         self.candidates = [DDPCommState(c, process_group, diagnose=diagnose,
                                         start_iteration=start_iteration, stats=self.stats)
                            for c in self.codecs]
-        self.group = private_group(process_group)  # the controller's own collectives
+        # the controller's own collectives: a few host numbers, on gloo whatever the
+        # gradients' backend (NCCL takes device tensors only)
+        self.group = private_group(process_group, backend="gloo")
+        self.start_iteration = start_iteration
         self.controller = AutoController(options, self._agree)
         self.clock = clock
         self.iteration = 0  # synchronized backward passes, as DDPCommState counts them
@@ -295,6 +303,12 @@ class AutoState:
     def route(self, bucket: dist.GradBucket) -> DDPCommState:
         """The candidate that reduces ``bucket`` (the first bucket of a step moves the
         controller on; a switch queues the old codec's residuals for the new one)."""
+        if self.iteration < self.start_iteration:  # a plain step (DDP's first, or a
+            state = self.candidates[self.current]  # resume's settling one): no trial
+            state.iteration = self.iteration      # counts it, nothing is flushed
+            if bucket.is_last():
+                self.iteration += 1
+            return state
         if self._seen != self.iteration:
             self._seen = self.iteration
             now = self.clock()
@@ -341,6 +355,7 @@ class AutoState:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.controller.load_state_dict(sd["controller"])
         self.current = int(sd["current"])
+        self._began = None  # the time before the resume is no step of this process
         for codec, state in zip(self.codecs, sd["codecs"], strict=True):
             codec.load_state_dict(state)
 

@@ -53,8 +53,10 @@ START_ITERATION = 1
 START_ITERATION_STATIC_GRAPH = 2
 
 
-def private_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """A new process group with the ranks of ``process_group`` (None = world).
+def private_group(process_group: dist.ProcessGroup | None,
+                  backend: str | None = None) -> dist.ProcessGroup:
+    """A new process group with the ranks of ``process_group`` (None = world), on
+    ``backend`` (default: the default group's).
 
     Collective over the default group: every rank must call it, in the same order.
     When ranks belong to different subgroups, all subgroups are created on every
@@ -67,7 +69,7 @@ def private_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     dist.all_gather_object(everyone, mine)
     found = None
     for ranks in dict.fromkeys(tuple(r) for r in everyone):
-        group = dist.new_group(ranks=list(ranks))
+        group = dist.new_group(ranks=list(ranks), backend=backend)
         if list(ranks) == mine:
             found = group
     assert found is not None

@@ -31,6 +31,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "NetnsError", "loopback_bytes", "netns_available", "netns_command", "run_in_netns",
@@ -53,6 +54,20 @@ if [ -n "$GRADZIP_NETNS_RATE" ]; then
      latency "$GRADZIP_NETNS_LATENCY" || {
     echo "gradzip.netns setup failed: tc qdisc add dev lo root tbf rate $GRADZIP_NETNS_RATE" >&2
     exit 97; }
+fi
+if [ -n "$GRADZIP_NETNS_CHANGES" ]; then
+  # a link whose rate changes: each "SECONDS RATE BURST" after the one before it
+  ( set -- $GRADZIP_NETNS_CHANGES
+    while [ $# -ge 3 ]; do
+      sleep "$1"
+      tc qdisc change dev lo root tbf rate "$2" burst "$3" latency "$GRADZIP_NETNS_LATENCY"
+      shift 3
+    done ) </dev/null >/dev/null 2>&1 &
+  changes=$!
+  "$@"
+  status=$?
+  kill "$changes" 2>/dev/null
+  exit $status
 fi
 exec "$@"
 """
@@ -144,6 +159,42 @@ def rate_bits_per_second(rate: str) -> float:
     return value
 
 
+def rate_schedule(text: str) -> list[tuple[float, str]]:
+    """A link rate that changes during the run: ``"1gbit@60>25mbit"`` is 1 Gbit/s for
+    the first 60 seconds, then 25 Mbit/s (``"1gbit@60>25mbit@120>100mbit"``: and 100
+    Mbit/s from 120 s on). Returns ``[(from_second, rate), ...]``, the first from 0;
+    a plain rate is a schedule of one. ValueError says what is wrong."""
+    out: list[tuple[float, str]] = []
+    parts = [p.strip() for p in text.split(">")]
+    start = 0.0
+    for k, part in enumerate(parts):
+        rate, at, until = part.partition("@")
+        rate_bits_per_second(rate)  # ValueError for a bad rate
+        out.append((start, rate.strip()))
+        if k + 1 < len(parts):
+            try:
+                end = float(until) if at else float("nan")
+            except ValueError:
+                end = float("nan")
+            if not end > start:
+                raise ValueError(
+                    f"rate schedule {text!r}: each rate but the last needs '@SECONDS', the "
+                    f"time it ends (from the run's start, increasing), e.g. "
+                    f"'1gbit@60>25mbit'; got {part!r}")
+            start = end
+        elif at:
+            raise ValueError(f"rate schedule {text!r}: the last rate lasts to the end; "
+                             f"drop its '@{until}'")
+    return out
+
+
+def rate_changes(text: str) -> list[dict[str, Any]] | None:
+    """The changes of a rate schedule as records hold them (``after_s``, ``rate``); None
+    for a rate that stays."""
+    schedule = rate_schedule(text)
+    return [{"after_s": t, "rate": r} for t, r in schedule[1:]] or None
+
+
 def tbf_burst(rate: str) -> str:
     """The token bucket size for ``rate``: 10 ms of traffic, at least 256 KiB.
 
@@ -168,10 +219,15 @@ def netns_command(argv: Sequence[str], *, rate: str | None = None,
     """
     if not argv:
         raise ValueError("run_in_netns needs a command")
-    extra = {"GRADZIP_NETNS_RATE": ""}
+    extra = {"GRADZIP_NETNS_RATE": "", "GRADZIP_NETNS_CHANGES": ""}
     if rate is not None:
-        extra.update(GRADZIP_NETNS_RATE=rate.strip(), GRADZIP_NETNS_BURST=tbf_burst(rate),
+        schedule = rate_schedule(rate)
+        first = schedule[0][1]
+        extra.update(GRADZIP_NETNS_RATE=first, GRADZIP_NETNS_BURST=tbf_burst(first),
                      GRADZIP_NETNS_LATENCY=latency)
+        steps = [f"{t - t0:g} {r} {tbf_burst(r)}"
+                 for (t0, _), (t, r) in zip(schedule, schedule[1:], strict=False)]
+        extra["GRADZIP_NETNS_CHANGES"] = " ".join(steps)
     return [*_UNSHARE, "sh", "-c", _SETUP, "gradzip-netns", *map(str, argv)], extra
 
 

@@ -50,7 +50,9 @@ def register(sub: Any) -> None:
                    help="methods separated by ';' (gradzip specs or torch:...), instead "
                         "of the preset's")
     p.add_argument("--rate", default=None, metavar="RATE[,RATE]",
-                   help="tc rates, e.g. 100mbit,1gbit; 'none' for unlimited loopback")
+                   help="tc rates, e.g. 100mbit,1gbit; 'none' for unlimited loopback; a rate "
+                        "that changes during each run: 1gbit@60>25mbit (1 Gbit/s for the "
+                        "first 60 s of the run, then 25 Mbit/s), on the shared link")
     p.add_argument("--link", default=None, metavar="KIND[,KIND]",
                    help="how ranks reach each other: 'shared' (one token bucket on a "
                         "loopback shared by all ranks; default), 'per-rank' (a "
@@ -107,7 +109,7 @@ def add_sweep_options(p: argparse.ArgumentParser) -> None:
 
 
 def runs_of(args: argparse.Namespace) -> list[Any]:
-    from gradzip.comm.netns import rate_bits_per_second
+    from gradzip.comm.netns import rate_schedule
     from gradzip.compare.matrix import LINK_KINDS, PRESETS, check_link, plan
 
     preset = PRESETS[args.preset]
@@ -116,13 +118,17 @@ def runs_of(args: argparse.Namespace) -> list[Any]:
     rates: list[str | None] = (list(preset.rates) if args.rate is None else
                                [None if r.strip() == "none" else r.strip()
                                 for r in args.rate.split(",")])
+    changing = False
     for r in rates:
         if r is not None:
             try:
-                rate_bits_per_second(r)
+                changing |= len(rate_schedule(r)) > 1
             except ValueError as e:
                 raise ValueError(f"--rate {r!r}: {e}") from None
     links = tuple(k.strip() for k in (args.link or "shared").split(",") if k.strip())
+    if changing and links != ("shared",):
+        raise ValueError("a rate that changes (RATE@SECONDS>RATE) shapes the shared link "
+                         "for now: drop --link or use --link shared")
     if not links:
         raise ValueError(f"--link must be one or more of {', '.join(LINK_KINDS)} separated "
                          f"by ',', got {args.link!r}")

@@ -61,7 +61,10 @@ class Link:
     def describe(self) -> dict[str, Any]:
         model = (PER_RANK_LINK if self.kind == "per-rank" else
                  NODES_LINK if nodes_of(self.kind) else SHARED_LINK)
+        from gradzip.comm.netns import rate_changes
+
         return {"rate": self.rate, "shaped": self.shaped,
+                "rate_changes": rate_changes(self.rate) if self.rate else None,
                 "link": self.kind if self.shaped else "unshaped",
                 "achieved_rate_bits_per_s": self.achieved_bits_per_s,
                 "link_model": (model if self.shaped else
@@ -98,15 +101,16 @@ def _links_available(kind: str) -> tuple[bool, str]:
 
 def open_link(rate: str | None, kind: str = "shared") -> Link:
     """The link for ``rate``: shaped in namespaces and measured, or why it cannot be."""
-    from gradzip.comm.netns import NetnsError, rate_bits_per_second, run_streaming
+    from gradzip.comm.netns import NetnsError, rate_bits_per_second, rate_schedule, run_streaming
 
     if rate is None:
         return Link(None, False, None, "unlimited loopback asked for", kind)
     ok, why = _links_available(kind)
     if not ok:
         return Link(rate, False, None, why, kind)
+    first = rate_schedule(rate)[0][1]  # a rate that changes is probed at its start
     argv = [sys.executable, "-m", "gradzip.compare.linkrate", "--nominal",
-            str(rate_bits_per_second(rate))]
+            str(rate_bits_per_second(first))]
     if kind == "per-rank" or nodes_of(kind):
         argv.append("--between-ranks")
     cmd, env = _namespace_command(argv, rate, kind, ranks=2)

@@ -220,7 +220,7 @@ def setting_lines(summary: SettingSummary) -> list[str]:
     """Baseline, target and time budget of a setting, as markdown bullets."""
     lines = link_lines(summary)
     lines.append(f"- **Workload**: {summary.setting.workload.describe()} (runs race each "
-                 "other only on the same model, tokens per step, steps and data).")
+                 "other only on the same model, parameters, tokens per step and data).")
     if summary.baseline and summary.target is not None:
         base = summary.method(summary.baseline)
         loss = base.val_loss.mean if base.val_loss else float("nan")

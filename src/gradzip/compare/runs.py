@@ -44,13 +44,14 @@ def rate_bits_per_s(rate: str | None) -> float | None:
 @dataclass(frozen=True)
 class Workload:
     """What makes two runs' figures comparable besides the link: the same model and
-    parameter count, tokens per optimizer step, steps and data. A field a record does
-    not carry is None (a script's record has no tokens or data)."""
+    parameter count, tokens per optimizer step and data. A field a record does not carry
+    is None (a script's record has no tokens or data). The steps a run reached are not
+    part of it: a run stopped early (by ``--max-time``, or interrupted and resumed)
+    still races the others of its setting, its shortfall shown in its own figures."""
 
     model: str | None = None
     params: int | None = None
     tokens_per_step: int | None = None
-    steps: int | None = None
     dataset: str | None = None
 
     @classmethod
@@ -65,18 +66,16 @@ class Workload:
             return str(v) if v is not None else None
 
         return cls(text("model"), number("params"), number("global_batch_tokens"),
-                   number("steps"), text("dataset"))
+                   text("dataset"))
 
     def describe(self) -> str:
-        """E.g. ``tiny (0.14M params), 4,096 tokens/step, 300 steps, data stdlib``."""
+        """E.g. ``tiny (0.14M params), 4,096 tokens/step, data stdlib``."""
         parts = []
         if self.model is not None or self.params is not None:
             size = f" ({self.params / 1e6:.2f}M params)" if self.params is not None else ""
             parts.append(f"{self.model or 'model ?'}{size}")
         if self.tokens_per_step is not None:
             parts.append(f"{self.tokens_per_step:,} tokens/step")
-        if self.steps is not None:
-            parts.append(f"{self.steps:,} steps")
         if self.dataset is not None:
             parts.append(f"data {self.dataset}")
         return ", ".join(parts) or "workload not recorded"
@@ -90,7 +89,7 @@ class Workload:
 @dataclass(frozen=True)
 class Setting:
     """A link setting: runs compete only with runs of the same rate, ranks and link kind,
-    and of the same workload (model, tokens per step, steps, data)."""
+    and of the same workload (model, parameters, tokens per step, data)."""
 
     rate: str | None
     ranks: int | None
@@ -113,7 +112,7 @@ class Setting:
 
     def title(self) -> str:
         """The link, and the workload when it is ``qualified``, e.g. ``100mbit, 2
-        ranks, shared link; tiny (0.14M params), 4,096 tokens/step, 300 steps``."""
+        ranks, shared link; tiny (0.14M params), 4,096 tokens/step``."""
         if not self.qualified:
             return self.link_title()
         return f"{self.link_title()}; {self.workload.describe()}"

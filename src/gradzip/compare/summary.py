@@ -410,6 +410,6 @@ def _kept_apart(setting: Setting, by_setting: dict[Setting, list[Run]]) -> list[
             diff = "; ".join(setting.workload.differences(other.workload))
             notes.append(f"Not compared with the {len(runs)} run(s) of another workload on "
                          f"this link ({diff}): runs race each other only on the same model, "
-                         "parameters, tokens per step, steps and data.")
+                         "parameters, tokens per step and data.")
     return notes
 
