@@ -71,6 +71,42 @@ def test_a_drifting_step_time_starts_a_new_trial() -> None:
     assert more[-1] == 1
 
 
+def test_trials_that_keep_the_choice_come_less_often() -> None:
+    """A candidate that loses is not paid for every ``every`` steps: the interval doubles
+    up to ``max_every`` while trials keep the choice, and a switch resets it."""
+    o = AutoOptions(warmup=1, trial_steps=2, every=10, max_every=40)
+    c = AutoController(o, lambda v: v)
+    _run(c, {0: 10.0, 1: 30.0}, 200)
+    starts = [d.from_step - 4 for d in c.decisions]  # a trial is 2 x 2 steps
+    assert starts[:5] == [1, 21, 61, 101, 141] and all(d.method == "fp16" for d in c.decisions)
+
+
+def test_a_drop_of_the_link_is_acted_on_within_about_thirty_steps() -> None:
+    """With the default window (10 steps), a step time that doubles in the middle of a
+    window starts a trial within two windows, and the switch follows the trial."""
+    c = AutoController(AutoOptions(), lambda v: v)
+    costs = {0: 40.0, 1: 50.0}
+    _run(c, costs, 105)
+    assert [d.method for d in c.decisions] == ["fp16"]
+    costs[0], costs[1] = 180.0, 90.0  # the link dropped between steps 105 and 106
+    _run(c, costs, 60)
+    assert [d.method for d in c.decisions] == ["fp16", "int8"]
+    assert c.decisions[1].from_step - 105 <= 35
+
+
+def test_the_cost_of_deciding_is_measured() -> None:
+    """The losers' trial steps over the choice's cost, and the agreement collectives'
+    time (the caller adds it), as a fraction of all steps' time."""
+    o = AutoOptions(warmup=1, trial_steps=3, every=100)
+    c = AutoController(o, lambda v: v)
+    _run(c, {0: 10.0, 1: 16.0}, 101)  # one trial: int8's 3 steps cost 6 ms more each
+    c.overhead_ms["agree"] += 2.0
+    got = c.overhead()
+    assert got["trials_ms"] == 18.0 and got["agree_ms"] == 2.0
+    assert got["steps_ms"] == 100 * 10.0 + 3 * 6.0  # the last step is not yet accounted
+    assert got["fraction"] == pytest.approx(20.0 / got["steps_ms"], abs=1e-6)
+
+
 # ---------------------------------------------------------------- on gloo ranks
 def _model() -> nn.Module:
     torch.manual_seed(0)
@@ -186,6 +222,42 @@ def _resumes(rank: int) -> dict:
     return {"before": before, "after": after, "ran": ran}
 
 
+def _hierarchical(rank: int) -> dict:
+    """2 nodes of 2 ranks; int8 measured cheaper: the inter-node link moves to int8,
+    the intra-node one stays plain; each step's gradients against the exact mean."""
+    model = DDP(_model())
+    handle = gradzip.attach(model, "auto(trial_steps=3, every=50, window=5)", node_size=2)
+    _fake_clock(handle, {0: 10.0, 1: 5.0})
+    worst = 0.0
+    for step in range(14):
+        model.zero_grad()
+        x = _batch(step, rank)
+        model(x).pow(2).mean().backward()
+        local = copy.deepcopy(model.module)
+        local.zero_grad()
+        local(x).pow(2).mean().backward()
+        for p, q in zip(model.parameters(), local.parameters(), strict=True):
+            exact = q.grad.clone()
+            dist.all_reduce(exact)
+            exact /= dist.get_world_size()
+            worst = max(worst, float((p.grad - exact).abs().max() / exact.abs().max()))
+        handle.stats.end_step()
+    links = set(handle.stats.totals().get("links", {}))
+    report = handle.report()
+    handle.close()
+    return {"report": report, "worst": worst, "links": links}
+
+
+@pytest.mark.dist
+def test_hierarchical_auto_compresses_only_between_nodes() -> None:
+    reports = run_ranks(_hierarchical, 4)
+    for r in reports:
+        assert r["report"]["links"] == {"intra_node": "none", "inter_node": "int8"}
+        assert r["report"]["decisions"] == reports[0]["report"]["decisions"]
+        assert {"intra_node", "inter_node"} <= r["links"], r["links"]
+        assert r["worst"] < 0.05  # int8 (and fp16) between nodes: close to the mean
+
+
 @pytest.mark.dist
 def test_a_resumed_run_continues_the_same_choice() -> None:
     r0, r1 = run_ranks(_resumes, 2)
@@ -199,8 +271,11 @@ def test_auto_is_refused_where_it_cannot_run_yet() -> None:
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         model = DDP(_model())
-        with pytest.raises(ValueError, match="does not take node_size"):
-            gradzip.attach(model, "auto", node_size=2)
+        with pytest.raises(ValueError, match="does not take replicate_group"):
+            gradzip.attach(model, "auto", replicate_group=dist.group.WORLD)
+        with pytest.raises(SpecError, match="compresses gradient matrices"):
+            gradzip.attach(model, 'auto(candidates="fp16; ef | powersgd(rank=2)")',
+                           node_size=1)
         with pytest.raises(ValueError, match="DistributedDataParallel models for now"):
             gradzip.attach(_model(), "auto")
         with pytest.raises(SpecError, match="tpok"):

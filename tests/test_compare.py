@@ -187,6 +187,8 @@ def test_nodes_links_run_every_node_and_compress_between_nodes() -> None:
     assert "torch.distributed.run" not in int8_argv  # rank_links starts the ranks
     assert torch_argv[torch_argv.index("--node-size") + 1] == "2"
     assert "--hierarchical" not in torch_argv and "--hierarchical" in int8_argv
+    [auto] = plan(["auto"], ["100mbit"], [2], 1, (), ("nodes=2x2",))
+    assert "--hierarchical" in auto.argv(Path("o"), Path("c"))  # per link: inter-node
     [hsdp] = plan(["ef | topk(ratio=0.05)"], ["100mbit"], [2], 1, (), ("nodes=2x2",), "hsdp")
     argv = hsdp.argv(Path("o"), Path("c"))
     assert argv[argv.index("--parallel") + 1] == "hsdp" and "--hierarchical" not in argv

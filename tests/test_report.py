@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from gradzip.cli import main
-from gradzip.compare.plots import pareto_front
+from gradzip.compare.plots import auto_switches, pareto_front
 from gradzip.compare.report import write_report
 from gradzip.compare.runs import parse_run, read_results
 from gradzip.compare.summary import loss_at_time, summarize
@@ -379,10 +379,32 @@ def test_what_auto_chose_is_a_table_and_a_bad_auto_field_is_refused(tmp_path: Pa
     rec = record("100mbit", "torch:none", 0)
     auto = {**record("100mbit", TOPK, 0), "auto": {"decisions": [
         {"from_step": 15, "method": "int8", "costs_ms": {"fp16": 55.6, "int8": 51.2},
-         "why": "7.9% cheaper than fp16"}]}}
+         "why": "7.9% cheaper than fp16"}], "overhead": {
+        "agree_ms": 12.0, "trials_ms": 26.4, "steps_ms": 12800.0, "fraction": 0.003}}}
     auto["compare"] = {**auto["compare"], "method": "auto"}
     text = write_report([rec, auto], tmp_path).read_text()
     assert "| `auto` | 0 | 15 | `int8` | `fp16` 55.6, `int8` 51.2 | 7.9% cheaper" in text
+    assert ("What deciding cost: `auto` seed 0: 0.30% of its step time (agreement 12 ms, "
+            "losing trial steps 26 ms)") in text
+    with pytest.raises(ValueError, match=r"record 2: auto.overhead must be"):
+        summarize([rec, {**auto, "auto": {**auto["auto"], "overhead": {"fraction": "x"}}}])
     auto["auto"]["decisions"][0].pop("costs_ms")
     with pytest.raises(ValueError, match=r"record 2: auto.decisions\[0\] must be"):
         summarize([rec, auto])
+
+
+def test_auto_choices_are_placed_on_its_loss_curve() -> None:
+    """Where ``auto``'s choice changed (its first choice too), on the run's evaluations:
+    by step, or by time interpolated between evaluations; a kept choice is no mark."""
+    auto = {**record("100mbit", TOPK, 0), "auto": {"decisions": [
+        {"from_step": 15, "method": "fp16", "costs_ms": {}, "why": ""},
+        {"from_step": 25, "method": "fp16", "costs_ms": {}, "why": ""},
+        {"from_step": 35, "method": "int8", "costs_ms": {}, "why": ""}]}}
+    run = parse_run(auto, "record 1")
+    by_step = auto_switches(run, 0)
+    assert [(x, codec) for x, _, codec in by_step] == [(15.0, "fp16"), (35.0, "int8")]
+    losses = LOSSES[(TOPK, 0)]
+    assert by_step[0][1] == pytest.approx((losses[1] + losses[2]) / 2)
+    by_time = auto_switches(run, 1)
+    assert by_time[1][0] == pytest.approx(35 * STEP_S["100mbit"][TOPK])
+    assert auto_switches(parse_run(record("100mbit", TOPK, 0), "record 1"), 1) == []

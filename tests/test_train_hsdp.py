@@ -62,6 +62,18 @@ def test_hierarchical_ddp_compresses_between_nodes_only(cache: Path, tmp_path: P
     assert rec["replicas_identical"] is True
 
 
+def test_hierarchical_auto_records_the_choice_of_each_link(cache: Path,
+                                                          tmp_path: Path) -> None:
+    rec = _train(cache, tmp_path / "hier-auto", "--hierarchical", "--codec",
+                 "auto(trial_steps=2, every=8)", "--max-steps", "9", parallel="ddp")
+    assert set(rec["links"]) == {"intra_node", "inter_node"}
+    assert rec["links"]["intra_node"]["compression_ratio"] == pytest.approx(1.0)
+    auto = rec["auto"]
+    assert auto["links"] == {"intra_node": "none", "inter_node": auto["current"]}
+    assert auto["decisions"] and 0.0 <= auto["overhead"]["fraction"] < 1.0
+    assert rec["replicas_identical"] is True
+
+
 def test_hsdp_resume_equals_uninterrupted(cache: Path, tmp_path: Path) -> None:
     """8 steps straight against 4 + resume: the replicate link's error-feedback residuals
     (in each rank's checkpoint state) and the DCP shards come back exactly."""

@@ -8,13 +8,19 @@ reduces every DDP bucket through one of its candidates, whole codecs tried in pl
   encode and decode, the optimizer step), the median over a trial's steps.
 - **Trials.** After ``warmup`` steps (DDP's plain first step among them) every candidate
   runs ``trial_steps`` steps in turn, the first of each left out (its caches and state
-  warm up). Trials repeat every ``every`` steps, and as soon as the chosen candidate's
-  step time drifts by more than ``drift`` from what its trial measured (checked every
-  ``window`` steps), as when a link slows down.
+  warm up). Trials repeat every ``every`` steps, the interval doubling (up to
+  ``max_every``) each time a trial keeps the choice, so a candidate that loses is not
+  paid for again and again; and as soon as the chosen candidate's step time drifts by
+  more than ``drift`` from what its trial measured (the median of each ``window``
+  steps), as when a link slows down: a drop is acted on within about two windows and a
+  trial (``window=10``: some 30 steps).
 - **Agreed on every rank.** The schedule is a function of the step count, and every
   figure a decision reads is first all-reduced with MAX over the ranks (one small
   collective per trial and per window, on a group of its own): the slowest rank's cost
   decides, so ranks that measure differently still choose alike.
+- **What deciding costs** is measured too: the time of those collectives, and each
+  trial's steps run on a candidate that lost, over what the choice would have taken
+  (``report()['overhead']``, as a fraction of all the steps' time).
 - **Hysteresis.** The reference is the first candidate (the 16-bit all-reduce by
   default); another replaces the current choice only if its cost is lower by more than
   ``margin`` (5%).
@@ -25,8 +31,10 @@ reduces every DDP bucket through one of its candidates, whole codecs tried in pl
   measured costs and every candidate's codec state; ``report()`` lists what was chosen,
   from which step, on which agreed costs.
 
-The candidates are codecs; ``auto`` never looks inside them. It runs on flat DDP;
-FSDP, HSDP and hierarchical DDP refuse it when attached.
+The candidates are codecs; ``auto`` never looks inside them. It runs on flat DDP and
+on hierarchical DDP (``node_size``), where it decides per link: the intra-node link stays
+plain (the hierarchy exists to keep it so) and the candidates compete for the
+inter-node one, each step's time measuring both. FSDP and HSDP refuse it when attached.
 """
 
 from __future__ import annotations
@@ -71,10 +79,12 @@ class AutoOptions:
     warmup: int = 3
     #: steps each candidate runs in a trial; the first of them is not measured
     trial_steps: int = 6
-    #: steps from one trial to the next
+    #: steps from one trial to the next (doubled after each trial that keeps the choice)
     every: int = 500
-    #: steps between drift checks of the current choice
-    window: int = 50
+    #: the longest interval the doubling reaches
+    max_every: int = 4000
+    #: steps between drift checks of the current choice (the median of each window)
+    window: int = 10
     #: relative change of the current choice's step time that starts a new trial
     drift: float = 0.25
 
@@ -138,6 +148,9 @@ class AutoOptions:
                              f"got {self.trial_steps}")
         if self.warmup < 1 or self.window < 1 or self.drift <= 0:
             raise ValueError("auto: warmup and window must be >= 1, drift > 0")
+        if self.max_every < self.every:
+            raise ValueError(f"auto: max_every ({self.max_every}) must be >= every "
+                             f"({self.every})")
         if self.every < len(self.candidates) * self.trial_steps:
             raise ValueError(f"auto: every ({self.every}) must cover a whole trial "
                              f"({len(self.candidates)} x {self.trial_steps} steps)")
@@ -180,9 +193,16 @@ class AutoController:
     samples: dict[int, list[float]] = field(default_factory=dict)  # candidate -> ms
     window_ms: list[float] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
+    period: int = 0  # steps from this trial to the next periodic one
+    #: what deciding cost, in ms: ``agree`` (the collectives, added by the caller),
+    #: ``trials`` (steps run on a losing candidate, over the choice's cost) and
+    #: ``steps`` (every accounted step's time)
+    overhead_ms: dict[str, float] = field(
+        default_factory=lambda: {"agree": 0.0, "trials": 0.0, "steps": 0.0})
 
     def __post_init__(self) -> None:
         self.next_trial = self.next_trial or self.options.warmup
+        self.period = self.period or self.options.every
 
     def active(self) -> int:
         """The candidate that runs the current step."""
@@ -204,13 +224,14 @@ class AutoController:
         if self.trial_start is None and self.step >= self.next_trial:
             if len(o.candidates) > 1:
                 self.trial_start, self.samples = self.step, {}
-            self.next_trial = self.step + o.every
+            self.next_trial = self.step + self.period
         return self.active()
 
     def _account(self, ms: float) -> None:
         """File the step that just ended (its number is ``self.step``; steps count
         from 1)."""
         o, ended = self.options, self.step
+        self.overhead_ms["steps"] += ms
         if self.trial_start is not None and ended >= self.trial_start:
             offset = ended - self.trial_start
             if offset % o.trial_steps:  # the first step of each candidate warms it up
@@ -224,6 +245,7 @@ class AutoController:
             self.window_ms = []
             if abs(agreed - self.chosen_cost) > o.drift * self.chosen_cost:
                 self.next_trial = self.step  # retried from the next step on
+                self.period = o.every  # the link changed: what lost may win now
 
     def _decide(self) -> None:
         """Agree on every candidate's cost and choose (module docstring: hysteresis)."""
@@ -241,6 +263,11 @@ class AutoController:
                                  f"cheaper than {o.candidates[current]}")
         else:
             choice, why = current, f"no candidate more than {o.margin:.0%} cheaper"
+        if choice in measured:  # the losers' trial steps, over what the choice costs
+            self.overhead_ms["trials"] += o.trial_steps * sum(
+                max(0.0, c - measured[choice]) for i, c in measured.items() if i != choice)
+        self.period = o.every if choice != current else min(2 * self.period, o.max_every)
+        self.next_trial = (self.trial_start or self.step) + self.period
         self.choice, self.trial_start = choice, None
         self.chosen_cost, self.window_ms = measured.get(choice), []
         self.decisions.append(Decision(self.step, o.candidates[choice],
@@ -254,7 +281,8 @@ class AutoController:
                 "samples": {str(k): v for k, v in self.samples.items()},
                 "window_ms": list(self.window_ms),
                 "decisions": [d.__dict__ for d in self.decisions],
-                "candidates": list(self.options.candidates)}
+                "candidates": list(self.options.candidates),
+                "period": self.period, "overhead_ms": dict(self.overhead_ms)}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("candidates") != list(self.options.candidates):
@@ -266,6 +294,18 @@ class AutoController:
         self.samples = {int(k): list(v) for k, v in sd["samples"].items()}
         self.window_ms = list(sd["window_ms"])
         self.decisions = [Decision(**d) for d in sd["decisions"]]
+        self.period = int(sd.get("period", self.options.every))
+        self.overhead_ms.update(sd.get("overhead_ms", {}))
+
+    def overhead(self) -> dict[str, float]:
+        """What deciding cost so far: the agreement collectives' and the trials' ms, and
+        their sum as a fraction of all accounted steps' time."""
+        spent = self.overhead_ms["agree"] + self.overhead_ms["trials"]
+        total = self.overhead_ms["steps"]
+        return {"agree_ms": round(self.overhead_ms["agree"], 3),
+                "trials_ms": round(self.overhead_ms["trials"], 3),
+                "steps_ms": round(total, 3),
+                "fraction": round(spent / total, 6) if total > 0 else 0.0}
 
 
 class AutoState:
@@ -274,13 +314,16 @@ class AutoState:
 
     def __init__(self, options: AutoOptions, process_group: dist.ProcessGroup | None,
                  *, seed: int, nonfinite: str, diagnose: bool, start_iteration: int,
+                 node_size: int = 0,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.options = options
+        self.node_size = node_size
         self.stats = CommStats()
         self.codecs = [build_codec(c, seed=seed, nonfinite=nonfinite)
                        for c in options.candidates]
         self.candidates = [DDPCommState(c, process_group, diagnose=diagnose,
-                                        start_iteration=start_iteration, stats=self.stats)
+                                        start_iteration=start_iteration, stats=self.stats,
+                                        node_size=node_size)
                            for c in self.codecs]
         # the controller's own collectives: a few host numbers, on gloo whatever the
         # gradients' backend (NCCL takes device tensors only)
@@ -296,8 +339,10 @@ class AutoState:
 
     def _agree(self, values: list[float]) -> list[float]:
         """The MAX of ``values`` over the ranks (every rank gets the same list)."""
+        began = time.perf_counter()
         t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self.controller.overhead_ms["agree"] += (time.perf_counter() - began) * 1e3
         return t.tolist()
 
     def route(self, bucket: dist.GradBucket) -> DDPCommState:
@@ -344,9 +389,13 @@ class AutoState:
     def report(self) -> dict[str, Any]:
         """What ``auto`` chose, from which step, on which agreed costs."""
         c = self.controller
+        current = self.options.candidates[self.current]
+        links = ({"intra_node": "none", "inter_node": current} if self.node_size
+                 else {"all": current})
         return {"method": str(self.options), "candidates": list(self.options.candidates),
-                "current": self.options.candidates[self.current],
-                "decisions": [d.__dict__ for d in c.decisions]}
+                "current": current, "links": links,
+                "decisions": [d.__dict__ for d in c.decisions],
+                "overhead": c.overhead()}
 
     def state_dict(self) -> dict[str, Any]:
         return {"controller": self.controller.state_dict(), "current": self.current,

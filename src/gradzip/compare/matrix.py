@@ -207,9 +207,10 @@ class Run:
         if nodes is None:
             return []
         flags = ["--node-size", str(nodes[1])]
-        from gradzip.comm.method import CodecMethod, parse_method
+        from gradzip.comm.method import AutoMethod, CodecMethod, parse_method
 
-        if self.parallel == "ddp" and isinstance(parse_method(self.method), CodecMethod):
+        if self.parallel == "ddp" and isinstance(parse_method(self.method),
+                                                 CodecMethod | AutoMethod):
             flags.append("--hierarchical")
         return flags
 

@@ -9,6 +9,7 @@ be written from inside a training harness. Every function returns the PNG's path
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,35 @@ def _draw_method(ax: Any, curves: list[list[tuple[float, float]]], color: Any,
         ax.fill_between(xs, low, high, color=color, alpha=0.2, linewidth=0)
 
 
+def auto_switches(run: Any, index: int) -> list[tuple[float, float, str]]:
+    """(x, loss, codec) where an ``auto`` run's choice changed (its first choice too):
+    each decision's step placed on the run's evaluations (``index`` 0: step, 1: time),
+    interpolated between them; [] for other methods."""
+    history = run.history()
+    decisions = (run.record.get("auto") or {}).get("decisions") or []
+    if len(history) < 2 or not decisions:
+        return []
+    steps = [h[0] for h in history]
+    out, previous = [], None
+    for d in decisions:
+        if d["method"] != previous:
+            at = float(d["from_step"])
+            out.append((float(np.interp(at, steps, [h[index] for h in history])),
+                        float(np.interp(at, steps, [h[2] for h in history])), d["method"]))
+        previous = d["method"]
+    return out
+
+
+def mark_auto_choices(ax: Any, runs: Sequence[Any], color: Any, index: int) -> None:
+    """Mark on the first seed's curve where ``auto`` took each codec, named."""
+    for run in runs[:1]:
+        for x, y, codec in auto_switches(run, index):
+            ax.plot([x], [y], marker="v", markersize=8, color=color,
+                    markeredgecolor="black")
+            ax.annotate(codec, (x, y), textcoords="offset points", xytext=(4, 8),
+                        fontsize=8, color=color)
+
+
 def plot_loss(summary: SettingSummary, path: Path, x: str = "time") -> Path | None:
     """Validation loss against training time (``x="time"``) or steps, one line per method
     (the mean over seeds) with the seeds' min-max range shaded, and the target."""
@@ -104,6 +134,7 @@ def plot_loss(summary: SettingSummary, path: Path, x: str = "time") -> Path | No
         if not curves:
             continue
         _draw_method(ax, curves, colors[m.method], _label(m.method, 40))
+        mark_auto_choices(ax, m.runs, colors[m.method], index)
         drawn = True
     if not drawn:
         return None

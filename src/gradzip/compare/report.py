@@ -306,10 +306,15 @@ def auto_table(summary: SettingSummary) -> str:
                             f"| {costs} | {d['why']} |")
     if not rows:
         return ""
+    spent = [f"`{m.method}` seed {r.seed}: {o['fraction']:.2%} of its step time "
+             f"(agreement {o['agree_ms']:.0f} ms, losing trial steps {o['trials_ms']:.0f} ms)"
+             for m in summary.methods for r in m.runs
+             if (o := (r.record.get("auto") or {}).get("overhead"))]
+    foot = ["", "What deciding cost: " + "; ".join(spent) + "."] if spent else []
     head = ("**What `auto` chose** (each trial's agreed cost, ms per step: the slowest "
             "rank's median)\n\n| method | seed | from step | chose | costs | why |\n"
             "|---|---:|---:|---|---|---|")
-    return "\n".join([head, *rows])
+    return "\n".join([head, *rows, *foot])
 
 
 def render(summaries: list[SettingSummary], out: Path,

@@ -245,6 +245,11 @@ def _check_auto(auto: Any, where: str) -> None:
                and all(isinstance(k, str) and _is_number(v)
                        for k, v in d["costs_ms"].items()), where,
                f"auto.decisions[{i}] must be {{from_step, method, costs_ms, why}}, got {d!r}")
+    over = auto.get("overhead")
+    _check(over is None or (isinstance(over, dict) and all(
+        _is_number(over.get(k)) for k in ("agree_ms", "trials_ms", "steps_ms", "fraction"))),
+        where, f"auto.overhead must be {{agree_ms, trials_ms, steps_ms, fraction}}, "
+        f"got {over!r}")
 
 
 def _from_compare(c: Any, record: dict[str, Any], where: str) -> dict[str, Any]:

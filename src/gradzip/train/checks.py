@@ -33,10 +33,11 @@ def validate(cfg: JobConfig) -> None:
     check_method(method, parallel=cfg.train.parallel, optimizer=cfg.optim.optimizer,
                  grad_clip=cfg.optim.grad_clip, model=cfg.model)
     _check_capture(cfg, method)
-    if cfg.train.hierarchical and (cfg.train.parallel != "ddp" or method.kind != "codec"):
+    if cfg.train.hierarchical and (cfg.train.parallel != "ddp"
+                                   or method.kind not in ("codec", "auto")):
         raise ValueError("--hierarchical compresses DDP's buckets between nodes: it needs "
-                         "--parallel ddp and a gradzip --codec (for FSDP2 across nodes use "
-                         "--parallel hsdp)")
+                         "--parallel ddp and a gradzip --codec or auto (for FSDP2 across "
+                         "nodes use --parallel hsdp)")
 
 
 def _at_least(minimum: float, options: list[tuple[str, float]]) -> None:

@@ -386,12 +386,14 @@ def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, method: Method
     if isinstance(method, TorchHookMethod):
         return _torch_hook_ddp(raw, info, method, bucket_cap_mb)
     if isinstance(method, AutoMethod):
-        if parallel != "ddp" or hierarchical or capture is not None:
-            raise ValueError(f"--codec {method} runs on flat DDP for now: not with "
-                             "--hierarchical, --capture or FSDP/HSDP")
+        if parallel != "ddp" or capture is not None:
+            raise ValueError(f"--codec {method} runs on DDP (flat or --hierarchical) for "
+                             "now: not with --capture or FSDP/HSDP")
         model = apply_ddp(raw, info, bucket_cap_mb=bucket_cap_mb)
+        nodes = ranks_per_node(info, node_size) if hierarchical else 0
         return DataParallel(raw, model, attach_codec(model, method, seed=seed,
-                                                     diagnose=diagnose, nonfinite=nonfinite))
+                                                     diagnose=diagnose, nonfinite=nonfinite,
+                                                     node_size=nodes))
     if isinstance(method, SnooMethod):
         from gradzip.train.snoo import NesterovOuterStep
 
