@@ -94,6 +94,24 @@ def test_a_drop_of_the_link_is_acted_on_within_about_thirty_steps() -> None:
     assert c.decisions[1].from_step - 105 <= 35
 
 
+def test_a_window_is_agreed_while_the_next_step_runs() -> None:
+    """The drift check's collective is begun as a window ends and read as the step after
+    the next begins, so it overlaps a step instead of stalling one."""
+    o = AutoOptions(warmup=1, trial_steps=2, every=1000, window=4)
+    events: list[tuple[str, int]] = []
+    c = AutoController(o, lambda v: v)
+
+    def later(values: list[float]):
+        events.append(("begun", c.step))
+        return lambda: (events.append(("read", c.step)), values)[1]
+
+    c.agree_later = later
+    _run(c, {0: 10.0, 1: 20.0}, 16)
+    # the trial runs steps 1-4; the window is steps 5-8: begun as step 8 is accounted,
+    # read before step 9's own accounting (step 9 ran meanwhile)
+    assert events[:2] == [("begun", 8), ("read", 9)]
+
+
 def test_the_cost_of_deciding_is_measured() -> None:
     """The losers' trial steps over the choice's cost, and the agreement collectives'
     time (the caller adds it), as a fraction of all steps' time."""
@@ -271,12 +289,14 @@ def test_auto_is_refused_where_it_cannot_run_yet() -> None:
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         model = DDP(_model())
-        with pytest.raises(ValueError, match="does not take replicate_group"):
+        with pytest.raises(ValueError, match="replicate_group= is HSDP on FSDP2"):
             gradzip.attach(model, "auto", replicate_group=dist.group.WORLD)
+        with pytest.raises(ValueError, match="does not take start_step"):
+            gradzip.attach(model, "auto", start_step=3)
         with pytest.raises(SpecError, match="compresses gradient matrices"):
             gradzip.attach(model, 'auto(candidates="fp16; ef | powersgd(rank=2)")',
                            node_size=1)
-        with pytest.raises(ValueError, match="DistributedDataParallel models for now"):
+        with pytest.raises(ValueError, match="DistributedDataParallel and fully_shard"):
             gradzip.attach(_model(), "auto")
         with pytest.raises(SpecError, match="tpok"):
             gradzip.attach(model, 'auto(candidates="tpok")')
@@ -292,8 +312,11 @@ def test_auto_is_a_method_of_the_grammar() -> None:
     assert m.train_flags() == ["--codec", str(m)]
     assert m.to_json()["auto"]["candidates"] == ["fp16", "int8 | ans"]
     m.check(parallel="ddp")
-    with pytest.raises(ValueError, match="needs --parallel ddp"):
-        m.check(parallel="fsdp")
+    m.check(parallel="fsdp")
+    with pytest.raises(ValueError, match="--parallel ddp, fsdp or hsdp"):
+        m.check(parallel="none")
+    with pytest.raises(SpecError, match="compresses gradient matrices"):
+        parse_method('auto(candidates="fp16; ef | powersgd(rank=2)")').check(parallel="hsdp")
     with pytest.raises(ValueError, match="takes its own options"):
         parse_method("auto", start_step=5)
 

@@ -74,6 +74,17 @@ def test_hierarchical_auto_records_the_choice_of_each_link(cache: Path,
     assert rec["replicas_identical"] is True
 
 
+def test_hsdp_auto_chooses_for_the_replicate_link(cache: Path, tmp_path: Path) -> None:
+    rec = _train(cache, tmp_path / "hsdp-auto", "--codec", "auto(trial_steps=2, every=8)",
+                 "--max-steps", "9")
+    assert set(rec["links"]) == {"shard", "replicate"}
+    assert rec["links"]["shard"]["compression_ratio"] == pytest.approx(1.0)
+    auto = rec["auto"]
+    assert auto["links"] == {"shard": "none", "replicate": auto["current"]}
+    [decision] = auto["decisions"]  # one controller step per training step
+    assert decision["from_step"] == 7 and set(decision["costs_ms"]) == {"fp16", "int8"}
+
+
 def test_hsdp_resume_equals_uninterrupted(cache: Path, tmp_path: Path) -> None:
     """8 steps straight against 4 + resume: the replicate link's error-feedback residuals
     (in each rank's checkpoint state) and the DCP shards come back exactly."""

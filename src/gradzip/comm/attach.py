@@ -189,9 +189,11 @@ def attach(
 def attach_auto(model: nn.Module, spec: Any, *, process_group: dist.ProcessGroup | None,
                 seed: int, diagnose: bool, nonfinite: str, groups: Any, start_step: Any,
                 aggregate: Any, capture: Any, replicate_group: Any, node_size: int) -> Any:
-    """``auto`` on a DDP model, flat or hierarchical (``node_size``: the candidates
-    compete for the inter-node link; ``gradzip.comm.auto``); what it cannot do yet is
+    """``auto`` (``gradzip.comm.auto``) on DDP, flat or hierarchical (``node_size``: the
+    candidates compete for the inter-node link), on FSDP2's reduce-scatter, or on HSDP's
+    replicate link (``replicate_group``; ``comm.auto_sharded``); what it cannot do is
     refused here, before anything runs."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
     from gradzip.comm.auto import AutoHandle, AutoOptions, AutoState, auto_hook
@@ -199,19 +201,25 @@ def attach_auto(model: nn.Module, spec: Any, *, process_group: dist.ProcessGroup
     options = AutoOptions.parse(spec)  # an unknown candidate raises first
     refused = [name for name, given in (
         ("groups", groups), ("start_step", start_step), ("aggregate", aggregate),
-        ("capture", capture), ("replicate_group (HSDP)", replicate_group)) if given]
+        ("capture", capture)) if given]
     if refused:
-        raise ValueError(f"auto chooses among whole codecs on DDP; it does not take "
+        raise ValueError(f"auto chooses among whole codecs; it does not take "
                          f"{', '.join(refused)} yet: name a codec spec instead")
     if node_size:  # each rank sends a flat chunk between nodes
         refuse_flat([Codec.from_spec(c) for c in options.candidates], "hierarchical DDP")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("gradzip.attach needs torch.distributed initialized")
+    _refuse_paths(model, capture=False, node_size=node_size,
+                  replicate=replicate_group is not None)
+    if isinstance(model, FSDPModule):
+        from gradzip.comm.auto_sharded import attach_sharded
+
+        return attach_sharded(model, options, seed=seed, nonfinite=nonfinite,
+                              diagnose=diagnose, replicate_group=replicate_group)
     if not isinstance(model, DistributedDataParallel):
-        raise ValueError(f"auto runs on DistributedDataParallel models for now, not "
-                         f"{type(model).__name__}: attach a codec spec (e.g. 'int8') to "
-                         "FSDP")
-    _refuse_paths(model, capture=False, node_size=node_size, replicate=False)
+        raise ValueError(f"auto runs on DistributedDataParallel and fully_shard (FSDP2) "
+                         f"models, not {type(model).__name__}: attach a codec spec (e.g. "
+                         "'int8') to FSDP1")
     group = process_group if process_group is not None else model.process_group
     start = START_ITERATION_STATIC_GRAPH if model.static_graph else START_ITERATION
     state = AutoState(options, group, seed=seed, nonfinite=nonfinite, diagnose=diagnose,

@@ -16,7 +16,8 @@ reduces every DDP bucket through one of its candidates, whole codecs tried in pl
   trial (``window=10``: some 30 steps).
 - **Agreed on every rank.** The schedule is a function of the step count, and every
   figure a decision reads is first all-reduced with MAX over the ranks (one small
-  collective per trial and per window, on a group of its own): the slowest rank's cost
+  collective per trial and per window, on a gloo group of its own; a window's runs
+  during the next step and is read as the one after begins): the slowest rank's cost
   decides, so ranks that measure differently still choose alike.
 - **What deciding costs** is measured too: the time of those collectives, and each
   trial's steps run on a candidate that lost, over what the choice would have taken
@@ -45,7 +46,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -185,6 +186,9 @@ class AutoController:
 
     options: AutoOptions
     agree: Callable[[list[float]], list[float]]
+    #: ``agree`` begun now and read later (the drift checks: it overlaps a step);
+    #: None: ``agree``, run when read
+    agree_later: Callable[[list[float]], Callable[[], list[float]]] | None = None
     step: int = 0  # synchronized steps begun so far: the current step's number (from 1)
     choice: int = 0
     trial_start: int | None = None  # the step the running trial began at
@@ -203,6 +207,8 @@ class AutoController:
     def __post_init__(self) -> None:
         self.next_trial = self.next_trial or self.options.warmup
         self.period = self.period or self.options.every
+        #: the last window's agreement in flight, read as the next step begins
+        self._window: Callable[[], list[float]] | None = None
 
     def active(self) -> int:
         """The candidate that runs the current step."""
@@ -214,6 +220,7 @@ class AutoController:
     def begin_step(self, last_step_ms: float | None) -> int:
         """Account the step that just ended (``last_step_ms``; None for the first), move
         the schedule on, and return the candidate of the step that begins now."""
+        self._check_drift()
         if last_step_ms is not None:
             self._account(last_step_ms)
         self.step += 1
@@ -226,6 +233,12 @@ class AutoController:
                 self.trial_start, self.samples = self.step, {}
             self.next_trial = self.step + self.period
         return self.active()
+
+    def pass_step(self) -> None:
+        """A step that runs no candidate (DDP's plain first step, a resume's settling
+        one): counted, so ``from_step`` numbers training steps, but neither timed nor
+        part of a trial."""
+        self.step += 1
 
     def _account(self, ms: float) -> None:
         """File the step that just ended (its number is ``self.step``; steps count
@@ -241,11 +254,23 @@ class AutoController:
             return
         self.window_ms.append(ms)
         if len(self.window_ms) >= o.window:
-            (agreed,) = self.agree([statistics.median(self.window_ms)])
+            median = [statistics.median(self.window_ms)]
+            self._window = (self.agree_later(median) if self.agree_later is not None
+                            else lambda: self.agree(median))
             self.window_ms = []
-            if abs(agreed - self.chosen_cost) > o.drift * self.chosen_cost:
-                self.next_trial = self.step  # retried from the next step on
-                self.period = o.every  # the link changed: what lost may win now
+
+    def _check_drift(self) -> None:
+        """Read the last window's agreed median (begun a step ago); if the choice's step
+        time moved by more than ``drift`` from its trial, a trial begins now."""
+        if self._window is None:
+            return
+        (agreed,) = self._window()
+        self._window = None
+        cost = self.chosen_cost
+        if self.trial_start is None and cost is not None and \
+                abs(agreed - cost) > self.options.drift * cost:
+            self.next_trial = self.step + 1  # the step that begins now
+            self.period = self.options.every  # the link changed: what lost may win now
 
     def _decide(self) -> None:
         """Agree on every candidate's cost and choose (module docstring: hysteresis)."""
@@ -308,34 +333,29 @@ class AutoController:
                 "fraction": round(spent / total, 6) if total > 0 else 0.0}
 
 
-class AutoState:
-    """The DDP hook's state under ``auto``: one ``DDPCommState`` per candidate, one
-    ``CommStats`` for all of them, and the controller."""
+class AutoCore:
+    """What ``auto`` keeps on every path: the candidates' codecs, the controller with its
+    agreement group and clock, and the switch. ``next_step`` moves it on at each step's
+    first reduction; ``take_residual`` hands a key's residual of the codec switched
+    from to the caller, which adds it to that key's gradient (once per key)."""
 
     def __init__(self, options: AutoOptions, process_group: dist.ProcessGroup | None,
-                 *, seed: int, nonfinite: str, diagnose: bool, start_iteration: int,
-                 node_size: int = 0,
+                 *, seed: int, nonfinite: str, links: dict[str, str | None],
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.options = options
-        self.node_size = node_size
-        self.stats = CommStats()
         self.codecs = [build_codec(c, seed=seed, nonfinite=nonfinite)
                        for c in options.candidates]
-        self.candidates = [DDPCommState(c, process_group, diagnose=diagnose,
-                                        start_iteration=start_iteration, stats=self.stats,
-                                        node_size=node_size)
-                           for c in self.codecs]
         # the controller's own collectives: a few host numbers, on gloo whatever the
         # gradients' backend (NCCL takes device tensors only)
         self.group = private_group(process_group, backend="gloo")
-        self.start_iteration = start_iteration
-        self.controller = AutoController(options, self._agree)
+        self.controller = AutoController(options, self._agree, self._agree_later)
         self.clock = clock
-        self.iteration = 0  # synchronized backward passes, as DDPCommState counts them
-        self._seen = -1  # the iteration whose first bucket came last
-        self._began: float | None = None
+        #: each link's codec: a fixed spec, or None for the one ``auto`` chooses
+        self.links = links
         self.current = 0
-        self._leaving: Codec | None = None  # the codec switched from, this step
+        self._began: float | None = None
+        self._leaving: Codec | None = None  # the codec switched from
+        self._flushed: set[str] = set()  # keys whose residual was handed over
 
     def _agree(self, values: list[float]) -> list[float]:
         """The MAX of ``values`` over the ranks (every rank gets the same list)."""
@@ -345,55 +365,50 @@ class AutoState:
         self.controller.overhead_ms["agree"] += (time.perf_counter() - began) * 1e3
         return t.tolist()
 
-    def route(self, bucket: dist.GradBucket) -> DDPCommState:
-        """The candidate that reduces ``bucket`` (the first bucket of a step moves the
-        controller on; a switch queues the old codec's residuals for the new one)."""
-        if self.iteration < self.start_iteration:  # a plain step (DDP's first, or a
-            state = self.candidates[self.current]  # resume's settling one): no trial
-            state.iteration = self.iteration      # counts it, nothing is flushed
-            if bucket.is_last():
-                self.iteration += 1
-            return state
-        if self._seen != self.iteration:
-            self._seen = self.iteration
-            now = self.clock()
-            last = None if self._began is None else (now - self._began) * 1e3
-            self._began = now
-            chosen = self.controller.begin_step(last)
-            if chosen != self.current:
-                self._switch(self.current, chosen)
-        state = self.candidates[self.current]
-        state.iteration = self.iteration  # one count of steps for every candidate
-        if bucket.is_last():
-            self.iteration += 1
-        return state
+    def _agree_later(self, values: list[float]) -> Callable[[], list[float]]:
+        """``_agree`` begun now (gloo's thread runs it while the step computes); the
+        function returned waits for it, and only that wait is counted as its cost."""
+        t = torch.tensor(values, dtype=torch.float64)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
-    def _switch(self, old: int, new: int) -> None:
-        """Run ``new`` from this step on; ``old``'s error-feedback residuals are added
-        to the next gradient of their buckets (``flush``)."""
-        self._leaving = self.codecs[old]
-        self.current = new
+        def read() -> list[float]:
+            began = time.perf_counter()
+            work.wait()
+            self.controller.overhead_ms["agree"] += (time.perf_counter() - began) * 1e3
+            return cast(list[float], t.tolist())
 
-    def flush(self, bucket: dist.GradBucket) -> None:
-        """Add what the codec left behind holds for this bucket to its gradient."""
-        leaving = self._leaving
-        if leaving is None:
-            return
-        buffer = bucket.buffer()
-        residual = leaving.take_residual(f"bucket{bucket.index()}", buffer.numel())
-        if residual is not None:
-            buffer.add_(residual.to(buffer))
-        if bucket.is_last():
-            self._leaving = None
+        return read
+
+    def next_step(self) -> int:
+        """A step begins: account the last one's time, move the controller on, switch
+        if it chose another candidate; the candidate of this step."""
+        now = self.clock()
+        last = None if self._began is None else (now - self._began) * 1e3
+        self._began = now
+        chosen = self.controller.begin_step(last)
+        if chosen != self.current:
+            self._leaving, self._flushed = self.codecs[self.current], set()
+            self.current = chosen
+        return chosen
+
+    def restart_clock(self) -> None:
+        """The time until the next step's first reduction is no candidate's."""
+        self._began = None
+
+    def take_residual(self, key: str, numel: int) -> torch.Tensor | None:
+        """The residual of ``key`` the codec switched from still holds (once)."""
+        if self._leaving is None or key in self._flushed:
+            return None
+        self._flushed.add(key)
+        return self._leaving.take_residual(key, numel)
 
     def report(self) -> dict[str, Any]:
-        """What ``auto`` chose, from which step, on which agreed costs."""
+        """What ``auto`` chose, from which step, on which agreed costs, per link."""
         c = self.controller
         current = self.options.candidates[self.current]
-        links = ({"intra_node": "none", "inter_node": current} if self.node_size
-                 else {"all": current})
         return {"method": str(self.options), "candidates": list(self.options.candidates),
-                "current": current, "links": links,
+                "current": current,
+                "links": {k: current if v is None else v for k, v in self.links.items()},
                 "decisions": [d.__dict__ for d in c.decisions],
                 "overhead": c.overhead()}
 
@@ -404,9 +419,61 @@ class AutoState:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.controller.load_state_dict(sd["controller"])
         self.current = int(sd["current"])
-        self._began = None  # the time before the resume is no step of this process
+        self.restart_clock()  # the time before the resume is no step of this process
         for codec, state in zip(self.codecs, sd["codecs"], strict=True):
             codec.load_state_dict(state)
+
+
+class AutoState(AutoCore):
+    """The DDP hook's state under ``auto``: one ``DDPCommState`` per candidate, one
+    ``CommStats`` for all of them. With ``node_size`` (hierarchical DDP) the intra-node
+    link stays plain and the candidates compete for the inter-node one."""
+
+    def __init__(self, options: AutoOptions, process_group: dist.ProcessGroup | None,
+                 *, seed: int, nonfinite: str, diagnose: bool, start_iteration: int,
+                 node_size: int = 0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        links: dict[str, str | None] = ({"intra_node": "none", "inter_node": None}
+                                        if node_size else {"all": None})
+        super().__init__(options, process_group, seed=seed, nonfinite=nonfinite,
+                         links=links, clock=clock)
+        self.stats = CommStats()
+        self.candidates = [DDPCommState(c, process_group, diagnose=diagnose,
+                                        start_iteration=start_iteration, stats=self.stats,
+                                        node_size=node_size)
+                           for c in self.codecs]
+        self.start_iteration = start_iteration
+        self.iteration = 0  # synchronized backward passes, as DDPCommState counts them
+        self._seen = -1  # the iteration whose first bucket came last
+
+    def route(self, bucket: dist.GradBucket) -> DDPCommState:
+        """The candidate that reduces ``bucket`` (the first bucket of a step moves the
+        controller on; a switch queues the old codec's residuals for the new one)."""
+        if self.iteration < self.start_iteration:  # a plain step (DDP's first, or a
+            state = self.candidates[self.current]  # resume's settling one): no trial
+            state.iteration = self.iteration      # times it, nothing is flushed
+            if self._seen != self.iteration:
+                self._seen = self.iteration
+                self.controller.pass_step()
+                self.restart_clock()
+            if bucket.is_last():
+                self.iteration += 1
+            return state
+        if self._seen != self.iteration:
+            self._seen = self.iteration
+            self.next_step()
+        state = self.candidates[self.current]
+        state.iteration = self.iteration  # one count of steps for every candidate
+        if bucket.is_last():
+            self.iteration += 1
+        return state
+
+    def flush(self, bucket: dist.GradBucket) -> None:
+        """Add what the codec left behind holds for this bucket to its gradient."""
+        buffer = bucket.buffer()
+        residual = self.take_residual(f"bucket{bucket.index()}", buffer.numel())
+        if residual is not None:
+            buffer.add_(residual.to(buffer))
 
     def close(self) -> None:
         for state in self.candidates:
@@ -426,25 +493,25 @@ auto_hook.__annotations__.update(bucket=dist.GradBucket,
 
 
 class AutoHandle:
-    """What ``attach(ddp_model, "auto")`` returns: stats, report and checkpoint state,
-    as ``Handle`` has them."""
+    """What ``attach(model, "auto")`` returns: stats, report and checkpoint state, as
+    ``Handle`` has them (``kind``: ddp, or fsdp2 for FSDP2 and HSDP)."""
 
-    kind = "ddp"
-
-    def __init__(self, state: AutoState) -> None:
+    def __init__(self, state: Any, kind: str = "ddp") -> None:
         self.state = state
-        self.stats = state.stats
+        self.kind = kind
+        self.stats: CommStats = state.stats
         self.codecs: Sequence[Codec] = state.codecs
         self.capture: Any = None
 
     @property
     def codec(self) -> Codec:
         """The codec running now."""
-        return self.state.codecs[self.state.current]
+        return cast(Codec, self.state.codecs[self.state.current])
 
     @property
     def chained(self) -> bool:
-        return self.state.candidates[self.state.current].chained
+        candidates = getattr(self.state, "candidates", None)
+        return bool(candidates and candidates[self.state.current].chained)
 
     def report(self) -> dict[str, Any]:
         return self.state.report()

@@ -170,8 +170,9 @@ class TorchHookMethod:
 
 @dataclass(frozen=True)
 class AutoMethod:
-    """``auto``: on DDP, the 16-bit all-reduce unless a candidate codec is measurably
-    faster on this run's link and hardware (``comm/auto.py``)."""
+    """``auto``: on DDP, FSDP2 or HSDP's replicate link, the 16-bit reduction unless a
+    candidate codec is measurably faster on this run's link and hardware
+    (``comm/auto.py``)."""
 
     options: AutoOptions
     kind: ClassVar[str] = "auto"
@@ -188,10 +189,11 @@ class AutoMethod:
         return self.options.to_json()
 
     def check(self, *, parallel: str, **_: Any) -> None:
-        if parallel != "ddp":
-            raise ValueError(f"--codec {self} chooses among whole codecs on DDP for now: "
-                             f"it needs --parallel ddp (got {parallel}); on FSDP or HSDP "
-                             "name a codec")
+        if parallel not in ("ddp", "fsdp", "hsdp"):
+            raise ValueError(f"--codec {self} chooses among whole codecs on a link that "
+                             f"communicates: --parallel ddp, fsdp or hsdp (got {parallel})")
+        if parallel != "ddp":  # FSDP hands the codecs flat shards
+            refuse_flat(self.codecs, "FSDP2")
 
     def train_flags(self) -> list[str]:
         return ["--codec", str(self)]

@@ -385,15 +385,9 @@ def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, method: Method
                                              **method.options()))
     if isinstance(method, TorchHookMethod):
         return _torch_hook_ddp(raw, info, method, bucket_cap_mb)
-    if isinstance(method, AutoMethod):
-        if parallel != "ddp" or capture is not None:
-            raise ValueError(f"--codec {method} runs on DDP (flat or --hierarchical) for "
-                             "now: not with --capture or FSDP/HSDP")
-        model = apply_ddp(raw, info, bucket_cap_mb=bucket_cap_mb)
-        nodes = ranks_per_node(info, node_size) if hierarchical else 0
-        return DataParallel(raw, model, attach_codec(model, method, seed=seed,
-                                                     diagnose=diagnose, nonfinite=nonfinite,
-                                                     node_size=nodes))
+    if isinstance(method, AutoMethod) and capture is not None:
+        raise ValueError(f"--codec {method} changes codec during the run; --capture "
+                         "records one codec's buckets: name a codec")
     if isinstance(method, SnooMethod):
         from gradzip.train.snoo import NesterovOuterStep
 
@@ -410,21 +404,21 @@ def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, method: Method
                                                      diagnose=diagnose, nonfinite=nonfinite,
                                                      capture=capture, node_size=nodes))
     if parallel == "hsdp":
-        return _hsdp(raw, info, cast(CodecMethod, method), node_size, seed=seed,
-                     diagnose=diagnose, nonfinite=nonfinite)
+        return _hsdp(raw, info, cast(CodecMethod | AutoMethod, method), node_size,
+                     seed=seed, diagnose=diagnose, nonfinite=nonfinite)
     model = apply_fsdp(cast(GPT, raw), info)
-    if method.plain and capture is None:
+    if isinstance(method, CodecMethod) and method.plain and capture is None:
         return FullyShard(raw, model, native=NativeCollectives())
     return FullyShard(raw, model, attach_codec(
         model, method, seed=seed, diagnose=diagnose, nonfinite=nonfinite, capture=capture))
 
 
-def _hsdp(raw: nn.Module, info: DistInfo, method: CodecMethod, node_size: int, *,
-          seed: int, diagnose: bool, nonfinite: str) -> FullyShard:
+def _hsdp(raw: nn.Module, info: DistInfo, method: CodecMethod | AutoMethod, node_size: int,
+          *, seed: int, diagnose: bool, nonfinite: str) -> FullyShard:
     """FSDP2 within a node, replicated across: native HSDP for ``none``, else sharded over
     the shard dimension with gradzip reducing the replicate link."""
     mesh = hsdp_mesh(info, node_size)
-    if method.plain:
+    if isinstance(method, CodecMethod) and method.plain:
         return FullyShard(raw, apply_fsdp(cast(GPT, raw), info, mesh),
                           native=NativeCollectives(mesh.get_group("replicate")))
     model = apply_fsdp(cast(GPT, raw), info, mesh["shard"])
