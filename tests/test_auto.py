@@ -37,6 +37,19 @@ def test_options_parse_print_and_refuse() -> None:
         AutoOptions.parse("auto(every=4)")
 
 
+def test_the_16_bit_reference_follows_the_backend() -> None:
+    """bf16 where the backend sums it (NCCL), fp16 on gloo; a list the user named is
+    kept as it is, and the method's name does not change."""
+    assert AutoOptions().for_backend("nccl").candidates == ("bf16", "int8")
+    assert AutoOptions().for_backend("gloo").candidates == ("fp16", "int8")
+    named = AutoOptions.parse('auto(candidates="fp16; int8")')
+    assert named.for_backend("nccl").candidates == ("fp16", "int8")
+    assert str(AutoOptions().for_backend("nccl")) == "auto"
+    assert "default_candidates" not in AutoOptions().to_json()["auto"]
+    with pytest.raises(ValueError, match="unknown option"):
+        AutoOptions.parse("auto(default_candidates=0)")
+
+
 # ---------------------------------------------------------------- controller
 def _run(controller: AutoController, cost_ms: dict[int, float], steps: int) -> list[int]:
     """The candidate of each step when candidate i's steps take ``cost_ms[i]``."""
@@ -89,9 +102,16 @@ def test_a_drop_of_the_link_is_acted_on_within_about_thirty_steps() -> None:
     _run(c, costs, 105)
     assert [d.method for d in c.decisions] == ["fp16"]
     costs[0], costs[1] = 180.0, 90.0  # the link dropped between steps 105 and 106
-    _run(c, costs, 60)
+    after = _run(c, costs, 60)
     assert [d.method for d in c.decisions] == ["fp16", "int8"]
-    assert c.decisions[1].from_step - 105 <= 35
+    assert c.decisions[1].from_step - 105 <= 30
+    # the drifted window measured fp16 on the slow link: the trial ran int8 only
+    assert c.decisions[1].costs_ms == {"fp16": 180.0, "int8": 90.0}
+    switch = c.decisions[1].from_step - 106
+    assert after[switch - 6:switch] == [1] * 6 and set(after[:switch - 6]) == {0}
+    # fp16 did not run in that trial: its cost is no trial overhead (only the first
+    # trial's int8 steps are: 6 x 10 ms)
+    assert c.overhead()["trials_ms"] == 60.0
 
 
 def test_a_window_is_agreed_while_the_next_step_runs() -> None:

@@ -12,8 +12,9 @@ reduces every DDP bucket through one of its candidates, whole codecs tried in pl
   ``max_every``) each time a trial keeps the choice, so a candidate that loses is not
   paid for again and again; and as soon as the chosen candidate's step time drifts by
   more than ``drift`` from what its trial measured (the median of each ``window``
-  steps), as when a link slows down: a drop is acted on within about two windows and a
-  trial (``window=10``: some 30 steps).
+  steps), as when a link slows down: that window's agreed median is then the choice's
+  cost and the trial runs the other candidates only, so a drop is acted on within about
+  two windows and a trial of the others (``window=10``: some 25 steps).
 - **Agreed on every rank.** The schedule is a function of the step count, and every
   figure a decision reads is first all-reduced with MAX over the ranks (one small
   collective per trial and per window, on a gloo group of its own; a window's runs
@@ -58,6 +59,8 @@ from gradzip.comm.stats import CommStats
 #: the default candidates: the 16-bit all-reduce first (the reference), then the codecs
 #: whose loss the long race shows within seed noise of DDP (docs/benchmarks/long.md)
 DEFAULT_CANDIDATES = ("fp16", "int8")
+#: the 16-bit reference where the backend sums bf16 (NCCL): fp32's range, same bytes
+BF16_BACKENDS = ("nccl",)
 _AUTO = re.compile(r"^\s*auto\s*(?:\((?P<body>.*)\))?\s*$", re.DOTALL)
 _OPTION = re.compile(r"\s*(\w+)\s*=\s*(\"[^\"]*\"|'[^']*'|[^,]+?)\s*(?:,|$)")
 
@@ -88,6 +91,9 @@ class AutoOptions:
     window: int = 10
     #: relative change of the current choice's step time that starts a new trial
     drift: float = 0.25
+    #: whether ``candidates`` is the default (the 16-bit reference then follows the
+    #: backend: ``for_backend``), not a list the user named
+    default_candidates: bool = field(default=True, compare=False)
 
     @classmethod
     def parse(cls, text: str | AutoOptions) -> AutoOptions:
@@ -112,7 +118,7 @@ class AutoOptions:
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> AutoOptions:
-        known = cls.__dataclass_fields__
+        known = [k for k in cls.__dataclass_fields__ if k != "default_candidates"]
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise ValueError(f"auto: unknown option(s) {', '.join(unknown)}; it takes "
@@ -121,7 +127,8 @@ class AutoOptions:
         for name, raw in values.items():
             if name == "candidates":
                 names = raw if isinstance(raw, list | tuple) else str(raw).split(";")
-                out = replace(out, candidates=tuple(c.strip() for c in names if c.strip()))
+                out = replace(out, candidates=tuple(c.strip() for c in names if c.strip()),
+                              default_candidates=False)
             else:
                 kind = type(getattr(out, name))
                 try:
@@ -158,15 +165,24 @@ class AutoOptions:
 
     def __str__(self) -> str:
         default = AutoOptions()
-        parts = [f'candidates="{"; ".join(self.candidates)}"'] \
-            if self.candidates != default.candidates else []
+        parts = [] if self.default_candidates else [
+            f'candidates="{"; ".join(self.candidates)}"']
         parts += [f"{k}={getattr(self, k)}" for k in self.__dataclass_fields__
-                  if k != "candidates" and getattr(self, k) != getattr(default, k)]
+                  if k not in ("candidates", "default_candidates")
+                  and getattr(self, k) != getattr(default, k)]
         return f"auto({', '.join(parts)})" if parts else "auto"
 
     def to_json(self) -> dict[str, Any]:
         return {"auto": {k: (list(v) if isinstance(v, tuple) else v)
-                         for k, v in self.__dict__.items()}}
+                         for k, v in self.__dict__.items() if k != "default_candidates"}}
+
+    def for_backend(self, backend: str) -> AutoOptions:
+        """The default candidates with the backend's 16-bit reference: bf16 where it is
+        summed (NCCL), else fp16 (gloo has no bf16 sum on every build); a named list
+        as it is."""
+        if not self.default_candidates or backend.lower() not in BF16_BACKENDS:
+            return self
+        return replace(self, candidates=("bf16", *self.candidates[1:]))
 
 
 @dataclass
@@ -198,6 +214,10 @@ class AutoController:
     window_ms: list[float] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
     period: int = 0  # steps from this trial to the next periodic one
+    #: the candidates the running trial tries, in order
+    order: list[int] = field(default_factory=list)
+    #: agreed costs known without a trial: the choice's, from the window that drifted
+    known: dict[int, float] = field(default_factory=dict)
     #: what deciding cost, in ms: ``agree`` (the collectives, added by the caller),
     #: ``trials`` (steps run on a losing candidate, over the choice's cost) and
     #: ``steps`` (every accounted step's time)
@@ -214,8 +234,8 @@ class AutoController:
         """The candidate that runs the current step."""
         if self.trial_start is None:
             return self.choice
-        return min((self.step - self.trial_start) // self.options.trial_steps,
-                   len(self.options.candidates) - 1)
+        return self.order[min((self.step - self.trial_start) // self.options.trial_steps,
+                              len(self.order) - 1)]
 
     def begin_step(self, last_step_ms: float | None) -> int:
         """Account the step that just ended (``last_step_ms``; None for the first), move
@@ -226,11 +246,12 @@ class AutoController:
         self.step += 1
         o = self.options
         if self.trial_start is not None and \
-                self.step - self.trial_start >= len(o.candidates) * o.trial_steps:
+                self.step - self.trial_start >= len(self.order) * o.trial_steps:
             self._decide()
         if self.trial_start is None and self.step >= self.next_trial:
             if len(o.candidates) > 1:
                 self.trial_start, self.samples = self.step, {}
+                self.order = [i for i in range(len(o.candidates)) if i not in self.known]
             self.next_trial = self.step + self.period
         return self.active()
 
@@ -248,7 +269,7 @@ class AutoController:
         if self.trial_start is not None and ended >= self.trial_start:
             offset = ended - self.trial_start
             if offset % o.trial_steps:  # the first step of each candidate warms it up
-                self.samples.setdefault(offset // o.trial_steps, []).append(ms)
+                self.samples.setdefault(self.order[offset // o.trial_steps], []).append(ms)
             return
         if self.chosen_cost is None or ended < o.warmup:
             return
@@ -271,12 +292,17 @@ class AutoController:
                 abs(agreed - cost) > self.options.drift * cost:
             self.next_trial = self.step + 1  # the step that begins now
             self.period = self.options.every  # the link changed: what lost may win now
+            # the window just measured the choice on the new link: the trial runs the
+            # others only (a choice that now loses is not run 6 more steps)
+            self.known = {self.choice: agreed}
 
     def _decide(self) -> None:
         """Agree on every candidate's cost and choose (module docstring: hysteresis)."""
         o = self.options
-        local = [statistics.median(self.samples[i]) if self.samples.get(i) else float("inf")
+        local = [self.known[i] if i in self.known else  # the same on every rank
+                 statistics.median(self.samples[i]) if self.samples.get(i) else float("inf")
                  for i in range(len(o.candidates))]
+        self.known = {}
         agreed = self.agree(local)  # inf: some rank has no sample of it (a resume)
         measured = {i: c for i, c in enumerate(agreed) if math.isfinite(c)}
         current = self.choice
@@ -288,9 +314,10 @@ class AutoController:
                                  f"cheaper than {o.candidates[current]}")
         else:
             choice, why = current, f"no candidate more than {o.margin:.0%} cheaper"
-        if choice in measured:  # the losers' trial steps, over what the choice costs
+        if choice in measured:  # the trial steps of losers that ran, over the choice's
             self.overhead_ms["trials"] += o.trial_steps * sum(
-                max(0.0, c - measured[choice]) for i, c in measured.items() if i != choice)
+                max(0.0, measured[i] - measured[choice]) for i in self.order
+                if i != choice and i in measured)
         self.period = o.every if choice != current else min(2 * self.period, o.max_every)
         self.next_trial = (self.trial_start or self.step) + self.period
         self.choice, self.trial_start = choice, None
@@ -307,7 +334,8 @@ class AutoController:
                 "window_ms": list(self.window_ms),
                 "decisions": [d.__dict__ for d in self.decisions],
                 "candidates": list(self.options.candidates),
-                "period": self.period, "overhead_ms": dict(self.overhead_ms)}
+                "period": self.period, "overhead_ms": dict(self.overhead_ms),
+                "order": list(self.order), "known": {str(k): v for k, v in self.known.items()}}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("candidates") != list(self.options.candidates):
@@ -320,6 +348,8 @@ class AutoController:
         self.window_ms = list(sd["window_ms"])
         self.decisions = [Decision(**d) for d in sd["decisions"]]
         self.period = int(sd.get("period", self.options.every))
+        self.order = [int(i) for i in sd.get("order", range(len(self.options.candidates)))]
+        self.known = {int(k): float(v) for k, v in sd.get("known", {}).items()}
         self.overhead_ms.update(sd.get("overhead_ms", {}))
 
     def overhead(self) -> dict[str, float]:
@@ -342,6 +372,7 @@ class AutoCore:
     def __init__(self, options: AutoOptions, process_group: dist.ProcessGroup | None,
                  *, seed: int, nonfinite: str, links: dict[str, str | None],
                  clock: Callable[[], float] = time.perf_counter) -> None:
+        options = options.for_backend(str(dist.get_backend(process_group)))
         self.options = options
         self.codecs = [build_codec(c, seed=seed, nonfinite=nonfinite)
                        for c in options.candidates]
