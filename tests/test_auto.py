@@ -94,24 +94,34 @@ def test_trials_that_keep_the_choice_come_less_often() -> None:
     assert starts[:5] == [1, 21, 61, 101, 141] and all(d.method == "fp16" for d in c.decisions)
 
 
-def test_a_drop_of_the_link_is_acted_on_within_about_thirty_steps() -> None:
-    """With the default window (10 steps), a step time that doubles in the middle of a
-    window starts a trial within two windows, and the switch follows the trial."""
+def test_a_drop_of_the_link_is_acted_on_within_fifty_steps() -> None:
+    """With the default window (10 steps), a step time that jumps in the middle of a
+    window starts a trial once two windows running have drifted; the trial measures
+    the current choice again beside the others, and the switch follows it."""
     c = AutoController(AutoOptions(), lambda v: v)
     costs = {0: 40.0, 1: 50.0}
     _run(c, costs, 105)
     assert [d.method for d in c.decisions] == ["fp16"]
     costs[0], costs[1] = 180.0, 90.0  # the link dropped between steps 105 and 106
-    after = _run(c, costs, 60)
+    _run(c, costs, 60)
     assert [d.method for d in c.decisions] == ["fp16", "int8"]
-    assert c.decisions[1].from_step - 105 <= 30
-    # the drifted window measured fp16 on the slow link: the trial ran int8 only
+    assert c.decisions[1].from_step - 105 <= 45
     assert c.decisions[1].costs_ms == {"fp16": 180.0, "int8": 90.0}
-    switch = c.decisions[1].from_step - 106
-    assert after[switch - 6:switch] == [1] * 6 and set(after[:switch - 6]) == {0}
-    # fp16 did not run in that trial: its cost is no trial overhead (only the first
-    # trial's int8 steps are: 6 x 10 ms)
-    assert c.overhead()["trials_ms"] == 60.0
+
+
+def test_one_noisy_window_starts_no_trial() -> None:
+    """A window whose median is far off, between windows that are not, is noise: no
+    trial; two running are a change: a trial."""
+    o = AutoOptions(warmup=1, trial_steps=2, every=1000, window=4)
+    c = AutoController(o, lambda v: v)
+    _run(c, {0: 10.0, 1: 20.0}, 8)  # trial at steps 1-4, then windows of 4
+    steps = [10.0] * 4 + [30.0] * 4 + [10.0] * 8
+    for ms in steps:
+        c.begin_step(ms)
+    assert len(c.decisions) == 1
+    for ms in [30.0] * 20:
+        c.begin_step(ms)
+    assert len(c.decisions) == 2
 
 
 def test_a_window_is_agreed_while_the_next_step_runs() -> None:

@@ -12,9 +12,11 @@ reduces every DDP bucket through one of its candidates, whole codecs tried in pl
   ``max_every``) each time a trial keeps the choice, so a candidate that loses is not
   paid for again and again; and as soon as the chosen candidate's step time drifts by
   more than ``drift`` from what its trial measured (the median of each ``window``
-  steps), as when a link slows down: that window's agreed median is then the choice's
-  cost and the trial runs the other candidates only, so a drop is acted on within about
-  two windows and a trial of the others (``window=10``: some 25 steps).
+  steps) in two windows running, as when a link slows down; one window alone is noise
+  on a busy host. Every trial measures the current choice again beside the others: the
+  window that drifted is no unbiased estimate of its cost (it was picked for being
+  far off). A drop is acted on within two to three windows and a trial
+  (``window=10``: some 30 to 45 steps).
 - **Agreed on every rank.** The schedule is a function of the step count, and every
   figure a decision reads is first all-reduced with MAX over the ranks (one small
   collective per trial and per window, on a gloo group of its own; a window's runs
@@ -214,10 +216,8 @@ class AutoController:
     window_ms: list[float] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
     period: int = 0  # steps from this trial to the next periodic one
-    #: the candidates the running trial tries, in order
-    order: list[int] = field(default_factory=list)
-    #: agreed costs known without a trial: the choice's, from the window that drifted
-    known: dict[int, float] = field(default_factory=dict)
+    #: whether the last window drifted (a second one running starts a trial)
+    suspect: bool = False
     #: what deciding cost, in ms: ``agree`` (the collectives, added by the caller),
     #: ``trials`` (steps run on a losing candidate, over the choice's cost) and
     #: ``steps`` (every accounted step's time)
@@ -234,8 +234,8 @@ class AutoController:
         """The candidate that runs the current step."""
         if self.trial_start is None:
             return self.choice
-        return self.order[min((self.step - self.trial_start) // self.options.trial_steps,
-                              len(self.order) - 1)]
+        return min((self.step - self.trial_start) // self.options.trial_steps,
+                   len(self.options.candidates) - 1)
 
     def begin_step(self, last_step_ms: float | None) -> int:
         """Account the step that just ended (``last_step_ms``; None for the first), move
@@ -246,12 +246,11 @@ class AutoController:
         self.step += 1
         o = self.options
         if self.trial_start is not None and \
-                self.step - self.trial_start >= len(self.order) * o.trial_steps:
+                self.step - self.trial_start >= len(o.candidates) * o.trial_steps:
             self._decide()
         if self.trial_start is None and self.step >= self.next_trial:
             if len(o.candidates) > 1:
                 self.trial_start, self.samples = self.step, {}
-                self.order = [i for i in range(len(o.candidates)) if i not in self.known]
             self.next_trial = self.step + self.period
         return self.active()
 
@@ -269,7 +268,7 @@ class AutoController:
         if self.trial_start is not None and ended >= self.trial_start:
             offset = ended - self.trial_start
             if offset % o.trial_steps:  # the first step of each candidate warms it up
-                self.samples.setdefault(self.order[offset // o.trial_steps], []).append(ms)
+                self.samples.setdefault(offset // o.trial_steps, []).append(ms)
             return
         if self.chosen_cost is None or ended < o.warmup:
             return
@@ -282,27 +281,26 @@ class AutoController:
 
     def _check_drift(self) -> None:
         """Read the last window's agreed median (begun a step ago); if the choice's step
-        time moved by more than ``drift`` from its trial, a trial begins now."""
+        time moved by more than ``drift`` from its trial in this window and the one
+        before, a trial begins now."""
         if self._window is None:
             return
         (agreed,) = self._window()
         self._window = None
         cost = self.chosen_cost
-        if self.trial_start is None and cost is not None and \
-                abs(agreed - cost) > self.options.drift * cost:
+        drifted = self.trial_start is None and cost is not None and \
+            abs(agreed - cost) > self.options.drift * cost
+        if drifted and self.suspect:
             self.next_trial = self.step + 1  # the step that begins now
             self.period = self.options.every  # the link changed: what lost may win now
-            # the window just measured the choice on the new link: the trial runs the
-            # others only (a choice that now loses is not run 6 more steps)
-            self.known = {self.choice: agreed}
+            drifted = False
+        self.suspect = drifted
 
     def _decide(self) -> None:
         """Agree on every candidate's cost and choose (module docstring: hysteresis)."""
         o = self.options
-        local = [self.known[i] if i in self.known else  # the same on every rank
-                 statistics.median(self.samples[i]) if self.samples.get(i) else float("inf")
+        local = [statistics.median(self.samples[i]) if self.samples.get(i) else float("inf")
                  for i in range(len(o.candidates))]
-        self.known = {}
         agreed = self.agree(local)  # inf: some rank has no sample of it (a resume)
         measured = {i: c for i, c in enumerate(agreed) if math.isfinite(c)}
         current = self.choice
@@ -314,13 +312,12 @@ class AutoController:
                                  f"cheaper than {o.candidates[current]}")
         else:
             choice, why = current, f"no candidate more than {o.margin:.0%} cheaper"
-        if choice in measured:  # the trial steps of losers that ran, over the choice's
+        if choice in measured:  # the losers' trial steps, over what the choice costs
             self.overhead_ms["trials"] += o.trial_steps * sum(
-                max(0.0, measured[i] - measured[choice]) for i in self.order
-                if i != choice and i in measured)
+                max(0.0, c - measured[choice]) for i, c in measured.items() if i != choice)
         self.period = o.every if choice != current else min(2 * self.period, o.max_every)
         self.next_trial = (self.trial_start or self.step) + self.period
-        self.choice, self.trial_start = choice, None
+        self.choice, self.trial_start, self.suspect = choice, None, False
         self.chosen_cost, self.window_ms = measured.get(choice), []
         self.decisions.append(Decision(self.step, o.candidates[choice],
                                        {o.candidates[i]: c for i, c in measured.items()},
@@ -335,7 +332,7 @@ class AutoController:
                 "decisions": [d.__dict__ for d in self.decisions],
                 "candidates": list(self.options.candidates),
                 "period": self.period, "overhead_ms": dict(self.overhead_ms),
-                "order": list(self.order), "known": {str(k): v for k, v in self.known.items()}}
+                "suspect": self.suspect}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("candidates") != list(self.options.candidates):
@@ -348,8 +345,7 @@ class AutoController:
         self.window_ms = list(sd["window_ms"])
         self.decisions = [Decision(**d) for d in sd["decisions"]]
         self.period = int(sd.get("period", self.options.every))
-        self.order = [int(i) for i in sd.get("order", range(len(self.options.candidates)))]
-        self.known = {int(k): float(v) for k, v in sd.get("known", {}).items()}
+        self.suspect = bool(sd.get("suspect", False))
         self.overhead_ms.update(sd.get("overhead_ms", {}))
 
     def overhead(self) -> dict[str, float]:
