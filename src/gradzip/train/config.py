@@ -152,7 +152,9 @@ class TrainConfig:
     the node; records report the intra_node and inter_node links."""
     codec: str = "none"
     """Gradient codec spec, e.g. "ef | topk(ratio=0.01)", or a JSON policy
-    ({"codec": ..., "groups": [...], "start_step": N}); none = uncompressed all-reduce."""
+    ({"codec": ..., "groups": [...], "start_step": N}); none = uncompressed all-reduce;
+    auto (or auto(candidates="fp16; int8")) = the 16-bit reduction unless a candidate
+    measures faster on this link (DDP, --hierarchical, FSDP, HSDP)."""
     codec_groups: str = ""
     """Per-parameter codecs, "PATTERNS=SPEC;...", e.g. "*.bias,*norm*,*emb*=none": matching
     parameter names (first match wins) take that codec; the rest take --codec."""
