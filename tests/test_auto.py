@@ -35,6 +35,8 @@ def test_options_parse_print_and_refuse() -> None:
         AutoOptions.parse("auto(margin=1.5)")
     with pytest.raises(ValueError, match="every"):
         AutoOptions.parse("auto(every=4)")
+    with pytest.raises(ValueError, match=r"max_every \(100\) must be >= every"):
+        AutoOptions.parse("auto(every=200, max_every=100)")
 
 
 def test_the_16_bit_reference_follows_the_backend() -> None:
