@@ -174,6 +174,25 @@ def test_a_writer_error_reaches_the_training_thread(tmp_path: Path) -> None:
         capture.close()
 
 
+def test_verify_notes_a_killed_steps_group_past_the_recorded_end_of_file(
+        tmp_path: Path) -> None:
+    """A kill can flush a new step's link before the superblock's end-of-file address:
+    HDF5 then refuses that group (``visititems`` on the root gave up and verify raised).
+    Made here by adding a group and writing the old end-of-file address back."""
+    _capture_steps(tmp_path, count=2)
+    pack = next(tmp_path.glob("*/pack_*.h5"))
+    raw = pack.read_bytes()
+    assert raw[8] == 0  # superblock version 0: end-of-file address at bytes 40-48
+    with h5py.File(pack, "a") as f:
+        f.create_group("R_0_E_0_S_7").create_dataset("w", data=np.ones(64))
+    grown = bytearray(pack.read_bytes())
+    grown[40:48] = raw[40:48]
+    pack.write_bytes(bytes(grown))
+    checked, problems = verify(tmp_path)
+    assert checked > 0 and [p for p in problems if p.fatal] == []
+    assert any("S_7" in p.where and "never completed" in p.what for p in problems)
+
+
 _KILL_ME = """
 import sys, torch
 from gradzip.capture.capture import Capture

@@ -177,15 +177,17 @@ def _check_structure(directory: Path, pack: str, entries: list[Entry],
     with f:
         listed = {e.dataset for e in entries}
         for e in entries:
-            ds = f.get(e.dataset)
+            try:
+                ds = f.get(e.dataset)
+            except (RuntimeError, OSError, KeyError) as err:
+                problems.append(Problem(f"{pack}:{e.dataset}", f"HDF5 cannot open it ({err})"))
+                continue
             if not isinstance(ds, h5py.Dataset):
                 problems.append(Problem(f"{pack}:{e.dataset}", "indexed dataset not in the pack"))
             elif (ds.id.get_offset() or 0) != e.file_offset or tuple(ds.shape) != e.shape:
                 problems.append(Problem(f"{pack}:{e.dataset}", "dataset offset or shape "
                                         "differs from the index"))
-        found: list[str] = []
-        f.visititems(lambda name, obj: found.append("/" + name)
-                     if isinstance(obj, h5py.Dataset) else None)
+        found, unreadable = _datasets_in(f)
         orphans = [d for d in found if d not in listed]
         again = [d for d in orphans if d.split("/")[1] in committed]
         unfinished = [d for d in orphans if d not in again]
@@ -198,4 +200,37 @@ def _check_structure(directory: Path, pack: str, entries: list[Entry],
             problems.append(Problem(pack, f"{len(unfinished)} dataset(s) of steps that never "
                                           f"completed (ignored), e.g. {unfinished[0]}",
                                     fatal=False))
+        for group, why in unreadable:
+            fatal = group.split("/")[1] in committed if group != "/" else False
+            problems.append(Problem(f"{pack}:{group}", f"HDF5 cannot list it ({why}); "
+                                    + ("a committed step's group" if fatal else
+                                       "the leftover of a step that never completed, cut "
+                                       "off by a kill (ignored)"), fatal=fatal))
     return problems
+
+
+def _datasets_in(f: Any) -> tuple[list[str], list[tuple[str, str]]]:
+    """(every dataset's path, [(group, error)] for groups HDF5 cannot walk).
+
+    Walks one top-level group at a time: a process killed while writing a step can leave
+    that step's group linked but its header past the file's recorded end, and one such
+    group must not hide the others (``visititems`` on the root gives up at the first)."""
+    import h5py
+
+    found: list[str] = []
+    unreadable: list[tuple[str, str]] = []
+    try:
+        names = list(f.keys())
+    except (RuntimeError, OSError, KeyError) as err:
+        return found, [("/", str(err))]
+    for name in names:
+        try:
+            obj = f[name]
+            if isinstance(obj, h5py.Dataset):
+                found.append("/" + name)
+                continue
+            obj.visititems(lambda sub, o, top=name: found.append(f"/{top}/{sub}")
+                           if isinstance(o, h5py.Dataset) else None)
+        except (RuntimeError, OSError, KeyError) as err:
+            unreadable.append(("/" + name, str(err)))
+    return found, unreadable
