@@ -301,3 +301,27 @@ def test_the_finiteness_check_is_exact(dtype: torch.dtype) -> None:
             x[at] = bad
             assert not Codec.is_finite(x) and bool(nonfinite_flag(x)), (bad, at)
     assert Codec.is_finite(torch.empty(0, dtype=dtype))
+
+
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "none", "int8"])
+def test_the_flag_from_encoding_is_exact_and_the_cast_still_saturates(spec: str) -> None:
+    """``encode_checked`` flags exactly the inputs with NaN/Inf, whether the stage reads
+    the flag off its own output (the casts, on the CPU) or checks first: a finite value
+    past fp16's range is no NaN/Inf (it saturates), a single bad value anywhere is."""
+    from gradzip.codecs.chain import Codec
+
+    codec = Codec.from_spec(spec)
+    big = torch.randn(4096)
+    big[7] = 1e6  # finite, but Inf once cast to fp16
+    payload, flag = codec.encode_checked(big, "w", None)
+    assert not bool(flag)
+    if spec == "fp16":
+        values = payload.tensor("values")
+        assert torch.isfinite(values).all() and float(values[7]) == 65504.0
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, 2049, 4095):
+            x = big.clone()
+            x[at] = bad
+            assert bool(codec.encode_checked(x, "w", None)[1]), (bad, at)
+    _, flag = codec.encode_checked(torch.empty(0), "w", None)
+    assert not bool(flag)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from gradzip.codecs.nonfinite import nonfinite_flag
 from gradzip.codecs.payload import Payload
 from gradzip.codecs.registry import Param, SpecError
 
@@ -205,6 +206,13 @@ class Compressor(Stage):
     @abstractmethod
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
         """Compress ``x`` (float32 unless ``keeps_dtype``) into a payload."""
+
+    def encode_flagged(self, x: torch.Tensor, slot: Slot) -> tuple[Payload, torch.Tensor]:
+        """``encode`` and whether ``x`` held NaN/Inf (a 0-d bool tensor on its device,
+        no host read): one ``aminmax`` pass first. A stage that can tell from a pass
+        it makes anyway overrides it (the casts)."""
+        flag = nonfinite_flag(x)
+        return self.encode(x, slot), flag
 
     @abstractmethod
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:

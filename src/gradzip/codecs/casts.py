@@ -11,6 +11,7 @@ from typing import ClassVar
 import torch
 
 from gradzip.codecs.base import Compressor, Slot
+from gradzip.codecs.nonfinite import nonfinite_flag
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import register
 
@@ -48,14 +49,29 @@ class _Cast(Compressor):
     values_field = "values"
 
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
-        # saturate instead of overflowing to inf: a clipped gradient beats a NaN step.
-        # Cast first, then fix the (rare) infinities in the small tensor: one pass over
-        # the input instead of a clamped fp32 copy (NaN stays NaN; an infinite input or
-        # a value that rounds past the largest finite value gets it, as clamping would).
+        return self.encode_flagged(x, slot)[0]
+
+    def encode_flagged(self, x: torch.Tensor, slot: Slot) -> tuple[Payload, torch.Tensor]:
+        """The cast, saturating instead of overflowing to Inf (a clipped gradient beats
+        a NaN step: NaN stays NaN, an infinite input or a value that rounds past the
+        largest finite one gets that value), and whether ``x`` held NaN/Inf.
+
+        On the CPU a host read is free, so the flag comes from the cast's own output, a
+        half-size pass (NaN and Inf survive a cast): only where that output is not
+        finite is ``x`` checked exactly (a finite value past fp16's range also casts to
+        Inf) and the output saturated. On a GPU a host read would stall the stream:
+        ``x`` is checked and the output saturated on the device, every time."""
         limit = torch.finfo(self.dtype).max
         values = x.reshape(-1).to(self.dtype, copy=True)
+        if x.device.type == "cpu":
+            if values.numel() == 0 or not bool(nonfinite_flag(values)):
+                return Payload({"values": values}), torch.zeros((), dtype=torch.bool)
+            flag = nonfinite_flag(x)
+        else:
+            flag = nonfinite_flag(x) if x.numel() else torch.zeros((), dtype=torch.bool,
+                                                                    device=x.device)
         values.nan_to_num_(nan=float("nan"), posinf=limit, neginf=-limit)
-        return Payload({"values": values})
+        return Payload({"values": values}), flag
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
         return _values(p, shape, self.name).float()

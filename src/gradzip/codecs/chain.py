@@ -36,7 +36,7 @@ from gradzip.codecs.base import (
     Wrapper,
 )
 from gradzip.codecs.limits import DEFAULT_MAX_NUMEL, check_declared, decode_budget
-from gradzip.codecs.nonfinite import NonFiniteGradientError
+from gradzip.codecs.nonfinite import NonFiniteGradientError, nonfinite_flag
 from gradzip.codecs.payload import DTYPE_CODE, DTYPES, Payload, PayloadError
 from gradzip.codecs.registry import SpecError, lookup
 from gradzip.codecs.spec import parse_options
@@ -293,6 +293,22 @@ class Codec:
             payload = self._recode(payload, index, coder, slot)
             slot.advance()
         return payload
+
+    def encode_checked(self, x: torch.Tensor, key: str,
+                       shapes: Shapes | None) -> tuple[Payload, torch.Tensor]:
+        """``encode_stages`` and whether ``x`` held NaN/Inf (a 0-d bool on its device).
+
+        A codec of one stage lets the stage tell from a pass it makes anyway
+        (``Compressor.encode_flagged``: a cast on the CPU reads its half-size output);
+        otherwise one ``aminmax`` pass over ``x`` comes first."""
+        index, first = self.compressors[0]
+        if len(self.stages) > 1 or x.numel() == 0 or (shapes is not None and first.per_tensor):
+            flag = nonfinite_flag(x) if x.numel() else torch.zeros((), dtype=torch.bool)
+            return self.encode_stages(x, key, shapes), flag
+        slot = self.state.slot(index, key)
+        payload, flag = first.encode_flagged(x if first.keeps_dtype else x.float(), slot)
+        slot.advance()
+        return payload, flag
 
     def _recode(self, p: Payload, index: int, coder: LosslessCoder, slot: Slot) -> Payload:
         fields: dict[str, Any] = {}
@@ -560,16 +576,6 @@ def _refuse_positional_state_after_first(body: list[Stage]) -> None:
                 f"(e.g. '{s.name}' alone), or, for error feedback after a sparsifier, wrap "
                 f"a stateless compressor: 'ef | {prev.spec} | qsgd'"
             )
-
-
-def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool tensor on ``x``'s device: whether non-empty ``x`` holds NaN or +-Inf.
-
-    One reduction pass and no host read: ``aminmax`` propagates NaN and keeps +-Inf, and
-    cannot overflow, so both ends are finite exactly when every value is. On one CPU core
-    it costs what a sum does (9 ms on 26M fp32 values), where ``isfinite(x).all()``
-    writes a bool per value first (150-230 ms here)."""
-    return ~torch.isfinite(torch.stack(torch.aminmax(x))).all()
 
 
 def checked_shapes(shapes: Shapes | None, numel: int) -> tuple[torch.Size, ...] | None:

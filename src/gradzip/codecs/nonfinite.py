@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 class NonFiniteGradientError(ValueError):
     """A tensor handed to a codec holds NaN or Inf."""
@@ -15,3 +17,19 @@ def agreed_nonfinite_error(key: str) -> NonFiniteGradientError:
         f"tensor {key!r} held non-finite values (NaN/Inf) on at least one rank; every "
         "rank stops at this reduction. Fix the loss (or lower the learning rate), or pass "
         "nonfinite='propagate' to send NaN through so a GradScaler can skip the step")
+
+
+def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor on ``x``'s device: whether ``x`` holds NaN or +-Inf.
+
+    On a GPU one reduction pass and no host read (a read would stall the stream):
+    ``aminmax`` propagates NaN and keeps +-Inf, and cannot overflow, so both ends are
+    finite exactly when every value is. On the CPU, where a host read is free, a sum
+    first: NaN or Inf anywhere makes it non-finite, and it is finite in half
+    ``aminmax``'s time (0.6 against 1.2 ms on 4.2M fp32 values here); only a
+    non-finite sum, which finite values can also give by overflowing, pays the exact
+    ``aminmax`` pass. ``isfinite(x).all()`` writes a bool per value first (about 20x a
+    sum)."""
+    if x.device.type == "cpu" and bool(torch.isfinite(x.sum())):
+        return torch.zeros((), dtype=torch.bool)
+    return ~torch.isfinite(torch.stack(torch.aminmax(x))).all()

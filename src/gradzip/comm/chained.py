@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradzip.codecs.chain import Codec, nonfinite_flag
+from gradzip.codecs.chain import Codec
 from gradzip.codecs.nonfinite import agreed_nonfinite_error
 from gradzip.collectives.linkmodel import link_bytes
 from gradzip.comm.communicator import TorchCommunicator
@@ -118,12 +118,15 @@ def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor
     # sum. Under 'propagate' only ``none`` runs here (``chainable``) and NaN/Inf cross
     # its all-reduce whole, as with DDP's own.
     check = not plain and codec.nonfinite == "error" and buffer.numel() > 0
-    bad = nonfinite_flag(buffer) if check else None  # on the device: no host read
+    bad = None
     if plain:
         leaves = [buffer.div_(world)]
         payload = None
-    else:
-        payload = codec.encode_stages(buffer, key, shapes)  # no observer: stats below
+    else:  # no observer: stats below; the flag stays on the device (no host read)
+        if check:
+            payload, bad = codec.encode_checked(buffer, key, shapes)
+        else:
+            payload = codec.encode_stages(buffer, key, shapes)
         leaves = [t for _, t in payload.leaves()]
         if all(t.dtype.is_floating_point for t in leaves):
             for t in leaves:  # the average, as PyTorch's fp16 hook: cast, then divide
