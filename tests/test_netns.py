@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +88,28 @@ def test_the_link_changes_rate_on_schedule_and_the_command_keeps_its_status():
     before, after = proc.stdout.strip().splitlines()
     assert "rate 100Mbit" in before and "rate 10Mbit" in after
     assert proc.returncode == 3
+
+
+@pytest.mark.skipif(not netns_available(shaping=True)[0],
+                    reason=f"no network namespace here: {netns_available(shaping=True)[1]}")
+def test_each_change_is_logged_with_its_time_and_placed_at_a_step(tmp_path: Path) -> None:
+    """The namespace logs when it changed the rate (``GRADZIP_NETNS_CHANGE_LOG``); a
+    run's step clock places that time at a step."""
+    import time
+
+    from gradzip.compare.harness import place_rate_changes
+
+    log = tmp_path / "changes.txt"
+    began = time.time()
+    proc = run_in_netns(["sh", "-c", "sleep 1.2"], rate="100mbit@0.5>10mbit", timeout=60,
+                        env={**os.environ, "GRADZIP_NETNS_CHANGE_LOG": str(log)})
+    assert proc.returncode == 0
+    (at, rate), = [line.split() for line in log.read_text().splitlines()]
+    assert rate == "10mbit" and began + 0.4 < float(at) < time.time()
+    ends = [began + 0.1 * i for i in range(1, 30)]  # a step every 0.1 s from ``began``
+    placed = place_rate_changes([{"after_s": 0.5, "rate": "10mbit"}], log.read_text(),
+                                {"first_step": 11, "end_unix": ends})
+    step = placed[0]["at_step"]
+    assert ends[step - 12] < float(at) <= ends[step - 11]  # the step it fell in
+    assert place_rate_changes([{"after_s": 0.5, "rate": "10mbit"}], "",
+                              None)[0]["at_step"] is None

@@ -393,6 +393,26 @@ def test_what_auto_chose_is_a_table_and_a_bad_auto_field_is_refused(tmp_path: Pa
         summarize([rec, auto])
 
 
+def test_the_report_says_how_many_steps_after_the_link_changed_auto_switched(
+        tmp_path: Path) -> None:
+    rec = record("100mbit", "torch:none", 0)
+    auto = {**record("100mbit", TOPK, 0), "auto": {"decisions": [
+        {"from_step": 15, "method": "fp16", "costs_ms": {"fp16": 30.0, "int8": 40.0},
+         "why": "no candidate more than 5% cheaper"},
+        {"from_step": 212, "method": "fp16", "costs_ms": {"fp16": 31.0, "int8": 40.0},
+         "why": "no candidate more than 5% cheaper"},
+        {"from_step": 230, "method": "int8", "costs_ms": {"fp16": 180.0, "int8": 90.0},
+         "why": "50.0% cheaper than fp16"}]}}
+    auto["compare"] = {**auto["compare"], "method": "auto", "rate_changes": [
+        {"after_s": 15.0, "rate": "25mbit", "at_unix": 1.0e9, "at_step": 208}]}
+    text = write_report([rec, auto], tmp_path).read_text()
+    assert ("`auto` seed 0: to 25mbit at step 208, switched to `int8` at step 230 (22 "
+            "steps later)") in text
+    auto["auto"]["decisions"].pop()
+    text = write_report([rec, auto], tmp_path).read_text()
+    assert "`auto` seed 0: to 25mbit at step 208, no switch after it" in text
+
+
 def test_auto_choices_are_placed_on_its_loss_curve() -> None:
     """Where ``auto``'s choice changed (its first choice too), on the run's evaluations:
     by step, or by time interpolated between evaluations; a kept choice is no mark."""

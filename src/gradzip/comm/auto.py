@@ -13,10 +13,11 @@ reduces every DDP bucket through one of its candidates, whole codecs tried in pl
   paid for again and again; and as soon as the chosen candidate's step time drifts by
   more than ``drift`` from what its trial measured (the median of each ``window``
   steps) in two windows running, as when a link slows down; one window alone is noise
-  on a busy host. Every trial measures the current choice again beside the others: the
-  window that drifted is no unbiased estimate of its cost (it was picked for being
-  far off). A drop is acted on within two to three windows and a trial
-  (``window=10``: some 30 to 45 steps).
+  on a busy host, unless it moved by a factor of ``jump`` (2x), which no busy host
+  does and a dropped link does. Every trial measures the current choice again beside
+  the others: the window that drifted is no unbiased estimate of its cost (it was
+  picked for being far off). A drop is acted on within one or two windows and a trial
+  (``window=10``: some 20 to 35 steps).
 - **Agreed on every rank.** The schedule is a function of the step count, and every
   figure a decision reads is first all-reduced with MAX over the ranks (one small
   collective per trial and per window, on a gloo group of its own; a window's runs
@@ -93,6 +94,10 @@ class AutoOptions:
     window: int = 10
     #: relative change of the current choice's step time that starts a new trial
     drift: float = 0.25
+    #: a change by this factor or more starts the trial after one window, not two (no
+    #: busy host moves a window's median 2x; a link that drops from 1 Gbit/s to 25 Mbit/s
+    #: makes the 16-bit path's steps several times slower)
+    jump: float = 2.0
     #: whether ``candidates`` is the default (the 16-bit reference then follows the
     #: backend: ``for_backend``), not a list the user named
     default_candidates: bool = field(default=True, compare=False)
@@ -158,6 +163,9 @@ class AutoOptions:
                              f"got {self.trial_steps}")
         if self.warmup < 1 or self.window < 1 or self.drift <= 0:
             raise ValueError("auto: warmup and window must be >= 1, drift > 0")
+        if self.jump <= 1.0 + self.drift:
+            raise ValueError(f"auto: jump ({self.jump}) must be a factor above 1 + drift "
+                             f"({1.0 + self.drift})")
         if self.max_every < self.every:
             raise ValueError(f"auto: max_every ({self.max_every}) must be >= every "
                              f"({self.every})")
@@ -282,15 +290,18 @@ class AutoController:
     def _check_drift(self) -> None:
         """Read the last window's agreed median (begun a step ago); if the choice's step
         time moved by more than ``drift`` from its trial in this window and the one
-        before, a trial begins now."""
+        before, or by a factor of ``jump`` in this one, a trial begins now."""
         if self._window is None:
             return
         (agreed,) = self._window()
         self._window = None
-        cost = self.chosen_cost
-        drifted = self.trial_start is None and cost is not None and \
-            abs(agreed - cost) > self.options.drift * cost
-        if drifted and self.suspect:
+        cost, o = self.chosen_cost, self.options
+        if self.trial_start is not None or cost is None or cost <= 0:
+            self.suspect = False
+            return
+        drifted = abs(agreed - cost) > o.drift * cost
+        jumped = agreed >= o.jump * cost or agreed * o.jump <= cost
+        if jumped or (drifted and self.suspect):
             self.next_trial = self.step + 1  # the step that begins now
             self.period = self.options.every  # the link changed: what lost may win now
             drifted = False

@@ -61,6 +61,8 @@ if [ -n "$GRADZIP_NETNS_CHANGES" ]; then
     while [ $# -ge 3 ]; do
       sleep "$1"
       tc qdisc change dev lo root tbf rate "$2" burst "$3" latency "$GRADZIP_NETNS_LATENCY"
+      # when it changed (Unix seconds), for the record to place the change at a step
+      [ -n "$GRADZIP_NETNS_CHANGE_LOG" ] && echo "$(date +%s.%N) $2" >> "$GRADZIP_NETNS_CHANGE_LOG"
       shift 3
     done ) </dev/null >/dev/null 2>&1 &
   changes=$!

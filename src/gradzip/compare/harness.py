@@ -22,6 +22,7 @@ and ``OUT/report.md`` with its plots is written.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import subprocess
@@ -131,10 +132,14 @@ def execute(run: Run, link: Link, out: Path, cache: Path,
     from gradzip.comm.netns import run_streaming
 
     run_dir = out / "runs" / run.slug
+    change_log = (run_dir / "link_changes.txt").resolve()
     if link.shaped:
         assert link.rate is not None
         cmd, env = _namespace_command(run.argv(run_dir, cache), link.rate, link.kind,
                                       run.ranks)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        change_log.unlink(missing_ok=True)
+        env["GRADZIP_NETNS_CHANGE_LOG"] = str(change_log)
         proc = run_streaming(cmd, env={**env, **run.env(run_dir)}, timeout=timeout,
                              on_line=on_line)
     else:  # torchrun on the unshaped loopback, whatever link kind was asked for
@@ -157,7 +162,32 @@ def execute(run: Run, link: Link, out: Path, cache: Path,
                          "parallel": run.parallel, "start_step": run.compressed_from(),
                          "trial": dict(run.trial) or None,
                          "uplink_bytes": _uplinks(run, link, proc.stderr or "")}
+    if record["compare"]["rate_changes"]:
+        record["compare"]["rate_changes"] = place_rate_changes(
+            record["compare"]["rate_changes"],
+            change_log.read_text() if change_log.is_file() else "",
+            record.get("step_clock"))
     return record
+
+
+def place_rate_changes(changes: list[dict[str, Any]], log: str,
+                       clock: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Each scheduled change of the link's rate with when it happened: ``at_unix``
+    (the namespace's log: ``UNIX_SECONDS RATE`` per change, in order) and ``at_step``,
+    the step it fell in (the first that ended after it, from the record's
+    ``step_clock``; None where the run ended first or nothing was logged). The schedule
+    counts from the namespace's start, before the interpreter and the first step, so
+    only the log says which step a change reached."""
+    logged = [line.split() for line in log.splitlines() if line.strip()]
+    ends = (clock or {}).get("end_unix") or []
+    first = int((clock or {}).get("first_step") or 1)
+    placed = []
+    for i, change in enumerate(changes):
+        at = float(logged[i][0]) if i < len(logged) and len(logged[i]) == 2 else None
+        step = (first + bisect.bisect_left(ends, at) if at is not None
+                and ends and at <= ends[-1] else None)
+        placed.append({**change, "at_unix": at, "at_step": step})
+    return placed
 
 
 def _uplinks(run: Run, link: Link, stderr: str) -> dict[str, list[int]] | None:

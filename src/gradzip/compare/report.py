@@ -311,10 +311,34 @@ def auto_table(summary: SettingSummary) -> str:
              for m in summary.methods for r in m.runs
              if (o := (r.record.get("auto") or {}).get("overhead"))]
     foot = ["", "What deciding cost: " + "; ".join(spent) + "."] if spent else []
+    reacted = [line for m in summary.methods for r in m.runs
+               for line in _reactions(m.method, r)]
+    if reacted:
+        foot += ["", "When the link changed (placed at a step by the namespace's log and "
+                 "the run's step clock): " + "; ".join(reacted) + "."]
     head = ("**What `auto` chose** (each trial's agreed cost, ms per step: the slowest "
             "rank's median)\n\n| method | seed | from step | chose | costs | why |\n"
             "|---|---:|---:|---|---|---|")
     return "\n".join([head, *rows, *foot])
+
+
+def _reactions(method: str, run: Any) -> list[str]:
+    """For each change of the link's rate in ``run``: the step it fell in, and the
+    first decision after it that switched codecs (and how many steps later)."""
+    decisions = (run.record.get("auto") or {}).get("decisions") or []
+    out = []
+    for change in (run.record.get("compare") or {}).get("rate_changes") or []:
+        at = change.get("at_step")
+        if at is None:
+            continue
+        held = [d["method"] for d in decisions if d["from_step"] < at][-1:]
+        switch = next((d for d in decisions if d["from_step"] >= at
+                       and [d["method"]] != held), None)
+        out.append(f"`{method}` seed {run.seed}: to {change['rate']} at step {at}, "
+                   + (f"switched to `{switch['method']}` at step {switch['from_step']} "
+                      f"({switch['from_step'] - at} steps later)" if switch
+                      else "no switch after it"))
+    return out
 
 
 def render(summaries: list[SettingSummary], out: Path,

@@ -512,6 +512,10 @@ class Trainer:
             "train_time_s": p["train_time_s"],
             "eval_history": [{k: h[k] for k in ("step", "train_time_s", "val_loss")}
                              for h in p["history"] if "val_loss" in h and "train_time_s" in h],
+            # when each step of this process ended (Unix seconds): places a change of
+            # the link, logged by the namespace with the same clock, at a step
+            "step_clock": {"first_step": self.start_step + 1,
+                           "end_unix": self.metrics.step_end_unix},
             "git_commit": git_commit(),
             "torch_version": torch.__version__,
             "device": str(info.device) if info.device.type == "cpu"

@@ -92,6 +92,9 @@ class RunMetrics:
         self.comm, self.grad_clip = comm, grad_clip
         self.steps_seen = 0
         self.step_ms: list[float] = []
+        #: when each step ended (Unix seconds, ms resolution): places events outside the
+        #: run, such as a link whose rate changed, at a step
+        self.step_end_unix: list[float] = []
         self.phase_ms: dict[str, float] = defaultdict(float)
         self.tokens = 0  # tokens (all ranks) in the timed steps
         self.nonfinite_steps = 0
@@ -111,6 +114,7 @@ class RunMetrics:
         elif grad_norm is not None and 0 < self.grad_clip < grad_norm:
             self.clipped_steps += 1
         self.steps_seen += 1
+        self.step_end_unix.append(round(time.time(), 3))
         self._interval_ms += step_ms
         self._interval_tokens += self.tokens_per_step
         if self.steps_seen <= self.warmup:
