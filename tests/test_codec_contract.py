@@ -303,14 +303,23 @@ def test_the_finiteness_check_is_exact(dtype: torch.dtype) -> None:
     assert Codec.is_finite(torch.empty(0, dtype=dtype))
 
 
+@pytest.mark.parametrize("device_path", [False, True])
 @pytest.mark.parametrize("spec", ["fp16", "bf16", "none", "int8"])
-def test_the_flag_from_encoding_is_exact_and_the_cast_still_saturates(spec: str) -> None:
+def test_the_flag_from_encoding_is_exact_and_the_cast_still_saturates(
+        spec: str, device_path: bool) -> None:
     """``encode_checked`` flags exactly the inputs with NaN/Inf, whether the stage reads
-    the flag off its own output (the casts, on the CPU) or checks first: a finite value
-    past fp16's range is no NaN/Inf (it saturates), a single bad value anywhere is."""
-    from gradzip.codecs.chain import Codec
+    the flag off its own output (the casts, on the CPU) or checks first (a GPU's path):
+    a finite value past fp16's range is no NaN/Inf (it saturates), one bad value is."""
+    import contextlib
 
-    codec = Codec.from_spec(spec)
+    from gradzip.codecs.chain import Codec
+    from gradzip.codecs.nonfinite import device_path_only
+
+    with device_path_only() if device_path else contextlib.nullcontext():
+        _check_flags(Codec.from_spec(spec), spec)
+
+
+def _check_flags(codec: gradzip.codecs.Codec, spec: str) -> None:
     big = torch.randn(4096)
     big[7] = 1e6  # finite, but Inf once cast to fp16
     payload, flag = codec.encode_checked(big, "w", None)

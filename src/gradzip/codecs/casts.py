@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 
 from gradzip.codecs.base import Compressor, Slot
-from gradzip.codecs.nonfinite import nonfinite_flag
+from gradzip.codecs.nonfinite import host_reads_free, nonfinite_flag
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import register
 
@@ -63,7 +63,7 @@ class _Cast(Compressor):
         ``x`` is checked and the output saturated on the device, every time."""
         limit = torch.finfo(self.dtype).max
         values = x.reshape(-1).to(self.dtype, copy=True)
-        if x.device.type == "cpu":
+        if host_reads_free(x):
             if values.numel() == 0 or not bool(nonfinite_flag(values)):
                 return Payload({"values": values}), torch.zeros((), dtype=torch.bool)
             flag = nonfinite_flag(x)

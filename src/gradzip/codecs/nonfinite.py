@@ -2,7 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+
+#: set while a count of host syncs runs (``bench.devicecheck.count_host_syncs``): the
+#: CPU shortcuts that read the host step aside, so the count sees the path a GPU takes
+_DEVICE_PATH_ONLY = [False]
+
+
+def host_reads_free(t: torch.Tensor) -> bool:
+    """Whether the host may read ``t`` at no cost (a CPU tensor), so branching on a
+    value beats another pass over the data; False on a GPU (a read stalls the stream)
+    and while host syncs are counted (the count is of a GPU's path)."""
+    return t.device.type == "cpu" and not _DEVICE_PATH_ONLY[0]
+
+
+@contextmanager
+def device_path_only() -> Iterator[None]:
+    """Run the GPU's path on CPU tensors too (no host-read shortcuts), on every thread."""
+    before, _DEVICE_PATH_ONLY[0] = _DEVICE_PATH_ONLY[0], True
+    try:
+        yield
+    finally:
+        _DEVICE_PATH_ONLY[0] = before
 
 
 class NonFiniteGradientError(ValueError):
@@ -30,6 +54,6 @@ def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
     non-finite sum, which finite values can also give by overflowing, pays the exact
     ``aminmax`` pass. ``isfinite(x).all()`` writes a bool per value first (about 20x a
     sum)."""
-    if x.device.type == "cpu" and bool(torch.isfinite(x.sum())):
+    if host_reads_free(x) and bool(torch.isfinite(x.sum())):
         return torch.zeros((), dtype=torch.bool)
     return ~torch.isfinite(torch.stack(torch.aminmax(x))).all()
