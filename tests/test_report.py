@@ -403,14 +403,20 @@ def test_the_report_says_how_many_steps_after_the_link_changed_auto_switched(
          "why": "no candidate more than 5% cheaper"},
         {"from_step": 230, "method": "int8", "costs_ms": {"fp16": 180.0, "int8": 90.0},
          "why": "50.0% cheaper than fp16"}]}}
-    auto["compare"] = {**auto["compare"], "method": "auto", "rate_changes": [
-        {"after_s": 15.0, "rate": "25mbit", "at_unix": 1.0e9, "at_step": 208}]}
+    changes = [{"after_s": 15.0, "rate": "25mbit", "at_unix": 1.0e9, "at_step": 208}]
+    auto["compare"] = {**auto["compare"], "method": "auto", "rate_changes": changes}
+    rec["compare"] = {**rec["compare"], "rate_changes": changes}
     text = write_report([rec, auto], tmp_path).read_text()
-    assert ("`auto` seed 0: to 25mbit at step 208, switched to `int8` at step 230 (22 "
-            "steps later)") in text
+    assert ("`auto` seed 0: to 25mbit at step 208, next decision at step 212 (4 steps "
+            "later): kept `fp16`, switched to `int8` at step 230 (22 steps later)") in text
+    auto["auto"]["decisions"].pop(1)
+    text = write_report([rec, auto], tmp_path).read_text()
+    assert ("`auto` seed 0: to 25mbit at step 208, next decision at step 230 (22 steps "
+            "later): switched to `int8`.") in text
     auto["auto"]["decisions"].pop()
     text = write_report([rec, auto], tmp_path).read_text()
-    assert "`auto` seed 0: to 25mbit at step 208, no switch after it" in text
+    assert "`auto` seed 0: to 25mbit at step 208, no decision after it" in text
+    assert "`torch:none` seed 0: to" not in text  # only auto runs decide
 
 
 def test_auto_choices_are_placed_on_its_loss_curve() -> None:

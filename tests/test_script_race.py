@@ -171,17 +171,21 @@ def test_a_hugging_face_trainer_script_is_raced(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="the [hf] extra is not installed")
     out = tmp_path / "race"
     rc = main(["compare", "--script", str(EXAMPLES / "hf_trainer.py"), "--script-args",
-               "--steps 20 --eval-every 10", "--methods", "none;torch:fp16;int8",
+               "--steps 20 --eval-every 10", "--methods", "none;torch:fp16;int8;auto",
                "--rate", "none", "--out", str(out)])
     assert rc == 0
     records = _records(out)
-    assert [r["compare"]["method"] for r in records] == ["none", "torch:fp16", "int8"]
+    assert [r["compare"]["method"] for r in records] == ["none", "torch:fp16", "int8", "auto"]
     for r in records:
         assert r["model"] == "Qwen2ForCausalLM" and r["steps"] == 20
         assert [h["step"] for h in r["eval_history"]] == [10, 20]
         assert r["bytes_wire_total"] > 0 and r["train_time_s"] > 0
     assert records[2]["compression_ratio"] > 3  # int8 on the Trainer's DDP buckets
     assert records[0]["compare"]["time_to_target_s"] is not None
+    # auto through the callback (GRADZIP_METHOD=auto): its trial decided at step 15
+    decisions = records[3]["auto"]["decisions"]
+    assert [d["from_step"] for d in decisions] == [15]
+    assert set(decisions[0]["costs_ms"]) == {"fp16", "int8"}
 
 
 def test_the_clock_counts_reductions_a_gpu_holds_until_the_step_settles() -> None:

@@ -323,21 +323,32 @@ def auto_table(summary: SettingSummary) -> str:
 
 
 def _reactions(method: str, run: Any) -> list[str]:
-    """For each change of the link's rate in ``run``: the step it fell in, and the
-    first decision after it that switched codecs (and how many steps later)."""
+    """For each change of the link's rate in an ``auto`` run: the step it fell in, the
+    first decision after it (how many steps later, and whether it switched), and the
+    first switch if a later decision made it."""
     decisions = (run.record.get("auto") or {}).get("decisions") or []
+    if not decisions:
+        return []
     out = []
     for change in (run.record.get("compare") or {}).get("rate_changes") or []:
         at = change.get("at_step")
         if at is None:
             continue
-        held = [d["method"] for d in decisions if d["from_step"] < at][-1:]
-        switch = next((d for d in decisions if d["from_step"] >= at
-                       and [d["method"]] != held), None)
-        out.append(f"`{method}` seed {run.seed}: to {change['rate']} at step {at}, "
-                   + (f"switched to `{switch['method']}` at step {switch['from_step']} "
-                      f"({switch['from_step'] - at} steps later)" if switch
-                      else "no switch after it"))
+        held = ([d["method"] for d in decisions if d["from_step"] < at] or [None])[-1]
+        after = [d for d in decisions if d["from_step"] >= at]
+        text = f"`{method}` seed {run.seed}: to {change['rate']} at step {at}, "
+        if not after:
+            out.append(text + "no decision after it")
+            continue
+        first = after[0]
+        verb = "kept" if first["method"] == held else "switched to"
+        text += (f"next decision at step {first['from_step']} ({first['from_step'] - at} "
+                 f"steps later): {verb} `{first['method']}`")
+        switch = next((d for d in after[1:] if d["method"] != held), None)
+        if verb == "kept" and switch is not None:
+            text += (f", switched to `{switch['method']}` at step {switch['from_step']} "
+                     f"({switch['from_step'] - at} steps later)")
+        out.append(text)
     return out
 
 
