@@ -120,3 +120,24 @@ def test_a_resumed_run_continues_the_same_wandb_run(
     other = tmp_path / "other"
     MetricLogger(other, 0, sinks_config(), total_steps=10, start_step=0).close()
     assert fake_wandb[2]["id"] != first["id"]  # another run directory, another W&B run
+
+
+def test_the_step_clock_keeps_every_step_then_thins_and_still_places_a_change(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record keeps when each step ended; past ``STEP_CLOCK_MAX`` steps every n-th,
+    and a change of the link is then placed to within n steps."""
+    from gradzip.compare.harness import place_rate_changes
+    from gradzip.train import metrics
+
+    monkeypatch.setattr(metrics, "STEP_CLOCK_MAX", 10)
+    m = RunMetrics(warmup=0, tokens_per_step=1, comm=None, grad_clip=0.0)
+    for _ in range(8):
+        m.end_step(1.0, {}, None)
+    short = m.step_clock(first_step=5)
+    assert short["every"] == 1 and len(short["end_unix"]) == 8
+    m.step_end_unix = [100.0 + s for s in range(25)]  # step 5 + s ended at 100 + s
+    thin = m.step_clock(first_step=5)
+    assert thin["every"] == 3 and thin["end_unix"] == [100.0 + 3 * i for i in range(9)]
+    [placed] = place_rate_changes([{"after_s": 1.0, "rate": "25mbit"}], "110.5 25mbit\n",
+                                  thin)
+    assert placed["at_step"] == 5 + 12  # the change came during step 16; kept: 17's end

@@ -181,10 +181,11 @@ def place_rate_changes(changes: list[dict[str, Any]], log: str,
     logged = [line.split() for line in log.splitlines() if line.strip()]
     ends = (clock or {}).get("end_unix") or []
     first = int((clock or {}).get("first_step") or 1)
+    every = int((clock or {}).get("every") or 1)  # a long run keeps every n-th step's end
     placed = []
     for i, change in enumerate(changes):
         at = float(logged[i][0]) if i < len(logged) and len(logged[i]) == 2 else None
-        step = (first + bisect.bisect_left(ends, at) if at is not None
+        step = (first + every * bisect.bisect_left(ends, at) if at is not None
                 and ends and at <= ends[-1] else None)
         placed.append({**change, "at_unix": at, "at_step": step})
     return placed

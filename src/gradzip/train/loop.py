@@ -514,8 +514,7 @@ class Trainer:
                              for h in p["history"] if "val_loss" in h and "train_time_s" in h],
             # when each step of this process ended (Unix seconds): places a change of
             # the link, logged by the namespace with the same clock, at a step
-            "step_clock": {"first_step": self.start_step + 1,
-                           "end_unix": self.metrics.step_end_unix},
+            "step_clock": self.metrics.step_clock(self.start_step + 1),
             "git_commit": git_commit(),
             "torch_version": torch.__version__,
             "device": str(info.device) if info.device.type == "cpu"

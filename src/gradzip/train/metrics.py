@@ -79,6 +79,10 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
+#: the most step ends a record's ``step_clock`` keeps (about 70 KB of JSON)
+STEP_CLOCK_MAX = 5000
+
+
 class RunMetrics:
     """A run's numbers from one source, as torchtitan's ``MetricsProcessor``: the step
     timings and counters, each log interval's metrics and the results record's measured
@@ -148,6 +152,15 @@ class RunMetrics:
                     m[f"comm/{k}"] = c[k]
         self._interval_ms, self._interval_tokens = 0.0, 0
         return m
+
+    def step_clock(self, first_step: int) -> dict[str, Any]:
+        """When the steps ended (Unix seconds), for the record: every step's up to
+        ``STEP_CLOCK_MAX`` steps, then every ``every``-th (a long run's record stays
+        small; an event is then placed to within ``every`` steps). Entry i is the end
+        of step ``first_step + i * every``."""
+        every = max(1, math.ceil(len(self.step_end_unix) / STEP_CLOCK_MAX))
+        return {"first_step": first_step, "every": every,
+                "end_unix": self.step_end_unix[::every]}
 
     def timing(self) -> dict[str, Any]:
         """Step-time statistics over the timed steps (None where there are none)."""
