@@ -223,3 +223,13 @@ def test_the_frontier_race_runs_as_the_issue_writes_it(
                  "--dry-run", "--out", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split("  ")[-1] for line in lines] == ["torch:fp16", "sparseloco"] * 3
+
+
+@pytest.mark.parametrize("kind", ["shared", "per-rank", "nodes=2x2"])
+def test_a_shaped_run_sees_no_gpu(kind: str) -> None:
+    """NCCL between ranks of one host bypasses the namespace's qdisc (P2P, shared
+    memory): a shaped run hides the GPUs, so it trains over gloo through the link."""
+    from gradzip.compare.harness import SHAPED_RUN_ENV, namespace_command
+
+    _, env = namespace_command(["true"], "100mbit", kind, ranks=4)
+    assert env["CUDA_VISIBLE_DEVICES"] == "" == SHAPED_RUN_ENV["CUDA_VISIBLE_DEVICES"]

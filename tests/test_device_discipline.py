@@ -59,6 +59,7 @@ def test_pure_codecs_stay_on_the_device(spec: str) -> None:
     watch, payload, out = _round_trip(spec)
     assert watch.mixes == [], f"{spec}: operators mixing devices: {watch.mixes}"
     assert watch.reads == 0
+    assert watch.blocking_uploads == [], f"{spec}: host-to-device copies that block"
     assert {t.device.type for _, t in payload.leaves()} <= {"meta"}
     assert out.device.type == "meta" and out.shape == _meta_bucket().shape
 
@@ -91,3 +92,45 @@ def test_sync_counter_counts_what_a_gpu_would_sync_on() -> None:
         t.numpy()
         t.cpu()
     assert syncs.counts == {"item": 1, "tolist": 1, "cpu": 1}  # numpy: host tensors only
+
+
+#: codecs that keep tensors between steps (residuals, momentum, warm starts)
+STATEFUL = ["ef | int8", "ef | qsgd", "ef | fp16", "ef | powersgd(rank=2)",
+            "gradiveq", "demo"]
+
+
+@pytest.mark.parametrize("spec", STATEFUL)
+def test_state_loaded_on_the_host_follows_the_data(spec: str) -> None:
+    """A checkpoint loads on the CPU; resumed on a GPU, the state must move beside the
+    gradients at its first use, not meet them on the host (issue 41, item 5). Meta
+    tensors stand in for the GPU: a CPU residual that met them would be a mix."""
+    trained = gradzip.codec(spec, nonfinite="propagate")
+    for step in range(3):
+        x = torch.randn(sum(s.numel() for s in SHAPES), generator=torch.Generator()
+                        .manual_seed(step))
+        trained.decode(trained.encode(x, "bucket0", SHAPES), "bucket0", SHAPES)
+    resumed = gradzip.codec(spec, nonfinite="propagate")
+    resumed.load_state_dict(trained.state_dict())
+    watch = DeviceWatch()
+    with watch:
+        try:
+            resumed.encode(_meta_bucket(), "bucket0", SHAPES)
+        except NotImplementedError as e:  # a host read on meta: the mix came first
+            assert "meta" in str(e), e
+    assert watch.mixes == [], f"{spec}: state on the host met the data: {watch.mixes}"
+    placed = [t.device.type for rec in resumed.state.records.values()
+              for t in rec["data"].values() if isinstance(t, torch.Tensor)]
+    assert placed and set(placed) == {"meta"}, placed
+
+
+def test_every_tensor_of_a_loaded_record_moves_once() -> None:
+    from gradzip.codecs.base import CodecState
+
+    saved = CodecState(seed=1)
+    saved.slot(0, "k").data.update(v=torch.ones(3), nested={"u": [torch.zeros(2)]})
+    loaded = CodecState()
+    loaded.load_state_dict(saved.state_dict())
+    first = loaded.slot(0, "k", torch.device("meta")).data
+    assert first["v"].device.type == first["nested"]["u"][0].device.type == "meta"
+    first["v"] = torch.full((3,), 2.0)  # a stage's new state stays where it put it
+    assert loaded.slot(0, "k", torch.device("meta")).data["v"].device.type == "cpu"

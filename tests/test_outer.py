@@ -288,8 +288,25 @@ def _overlap_resume(rank: int) -> bool:
     _train(rank, range(3, 10), *second)
     for _, outer, _ in (whole, first, second):
         outer.close()
+    if not _in_flight_resumes_beside_the_weights(saved):
+        return False
     return all(torch.equal(a, b) for a, b in zip(whole[0].parameters(),
                                                  second[0].parameters(), strict=True))
+
+
+def _in_flight_resumes_beside_the_weights(saved: dict[str, Any]) -> bool:
+    """A checkpoint loads on the CPU; an exchange in flight must resume on the weights'
+    device (meta stands in for a GPU: the outer step would mix devices)."""
+    from gradzip.outer import DiLoCo as PublicDiLoCo
+
+    model = _Blocks().to("meta")
+    outer = PublicDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                         sync_every=4, codec="ef | int8", fragments=2, overlap_steps=2)
+    outer.load_state_dict(saved)
+    pending = outer._pending[0]
+    devices = {pending.future.result().device.type, *(t.device.type for t in pending.since)}
+    outer.close()
+    return devices == {"meta"}
 
 
 def test_exchanges_in_flight_survive_a_checkpoint_exactly() -> None:

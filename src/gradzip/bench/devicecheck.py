@@ -49,6 +49,10 @@ class DeviceWatch(TorchDispatchMode):
     mixes: list[str] = field(default_factory=list)
     transfers: Counter[str] = field(default_factory=Counter)
     reads: int = 0
+    #: host-to-device copies without ``non_blocking`` (``.to(device)``,
+    #: ``torch.tensor(..., device=)``): from pageable memory, CUDA blocks the host until
+    #: the copy is done; from pinned memory with ``non_blocking=True`` it does not
+    blocking_uploads: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -65,11 +69,27 @@ class DeviceWatch(TorchDispatchMode):
                                                         if target is not None else set())
             if len(kinds) > 1:
                 self.transfers["->".join(sorted(kinds))] += 1
+            if _blocking_upload(name, args, kwargs):
+                self.blocking_uploads.append(name)
         elif len(devices) > 1:
             self.mixes.append(f"{name} on {sorted(devices)}")
         if name in _READS:
             self.reads += 1
         return func(*args, **kwargs)
+
+
+def _blocking_upload(name: str, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a transfer operator copies host memory to a device without
+    ``non_blocking`` (``_to_copy(src, device=)`` or ``copy_(dst, src)``)."""
+    if name == "aten._to_copy.default":
+        src, dst = args[0].device.type, torch.device(kwargs.get("device") or
+                                                     args[0].device).type
+    elif name == "aten.copy_.default":
+        src, dst = args[1].device.type, args[0].device.type
+    else:
+        return False
+    blocking = not kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+    return src == "cpu" and dst != "cpu" and bool(blocking)
 
 
 @dataclass

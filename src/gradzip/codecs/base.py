@@ -125,9 +125,18 @@ class CodecState:
         self.seed = seed
         self.rank = rank
         self.records: dict[tuple[int, str], dict[str, Any]] = {}
+        #: records loaded from a checkpoint and not yet placed on their data's device
+        #: (checkpoints load on the CPU; a GPU run's residuals belong beside its
+        #: gradients, and a stage that mixed the two would fail or sync)
+        self.unplaced: set[tuple[int, str]] = set()
 
-    def slot(self, stage: int, key: str) -> Slot:
+    def slot(self, stage: int, key: str, device: torch.device | None = None) -> Slot:
+        """The state of ``stage`` for ``key``; on its first use after a load, its
+        tensors move to ``device`` (the data's)."""
         record = self.records.setdefault((stage, key), {"step": 0, "data": {}})
+        if device is not None and (stage, key) in self.unplaced:
+            self.unplaced.discard((stage, key))
+            record["data"] = _placed(record["data"], device)
         return Slot(self, stage, key, record)
 
     def state_dict(self) -> dict[str, Any]:
@@ -147,9 +156,21 @@ class CodecState:
             stage, key = name.split(":", 1)
             records[(int(stage), key)] = rec
         self.records = records
+        self.unplaced = set(records)
 
     def keys(self) -> list[str]:
         return sorted({k for _, k in self.records})
+
+
+def _placed(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it on ``device`` (dicts and lists walked)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _placed(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_placed(v, device) for v in value]
+    return value
 
 
 def _snapshot(value: Any) -> Any:

@@ -25,6 +25,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from gradzip.codecs.upload import upload
+
 #: the five base-3 digit weights of a packed trit byte
 TRIT_WEIGHTS = (1, 3, 9, 27, 81)
 TRITS_PER_BYTE = 5
@@ -179,7 +181,7 @@ def lut_decode(
         else:
             out = torch.from_numpy(np.take(table.numpy(), codes, axis=0))
     else:
-        out = table.to(packed.device)[packed.long()]
+        out = upload(table, packed.device)[packed.long()]
     return out.reshape(-1)[:n]
 
 

@@ -268,7 +268,7 @@ class Codec:
 
     def encode_stages(self, x: torch.Tensor, key: str, shapes: Shapes | None) -> Payload:
         index, first = self.compressors[0]
-        slot = self.state.slot(index, key)
+        slot = self.state.slot(index, key, x.device)
         x = x if first.keeps_dtype else x.float()
         if shapes is not None and first.per_tensor:
             payload = first.encode_tensors(x, slot, shapes)
@@ -281,7 +281,7 @@ class Codec:
             name = prev.values_field
             assert name is not None
             values = parent.tensor(name)
-            slot = self.state.slot(index, key)
+            slot = self.state.slot(index, key, values.device)
             child = comp.encode(values.float(), slot)
             slot.advance()
             child.meta["n"] = values.numel()
@@ -305,7 +305,7 @@ class Codec:
         if len(self.stages) > 1 or x.numel() == 0 or (shapes is not None and first.per_tensor):
             flag = nonfinite_flag(x) if x.numel() else torch.zeros((), dtype=torch.bool)
             return self.encode_stages(x, key, shapes), flag
-        slot = self.state.slot(index, key)
+        slot = self.state.slot(index, key, x.device)
         payload, flag = first.encode_flagged(x if first.keeps_dtype else x.float(), slot)
         slot.advance()
         return payload, flag
@@ -411,7 +411,8 @@ class Codec:
                 prev_field = comp.values_field
                 assert prev_field is not None
                 node = Payload({**node.fields, prev_field: decoded}, node.meta)
-            slot = self.state.slot(index, key) if key is not None else None
+            slot = (self.state.slot(index, key, _device_of(node)) if key is not None
+                    else None)
             if n == 0 and shapes is not None and comp.per_tensor:
                 out = comp.decode_tensors(node, shape, slot, shapes)
             else:
@@ -450,7 +451,7 @@ class Codec:
         """
         if self.wrapper is None:
             return body(x, want_local)
-        slot = self.state.slot(0, key)
+        slot = self.state.slot(0, key, x.device)
         out = self.wrapper.reduce(x.float(), slot, body, want_local)
         slot.advance()
         return out
@@ -462,7 +463,7 @@ class Codec:
         if not self.multi_round:
             raise TypeError(f"{self} has no multi-round stage")
         index, comp = self.compressors[0]
-        slot = self.state.slot(index, key)
+        slot = self.state.slot(index, key, x.device)
         if shapes is not None:
             out = comp.reduce_tensors(x.float(), slot, comm, want_local, shapes)
         else:
@@ -475,7 +476,7 @@ class Codec:
         """Encode through the whole chain, error feedback included (no input checks)."""
         if self.wrapper is None:
             return self.encode_body(x, key, shapes)
-        slot = self.state.slot(0, key)
+        slot = self.state.slot(0, key, x.device)
         p = self.wrapper.encode(
             x.float(), slot,
             lambda t: self.encode_body(t, key, shapes),
@@ -622,3 +623,8 @@ def _dtype(code: int) -> torch.dtype:
     if not 0 <= code < len(DTYPES):
         raise PayloadError(f"payload names unknown dtype code {code}")
     return DTYPES[code]
+
+
+def _device_of(p: Payload) -> torch.device | None:
+    """The device of a payload's tensors (None: it has none)."""
+    return next((t.device for _, t in p.leaves()), None)

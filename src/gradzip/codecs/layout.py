@@ -27,6 +27,8 @@ from functools import lru_cache
 
 import torch
 
+from gradzip.codecs.upload import upload
+
 #: values per piece: 512 KB of fp32, inside this machine's 1 MB L2 per core
 CHUNK = 1 << 17
 #: values per piece on an accelerator: a piece's few ops are kernel launches there
@@ -68,7 +70,7 @@ class Piece:
             return self.lengths
         found = self._on_device.get(device)
         if found is None:
-            found = self._on_device[device] = self.lengths.to(device)
+            found = self._on_device[device] = upload(self.lengths, device)
         return found
 
     @property

@@ -61,6 +61,7 @@ import torch
 from gradzip.codecs.base import Compressor, Slot
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, at_least, in_range, register
+from gradzip.codecs.upload import upload
 from gradzip.collectives.agreement import check_same_on_all_ranks
 from gradzip.collectives.communicator import Communicator
 
@@ -106,7 +107,7 @@ class HashPlan:
         sign = signs((rows, block))
         offset = torch.randint(0, cols, (rows, blocks), generator=g)
         block_sign = signs((rows, blocks))
-        return cls(base.to(device), base.to(device, torch.int32), sign.to(device),
+        return cls(upload(base, device), upload(base.int(), device), upload(sign, device),
                    offset.tolist(), block_sign.tolist(), block)
 
     def groups(self, n: int) -> Iterator[list[tuple[int, int, int]]]:

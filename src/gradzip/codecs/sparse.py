@@ -39,6 +39,7 @@ from gradzip.codecs.indices import (
 )
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, SpecError, at_least, in_range, positive, register
+from gradzip.codecs.upload import upload
 
 #: at or below this many entries topk selects exactly on the whole tensor
 EXACT_BELOW = 1 << 16
@@ -286,7 +287,7 @@ class RandomK(Compressor):
         n = flat.numel()
         k = keep_count(n, self.params["ratio"], self.params["k"])
         seed = slot.seed(shared=True)
-        positions = random_positions(n, k, seed).to(flat.device)
+        positions = upload(random_positions(n, k, seed), flat.device)
         return Payload({"values": flat[positions]}, {"seed": seed})
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
@@ -301,7 +302,7 @@ class RandomK(Compressor):
         positions = random_positions(n, k, p.int("seed"))
         if self.params["scale"] and k:
             values = values * (n / k)
-        return Selection(n, indices=positions.to(values.device)).scatter(values).reshape(shape)
+        return Selection(n, indices=upload(positions, values.device)).scatter(values).reshape(shape)
 
 
 # ---------------------------------------------------------------- threshold

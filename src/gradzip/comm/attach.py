@@ -8,8 +8,9 @@ starts, and a spec that cannot compress on a path is refused here too.
 
 from __future__ import annotations
 
-from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable
+from functools import partial, wraps
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, cast
 
 import torch.distributed as dist
 from torch import nn
@@ -33,6 +34,7 @@ from gradzip.comm.fsdp import (
     shard_shapes,
     unit_parameters,
 )
+from gradzip.comm.groups import on_device
 from gradzip.comm.hsdp import ReplicateReduce, native_hsdp, split_spec
 from gradzip.comm.policy import Policy
 from gradzip.comm.reducer import Reducer
@@ -107,6 +109,21 @@ class Handle:
         return f"gradzip.comm.Handle({self.kind}, {str(self.policy)!r})"
 
 
+P = ParamSpec("P")
+
+
+def _on_model_device(fn: Callable[Concatenate[nn.Module, P], Handle],
+                     ) -> Callable[Concatenate[nn.Module, P], Handle]:
+    """Run ``fn(model, ...)`` with ``model``'s CUDA device current (``groups.on_device``):
+    attaching exchanges objects, which NCCL stages on the current device."""
+    @wraps(fn)
+    def on_model_device(model: nn.Module, *args: P.args, **kwargs: P.kwargs) -> Handle:
+        with on_device(model):
+            return fn(model, *args, **kwargs)
+    return on_model_device
+
+
+@_on_model_device
 def attach(
     model: nn.Module,
     spec: str | Codec | dict[str, Any] | Policy | CodecMethod | AutoMethod | AutoOptions,

@@ -56,7 +56,8 @@ import torch
 import torch.distributed as dist
 
 from gradzip.codecs.chain import Codec
-from gradzip.comm.ddp import DDPCommState, build_codec, private_group, reduce_bucket
+from gradzip.comm.ddp import DDPCommState, build_codec, reduce_bucket
+from gradzip.comm.groups import private_group
 from gradzip.comm.stats import CommStats
 
 #: the default candidates: the 16-bit all-reduce first (the reference), then the codecs

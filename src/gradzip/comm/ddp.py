@@ -42,7 +42,7 @@ from gradzip.codecs.chain import Codec
 from gradzip.codecs.nonfinite import NonFiniteGradientError
 from gradzip.comm.chained import PendingChecks, chainable, reduce_async
 from gradzip.comm.communicator import TorchCommunicator
-from gradzip.comm.nodes import node_groups
+from gradzip.comm.groups import node_groups, private_group, rank_sets
 from gradzip.comm.reducer import HierarchicalReducer, Reducer
 from gradzip.comm.stats import CommStats
 from gradzip.comm.worker import CommWorker
@@ -51,29 +51,6 @@ from gradzip.comm.worker import CommWorker
 START_ITERATION = 1
 #: the same with ``static_graph=True`` (DDP records the ready order in iteration 2)
 START_ITERATION_STATIC_GRAPH = 2
-
-
-def private_group(process_group: dist.ProcessGroup | None,
-                  backend: str | None = None) -> dist.ProcessGroup:
-    """A new process group with the ranks of ``process_group`` (None = world), on
-    ``backend`` (default: the default group's).
-
-    Collective over the default group: every rank must call it, in the same order.
-    When ranks belong to different subgroups, all subgroups are created on every
-    rank (``new_group`` requires that) and this rank's one is returned.
-    """
-    world = dist.get_world_size()
-    mine = list(range(world)) if process_group is None else sorted(
-        dist.get_process_group_ranks(process_group))
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, mine)
-    found = None
-    for ranks in dict.fromkeys(tuple(r) for r in everyone):
-        group = dist.new_group(ranks=list(ranks), backend=backend)
-        if list(ranks) == mine:
-            found = group
-    assert found is not None
-    return found
 
 
 class DDPCommState:
@@ -96,7 +73,8 @@ class DDPCommState:
         self.codecs = [codec, *group_codecs]
         self.start_iteration = start_iteration
         self.stats = stats if stats is not None else CommStats()
-        self.group = private_group(process_group)
+        sets = rank_sets(process_group)
+        self.group = private_group(process_group, sets=sets)
         self.comm = TorchCommunicator(self.group)
         self.reducers = [Reducer(c, self.stats, diagnose=diagnose) for c in self.codecs]
         #: nodes of ``node_size`` ranks: each policy group's codec compresses only
@@ -105,7 +83,8 @@ class DDPCommState:
         #: its summation order: bit-identical); empty without nodes
         self.hierarchical: list[HierarchicalReducer | None] = []
         if node_size:
-            node, cross = (TorchCommunicator(g) for g in node_groups(node_size))
+            node, cross = (TorchCommunicator(g)
+                           for g in node_groups(node_size, process_group, sets))
             self.hierarchical = [
                 None if _sends_plain(c) else
                 HierarchicalReducer(c, self.stats, node, cross, diagnose)

@@ -56,7 +56,8 @@ from torch import nn
 
 from gradzip.codecs.chain import Codec
 from gradzip.comm.communicator import TorchCommunicator
-from gradzip.comm.ddp import build_codec, private_group
+from gradzip.comm.ddp import build_codec
+from gradzip.comm.groups import private_group
 from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import CommStats
 from gradzip.comm.streams import SideStreams
@@ -265,7 +266,10 @@ class DiLoCo:
         if sd.get("pending") and self._pool is None:
             raise ValueError("the checkpoint has exchanges in flight (--overlap-steps): "
                              "resume with the same --overlap-steps")
-        self._pending = [_Exchange(e["fragment"], e["apply_at"], _done(e["mean"]), e["since"])
+        # a checkpoint loads on the CPU: an exchange in flight resumes beside the weights
+        device = self.anchor[0].device
+        self._pending = [_Exchange(e["fragment"], e["apply_at"], _done(e["mean"].to(device)),
+                                   [t.to(device) for t in e["since"]])
                          for e in sd.get("pending", [])]
         if self.inner_optimizer is not None and "inner_optimizer" in sd:
             self.inner_optimizer.load_state_dict(sd["inner_optimizer"])

@@ -43,7 +43,8 @@ def register(sub: Any) -> None:
           "its own namespace\nand a veth link shaped both ways, joined by a bridge; "
           "'nodes=NxL' puts N nodes of L ranks\non unshaped node bridges, each node behind "
           "one shaped uplink. Where namespaces are\nunavailable the runs go unshaped and "
-          "every record says so.")
+          "every record says so. A shaped run sees no GPU: its ranks\ntrain on the CPU "
+          "over gloo through the link (NCCL on one host would bypass the\nshaping).")
     p.add_argument("--preset", choices=sorted(PRESETS), default="quick",
                    help="the matrix to start from (default: quick)")
     p.add_argument("--methods", default=None, metavar="SPEC;SPEC",

@@ -45,6 +45,16 @@ NODES_LINK = ("nodes of several ranks: the ranks of a node on an unshaped bridge
               "measured node to node, TCP payload)")
 
 
+#: what a shaped run's ranks see: no GPU, so the built-in trainer (``--device auto``) and
+#: a script that picks CUDA when it has one train on the CPU over gloo, whose TCP goes
+#: through the shaped link. NCCL between ranks of one host takes P2P and shared memory,
+#: which bypass the namespace's qdisc: a "100 Mbit/s" race would be an NVLink race.
+SHAPED_RUN_ENV = {"CUDA_VISIBLE_DEVICES": ""}
+#: the record's word for it
+SHAPED_DEVICE = ("cpu over gloo: a shaped link hides the GPUs (NCCL between ranks of one "
+                 "host would bypass the shaping through P2P and shared memory)")
+
+
 class RunFailed(RuntimeError):
     """A training run of the matrix exited with an error."""
 
@@ -73,22 +83,23 @@ class Link:
                                "not representative of a slow link")}
 
 
-def _namespace_command(argv: list[str], rate: str, kind: str,
-                       ranks: int) -> tuple[list[str], dict[str, str]]:
+def namespace_command(argv: list[str], rate: str, kind: str,
+                      ranks: int) -> tuple[list[str], dict[str, str]]:
     """The command that runs ``argv`` behind links of ``kind`` shaped to ``rate``, and
-    its environment (argv is one process on a shared link, each rank's per rank)."""
+    its environment (argv is one process on a shared link, each rank's per rank; no
+    GPU visible: ``SHAPED_RUN_ENV``)."""
     from gradzip.comm import rank_links
     from gradzip.comm.netns import netns_command
 
+    env = {**os.environ, **SHAPED_RUN_ENV}
     if kind == "per-rank":
-        return rank_links.command(argv, ranks=ranks, rate=rate), dict(os.environ)
+        return rank_links.command(argv, ranks=ranks, rate=rate), env
     nodes = nodes_of(kind)
     if nodes is not None:  # the probe (2 ranks) crosses between two one-rank nodes
         per_node = nodes[1] if ranks == nodes[0] * nodes[1] else 1
-        return (rank_links.command(argv, ranks=ranks, rate=rate, per_node=per_node),
-                dict(os.environ))
+        return rank_links.command(argv, ranks=ranks, rate=rate, per_node=per_node), env
     cmd, extra = netns_command(argv, rate=rate)
-    return cmd, {**os.environ, "GLOO_SOCKET_IFNAME": "lo", **extra}
+    return cmd, {**env, "GLOO_SOCKET_IFNAME": "lo", **extra}
 
 
 def _links_available(kind: str) -> tuple[bool, str]:
@@ -114,7 +125,7 @@ def open_link(rate: str | None, kind: str = "shared") -> Link:
             str(rate_bits_per_second(first))]
     if kind == "per-rank" or nodes_of(kind):
         argv.append("--between-ranks")
-    cmd, env = _namespace_command(argv, rate, kind, ranks=2)
+    cmd, env = namespace_command(argv, rate, kind, ranks=2)
     try:
         proc = run_streaming(cmd, env=env, timeout=120.0)
     except NetnsError as e:
@@ -135,7 +146,7 @@ def execute(run: Run, link: Link, out: Path, cache: Path,
     change_log = (run_dir / "link_changes.txt").resolve()
     if link.shaped:
         assert link.rate is not None
-        cmd, env = _namespace_command(run.argv(run_dir, cache), link.rate, link.kind,
+        cmd, env = namespace_command(run.argv(run_dir, cache), link.rate, link.kind,
                                       run.ranks)
         run_dir.mkdir(parents=True, exist_ok=True)
         change_log.unlink(missing_ok=True)
@@ -161,6 +172,7 @@ def execute(run: Run, link: Link, out: Path, cache: Path,
                          **link.describe(), "link_kind": run.link, "train": list(run.what),
                          "parallel": run.parallel, "start_step": run.compressed_from(),
                          "trial": dict(run.trial) or None,
+                         "device": SHAPED_DEVICE if link.shaped else "default",
                          "uplink_bytes": _uplinks(run, link, proc.stderr or "")}
     if record["compare"]["rate_changes"]:
         record["compare"]["rate_changes"] = place_rate_changes(
