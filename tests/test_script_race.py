@@ -227,22 +227,48 @@ class FakeEvent:
 
 
 def test_the_chained_paths_timings_hold_their_reductions_until_the_step_settles() -> None:
-    """CPU proxy of the CUDA chained path: ``PendingChecks.time_later`` holds each
-    reduction in the stats (the clock sees it) until ``settle_timings`` records it."""
-    from gradzip.comm.chained import PendingChecks
+    """CPU proxy of the CUDA chained path: ``EventTimings.later`` holds each reduction
+    in the stats (the clock sees it) until ``settle`` records it with the events'
+    times: the encode, the all-reduce and the decode each from its own pair."""
+    from gradzip.comm.eventtimes import EventTimings
     from gradzip.comm.stats import CommStats, Reduction
 
-    stats, pending = CommStats(), PendingChecks()
-    stats.add_settler(pending.settle_timings)
-    for start in (0.0, 2.0):
-        pending.time_later(Reduction(numel=8, sent_values=8, bytes_raw=32,
-                                     paths=["all_reduce"]),
-                           FakeEvent(start), FakeEvent(start + 1.0), stats)
+    stats, timings = CommStats(), EventTimings()
+    stats.add_settler(timings.settle)
+    for start in (0.0, 10.0):
+        encode, summed = FakeEvent(start + 3.0), FakeEvent(start + 4.0)
+        timings.later(Reduction(numel=8, sent_values=8, bytes_raw=32,
+                                calls_by_op={"all_reduce": 1}, paths=["all_reduce"]),
+                      stats, span=(encode, summed), comm=(encode, summed),
+                      encode=(FakeEvent(start), encode),
+                      decode=(summed, FakeEvent(start + 6.0)))
     assert stats.open_reductions() == 2 and stats.totals()["bytes_raw"] == 0
     stats.end_step()
     assert stats.open_reductions() == 0
-    assert stats.totals()["bytes_raw"] == 64
-    assert stats.totals()["comm_ms_by_op"]["all_reduce"] == pytest.approx(2.0)
+    totals = stats.totals()
+    assert totals["bytes_raw"] == 64
+    assert totals["comm_ms_by_op"]["all_reduce"] == pytest.approx(2.0)
+    assert totals["encode_ms"] == pytest.approx(6.0)  # 3 ms each, not the host's enqueue
+    assert totals["decode_ms"] == pytest.approx(4.0)
+
+
+def test_a_cuda_step_closes_after_the_device_finished_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the host runs ahead of the GPU: the clock waits for the device once per
+    step before it reads the time (a CPU model: the wait is a no-op, counted here)."""
+    from gradzip.comm.stats import CommStats, Reduction
+    from gradzip.integrations import script
+
+    waits: list[int] = []
+    monkeypatch.setattr(script, "wait_for_device", lambda module: waits.append(1))
+    stats = CommStats()
+    model = torch.nn.Linear(4, 4)
+    clock = StepClock(model, stats)
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        stats.record(Reduction(numel=20, sent_values=20, bytes_raw=80, paths=["all_reduce"]))
+    clock.close()
+    assert clock.steps == 3 and len(waits) == 3
 
 
 def test_a_script_run_on_nodes_gets_the_node_size_and_a_flat_one_does_not(

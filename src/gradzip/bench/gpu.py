@@ -58,9 +58,11 @@ SMOKE_BUCKET = [torch.Size((128, 256)), torch.Size((31, 256)), torch.Size((256,)
 class _Bucket:
     """What a DDP comm hook reads of a ``GradBucket`` (which Python cannot build)."""
 
-    def __init__(self, buffer: torch.Tensor, shapes: list[torch.Size]) -> None:
+    def __init__(self, buffer: torch.Tensor, shapes: list[torch.Size],
+                 last: bool = True) -> None:
         self._buffer = buffer
         self._params = [nn.Parameter(torch.empty(s, device=buffer.device)) for s in shapes]
+        self._last = last
 
     def buffer(self) -> torch.Tensor:
         return self._buffer
@@ -69,7 +71,7 @@ class _Bucket:
         return 0
 
     def is_last(self) -> bool:
-        return True
+        return self._last
 
     def parameters(self) -> list[nn.Parameter]:
         return self._params
@@ -86,9 +88,21 @@ def _collect_all_hook(group: Any, bucket: _Bucket) -> torch.futures.Future:
     return torch.futures.collect_all([work.get_future()]).then(lambda _: buf)
 
 
+def _blocking_hook(group: Any, bucket: _Bucket) -> torch.futures.Future:
+    """The other failure: a hook that waits for NCCL on the host (ordered, but backward
+    stalls on every bucket). The host-time bound must catch it."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    fut = default_hooks.fp16_compress_hook(group, bucket)  # type: ignore[arg-type]
+    fut.wait()
+    torch.cuda.synchronize()
+    return fut
+
+
 def _waited_ms(hook: Callable[[Any, Any], torch.futures.Future], state: Any,
-               bucket: _Bucket, sleep_cycles: int) -> float:
-    """Milliseconds the compute stream waited on the hook's future behind a delayed NCCL."""
+               bucket: _Bucket, sleep_cycles: int) -> tuple[float, float]:
+    """(milliseconds the compute stream waited on the hook's future behind a delayed
+    NCCL, milliseconds the hook call held the host)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     start = torch.cuda.Event(enable_timing=True)
@@ -96,40 +110,101 @@ def _waited_ms(hook: Callable[[Any, Any], torch.futures.Future], state: Any,
     start.record()
     with torch.cuda.stream(side):
         torch.cuda._sleep(sleep_cycles)  # NCCL waits for the stream it is called from
+        called = time.perf_counter()
         fut = hook(state, bucket)
+        host_ms = (time.perf_counter() - called) * 1e3
     fut.wait()  # a CUDA-aware future makes the current (compute) stream wait
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end)
+    return start.elapsed_time(end), host_ms
 
 
 def stream_order(n: int) -> list[dict[str, Any]]:
-    """One row per hook: how long the compute stream waited, against the sleep."""
+    """One row per hook and bucket kind: how long the compute stream waited, against
+    the sleep (``ordered``), and whether the hook call returned to the host before NCCL
+    ran (``early``). A bucket that is not the step's last must be both: only the last
+    one may wait on the host (the chained path reads its non-finite flags there)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     import gradzip
 
     sleep_ms, cycles = _calibrate_sleep()
     rows = []
-    hooks: list[tuple[str, Any, Any, bool]] = [
-        ("torch fp16_compress_hook (control)", default_hooks.fp16_compress_hook, None, True),
-        ("collect_all (negative control)", _collect_all_hook, None, False),
+    # (name, hook, state, expected ordered, expected early on a bucket that is not last)
+    hooks: list[tuple[str, Any, Any, bool, bool]] = [
+        ("torch fp16_compress_hook (control)", default_hooks.fp16_compress_hook, None,
+         True, True),
+        ("collect_all (negative control)", _collect_all_hook, None, False, True),
+        ("host wait (negative control)", _blocking_hook, None, True, False),
     ]
     for spec in ("none", "fp16", "randomk(ratio=0.1)", "ef | int8"):
         state, hook = gradzip.ddp_hook(spec)
-        hooks.append((f"gradzip {spec}", hook, state, True))
-    for name, hook, state, expect in hooks:
-        bucket = _Bucket(torch.ones(n, device="cuda"), [torch.Size((n,))])
+        hooks.append((f"gradzip {spec}", hook, state, True, True))
+    for name, hook, state, expect, expect_early in hooks:
         if state is not None:  # the first synchronized step is uncompressed by design
-            hook(state, bucket).wait()
+            hook(state, _Bucket(torch.ones(n, device="cuda"), [torch.Size((n,))])).wait()
             torch.cuda.synchronize()
-        waited = _waited_ms(hook, state, bucket, cycles)
-        ordered = waited >= 0.8 * sleep_ms
-        rows.append({"hook": name, "sleep_ms": round(sleep_ms, 2), "waited_ms": round(waited, 2),
-                     "ordered": ordered, "expected": expect, "ok": ordered == expect})
+        for last in (False, True):
+            bucket = _Bucket(torch.ones(n, device="cuda"), [torch.Size((n,))], last=last)
+            waited, host_ms = _waited_ms(hook, state, bucket, cycles)
+            ordered, early = waited >= 0.8 * sleep_ms, host_ms < 0.5 * sleep_ms
+            ok = ordered == expect and (last or early == expect_early)
+            rows.append({"hook": name, "last": last, "sleep_ms": round(sleep_ms, 2),
+                         "waited_ms": round(waited, 2), "host_ms": round(host_ms, 2),
+                         "ordered": ordered, "early": early, "expected": expect,
+                         "expected_early": expect_early if not last else "-", "ok": ok})
         if state is not None:
             state.close()
-    return rows
+    return rows + torch_hook_timing(n, sleep_ms, cycles)
+
+
+def torch_hook_timing(n: int, sleep_ms: float, cycles: int) -> list[dict[str, Any]]:
+    """``torch:fp16`` measured as a method with a delay in the hook, before its NCCL
+    all-reduce (PyTorch's hook wrapped with a ``torch.cuda._sleep`` on the calling
+    stream): its recorded communication time must cover the sleep (CUDA events,
+    ``gradzip.comm.eventtimes``). The host clock in the future's callback, what it
+    read before, is the negative control: NCCL runs the callback at enqueue."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from gradzip.comm.torch_hooks import attach_torch
+
+    class _Model:  # what attach_torch reads of a DDP model
+        bucket_bytes_cap = 1 << 30
+        bucket_bytes_cap_default = False
+        module = nn.Linear(1, 1)
+
+        def register_comm_hook(self, state: Any, hook: Any) -> None:
+            self.state, self.hook = state, hook
+
+    original = default_hooks.fp16_compress_hook
+
+    def delayed(group: Any, bucket: Any) -> torch.futures.Future:
+        torch.cuda._sleep(cycles)  # the all-reduce starts after it, on this stream
+        return original(group, bucket)
+
+    model = _Model()
+    default_hooks.fp16_compress_hook = delayed  # type: ignore[assignment]
+    try:
+        handle = attach_torch(model, "torch:fp16")
+    finally:
+        default_hooks.fp16_compress_hook = original  # type: ignore[assignment]
+    seen: list[float] = []
+    for _ in range(2):  # a warm-up, then the measured call
+        handle.stats.end_step()
+        before = handle.stats.totals()["comm_ms"]
+        called = time.perf_counter()
+        bucket = _Bucket(torch.ones(n, device="cuda"), [torch.Size((n,))])
+        model.hook(model.state, bucket).then(
+            lambda f, t=called: seen.append((time.perf_counter() - t) * 1e3)).wait()
+        torch.cuda.synchronize()
+    handle.stats.end_step()
+    events_ms = handle.stats.totals()["comm_ms"] - before
+    handle.close()
+    rows = [("torch:fp16 timed by events", events_ms, True),
+            ("torch:fp16 host clock in callback (negative control)", seen[-1], False)]
+    return [{"hook": name, "last": "-", "sleep_ms": round(sleep_ms, 2),
+             "waited_ms": round(ms, 2), "ordered": ms >= 0.8 * sleep_ms, "expected": want,
+             "ok": (ms >= 0.8 * sleep_ms) == want} for name, ms, want in rows]
 
 
 def _calibrate_sleep(target_ms: float = 50.0) -> tuple[float, int]:
@@ -347,7 +422,8 @@ def markdown(record: dict[str, Any]) -> str:
              f"{record['backend']}; {record['date']}", "", "Stream order:", ""]
     if record["stream_order"]:
         parts.append(_table(record["stream_order"],
-                            ["hook", "sleep_ms", "waited_ms", "ordered", "expected", "ok"]))
+                            ["hook", "last", "sleep_ms", "waited_ms", "host_ms", "ordered",
+                             "early", "expected", "expected_early", "ok"]))
     else:
         parts.append("skipped (needs CUDA)")
     parts += ["", "DDP on one rank:", "", _table(record["ddp"], [

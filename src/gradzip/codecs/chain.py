@@ -20,7 +20,6 @@ A chain that starts with a lossless coder gets an implicit ``none`` in front
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +34,7 @@ from gradzip.codecs.base import (
     Stage,
     Wrapper,
 )
+from gradzip.codecs.clock import Clock
 from gradzip.codecs.limits import DEFAULT_MAX_NUMEL, check_declared, decode_budget
 from gradzip.codecs.nonfinite import NonFiniteGradientError, nonfinite_flag
 from gradzip.codecs.payload import DTYPE_CODE, DTYPES, Payload, PayloadError
@@ -261,9 +261,9 @@ class Codec:
     def encode_body(self, x: torch.Tensor, key: str, shapes: Shapes | None = None) -> Payload:
         if self.observer is None:
             return self.encode_stages(x, key, shapes)
-        start = time.perf_counter()
+        clock = Clock(x.device)
         p = self.encode_stages(x, key, shapes)
-        self.observer.encoded(x.numel(), p, time.perf_counter() - start)
+        self.observer.encoded(x.numel(), p, clock.seconds())
         return p
 
     def encode_stages(self, x: torch.Tensor, key: str, shapes: Shapes | None) -> Payload:
@@ -374,7 +374,7 @@ class Codec:
         """Decode a payload for a tensor of ``shape`` (the receiver's, not the wire's):
         every size the payload declares inside is bounded by it (``limits.py``), and
         whatever goes wrong on malformed bytes surfaces as ``PayloadError``."""
-        start = time.perf_counter()
+        clock = Clock(_device_of(p) if self.observer is not None else None)
         try:
             with decode_budget(shape.numel()):
                 out = self._decode_stages(p, key, shape, shapes)
@@ -387,7 +387,7 @@ class Codec:
             raise PayloadError(f"the payload for {key or 'a tensor'!r} could not be decoded "
                                f"({type(e).__name__}: {e})") from e
         if self.observer is not None:
-            self.observer.decoded(time.perf_counter() - start)
+            self.observer.decoded(clock.seconds())
         return out
 
     def _decode_stages(self, p: Payload, key: str | None, shape: torch.Size,

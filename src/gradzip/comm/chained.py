@@ -24,10 +24,12 @@ import torch.distributed as dist
 
 from gradzip.codecs.chain import Codec
 from gradzip.codecs.nonfinite import agreed_nonfinite_error
+from gradzip.codecs.payload import Payload
 from gradzip.collectives.linkmodel import link_bytes
 from gradzip.comm.communicator import TorchCommunicator
+from gradzip.comm.eventtimes import EventTimings, event_pair
 from gradzip.comm.reducer import Reducer
-from gradzip.comm.stats import CommStats, Reduction
+from gradzip.comm.stats import Reduction
 
 
 def chainable(codec: Codec) -> bool:
@@ -40,44 +42,19 @@ def chainable(codec: Codec) -> bool:
 
 
 class PendingChecks:
-    """What the chained path leaves on a GPU: non-finite flags, and all-reduce times.
+    """What the chained path leaves on a GPU: non-finite flags.
 
     On CPU a callback runs after its collective finished, so it checks at once. On
     CUDA it runs when the collective is enqueued, and a host read there would stall
     backward until NCCL finished; instead the flag is copied to pinned memory behind an
     event and read in the step's last bucket's callback, where backward has nothing
     left to overlap: the step fails before the optimizer can apply it. Every rank
-    holds the same sums, so every rank raises there, with the same words.
+    holds the same sums, so every rank raises there, with the same words. (The
+    reductions' times wait on the GPU likewise: ``eventtimes.EventTimings``.)
     """
 
     def __init__(self) -> None:
         self._pending: list[tuple[torch.Tensor, Any, str]] = []
-        #: CUDA: reductions whose all-reduce time is still two events on the GPU
-        self._untimed: list[tuple[Reduction, Any, Any, CommStats]] = []
-        self._origin: Any = None  # the event spans are measured from
-
-    def time_later(self, r: Reduction, start: Any, end: Any, stats: CommStats) -> None:
-        """Record ``r`` in ``stats`` once its events ran (``settle_timings``): on NCCL the
-        callback runs at enqueue time, so wall time there would time the enqueue."""
-        if self._origin is None:
-            self._origin = start
-        stats.hold()
-        self._untimed.append((r, start, end, stats))
-        if len(self._untimed) > 4096:  # a caller that never closes a step: stay bounded
-            self.settle_timings()
-
-    def settle_timings(self) -> None:
-        """Fill in the all-reduce seconds and overlap spans from the events, and record
-        (waits for the step's all-reduces: called as the step closes)."""
-        untimed, self._untimed = self._untimed, []
-        origin, self._origin = self._origin, None
-        for r, start, end, stats in untimed:
-            end.synchronize()
-            op = next(iter(r.calls_by_op), "all_reduce")
-            r.seconds_by_op = {op: start.elapsed_time(end) / 1e3}
-            r.span = (origin.elapsed_time(start) / 1e3, origin.elapsed_time(end) / 1e3)
-            stats.record(r)
-            stats.release()
 
     def watch(self, flag: torch.Tensor, key: str) -> None:
         """Raise now (CPU) or at ``raise_ready`` (CUDA) if ``flag`` (0-d bool) is set."""
@@ -102,46 +79,23 @@ class PendingChecks:
 
 def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor, key: str,
                  shapes: list[torch.Size] | None, plain: bool,
-                 checks: PendingChecks, last: bool = False) -> torch.futures.Future:
+                 checks: PendingChecks, timings: EventTimings,
+                 last: bool = False) -> torch.futures.Future:
     """Mean of ``buffer`` over ranks, in place, as a future (``plain``: uncompressed).
 
     The future is the collective's own (``work.get_future().then``), as PyTorch's
     ``default_hooks`` chain it: on CUDA its callback runs on a stream that waits for
     NCCL, so the decode never reads the sum before it is written. (A future made by
     ``collect_all`` carries no CUDA events: the decode would race the all-reduce.)
+    On CUDA the encode, the all-reduce and the decode are timed by events, recorded
+    when the step settles (``timings``): host clocks there would time the enqueue.
     """
     codec, world = reducer.codec, comm.world_size
     start = time.perf_counter()
-    # 'error': a non-finite bucket must stop every rank, and none may skip the
-    # all-reduce (its peers would wait in it). The flag stays on the device: a
-    # non-finite rank puts NaN in the first value it sends, every rank sees it in the
-    # sum. Under 'propagate' only ``none`` runs here (``chainable``) and NaN/Inf cross
-    # its all-reduce whole, as with DDP's own.
-    check = not plain and codec.nonfinite == "error" and buffer.numel() > 0
-    bad = None
-    if plain:
-        leaves = [buffer.div_(world)]
-        payload = None
-    else:  # no observer: stats below; the flag stays on the device (no host read)
-        if check:
-            payload, bad = codec.encode_checked(buffer, key, shapes)
-        else:
-            payload = codec.encode_stages(buffer, key, shapes)
-        leaves = [t for _, t in payload.leaves()]
-        if all(t.dtype.is_floating_point for t in leaves):
-            for t in leaves:  # the average, as PyTorch's fp16 hook: cast, then divide
-                t.div_(world)  # (``none``'s leaf is the bucket itself)
-        else:  # integer leaves do not divide: divide the input and encode again
-            payload = codec.encode_stages(buffer.div_(world), key, shapes)
-            leaves = [t for _, t in payload.leaves()]
-    heads = [t.view(-1)[:1] for t in leaves if t.numel() and t.dtype.is_floating_point]
-    if bad is not None and heads:
-        heads[0].copy_(torch.where(bad, torch.full_like(heads[0], float("nan")), heads[0]))
+    encoding = event_pair() if buffer.device.type == "cuda" else None
+    payload, leaves, heads, bad = _summands(codec, buffer, key, shapes, plain, world)
     encode_s = time.perf_counter() - start
-    timed = None
-    if buffer.device.type == "cuda":  # the all-reduce's time is on the GPU: events
-        timed = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        timed[0].record()
+    reducing = event_pair() if encoding is not None else None  # [0]: the all-reduce starts
     works = [dist.all_reduce(t, group=comm.group, async_op=True) for t in leaves]
     handed = sum(t.numel() * t.element_size() for t in leaves)
     # The callback runs on gloo's thread and must not hold the process group: if it
@@ -153,6 +107,7 @@ def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor
         for work in works[:-1]:  # same group, same stream: done before the last one;
             work.wait()          # on CUDA this only orders the streams
         decode_start = time.perf_counter()
+        decoding = event_pair() if reducing is not None else None  # [0]: the sum landed
         if bad is not None and heads:
             checks.watch(~torch.isfinite(heads[0]).all(), key)
         if last:  # the step's last bucket: read its flags before any optimizer step (on
@@ -174,11 +129,46 @@ def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor
             paths=["plain" if plain else "all_reduce"],
             span=(start + encode_s, decode_start),
         )
-        if timed is None:
+        if encoding is None or reducing is None or decoding is None:
             reducer.stats.record(reduction)
-        else:  # this stream waits for NCCL: the event lands when the all-reduce ends
-            timed[1].record()
-            checks.time_later(reduction, timed[0], timed[1], reducer.stats)
+        else:
+            decoding[1].record()
+            summing = (reducing[0], decoding[0])
+            timings.later(reduction, reducer.stats, span=summing, comm=summing,
+                          encode=None if plain else (encoding[0], reducing[0]),
+                          decode=decoding)
         return buffer
 
     return works[-1].get_future().then(finish)
+
+
+def _summands(codec: Codec, buffer: torch.Tensor, key: str,
+              shapes: list[torch.Size] | None, plain: bool, world: int,
+              ) -> tuple[Payload | None, list[torch.Tensor], list[torch.Tensor],
+                         torch.Tensor | None]:
+    """What this rank all-reduces: (the payload, None if ``plain``; its tensors, each
+    divided by ``world``; their first values; the non-finite flag, None unchecked).
+
+    'error': a non-finite bucket must stop every rank, and none may skip the
+    all-reduce (its peers would wait in it). The flag stays on the device: a non-finite
+    rank puts NaN in the first value it sends, every rank sees it in the sum. Under
+    'propagate' only ``none`` runs here (``chainable``) and NaN/Inf cross its all-reduce
+    whole, as with DDP's own."""
+    bad = None
+    if plain:
+        return None, [buffer.div_(world)], [], None
+    if codec.nonfinite == "error" and buffer.numel() > 0:
+        payload, bad = codec.encode_checked(buffer, key, shapes)
+    else:
+        payload = codec.encode_stages(buffer, key, shapes)
+    leaves = [t for _, t in payload.leaves()]
+    if all(t.dtype.is_floating_point for t in leaves):
+        for t in leaves:  # the average, as PyTorch's fp16 hook: cast, then divide
+            t.div_(world)  # (``none``'s leaf is the bucket itself)
+    else:  # integer leaves do not divide: divide the input and encode again
+        payload = codec.encode_stages(buffer.div_(world), key, shapes)
+        leaves = [t for _, t in payload.leaves()]
+    heads = [t.view(-1)[:1] for t in leaves if t.numel() and t.dtype.is_floating_point]
+    if bad is not None and heads:
+        heads[0].copy_(torch.where(bad, torch.full_like(heads[0], float("nan")), heads[0]))
+    return payload, leaves, heads, bad

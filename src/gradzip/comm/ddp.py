@@ -42,6 +42,7 @@ from gradzip.codecs.chain import Codec
 from gradzip.codecs.nonfinite import NonFiniteGradientError
 from gradzip.comm.chained import PendingChecks, chainable, reduce_async
 from gradzip.comm.communicator import TorchCommunicator
+from gradzip.comm.eventtimes import EventTimings
 from gradzip.comm.groups import node_groups, private_group, rank_sets
 from gradzip.comm.reducer import HierarchicalReducer, Reducer
 from gradzip.comm.stats import CommStats
@@ -97,7 +98,9 @@ class DDPCommState:
                         and chainable(codec))
         #: the chained path's non-finite flags still on a GPU (``chained.PendingChecks``)
         self.checks = PendingChecks()
-        self.stats.add_settler(self.checks.settle_timings)
+        #: its reductions' CUDA event times, recorded as the step closes
+        self.timings = EventTimings()
+        self.stats.add_settler(self.timings.settle)
         self.checked = 0  # the iteration whose first bucket was seen last
         self.iteration = 0
         #: a ``gradzip.capture.Capture`` recording each bucket as it is communicated,
@@ -260,7 +263,8 @@ def reduce_bucket(state: DDPCommState, bucket: dist.GradBucket) -> torch.futures
         if compress:
             state.check_layout(index, layout)
         return reduce_async(state.reducers[0], state.comm, buffer, key, shapes,
-                            plain=not compress, checks=state.checks, last=bucket.is_last())
+                            plain=not compress, checks=state.checks, timings=state.timings,
+                            last=bucket.is_last())
 
     def job() -> torch.Tensor:
         if not compress:

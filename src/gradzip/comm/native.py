@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from gradzip.collectives.linkmodel import backend_model, link_bytes
-from gradzip.comm.chained import PendingChecks
+from gradzip.comm.eventtimes import EventTimings
 from gradzip.comm.stats import CommStats, Reduction
 
 #: FSDP2's reduce-scatter, by the names torch >= 2.9 call it
@@ -48,8 +48,8 @@ class NativeCollectives:
     def __init__(self, replicate_group: Any = None) -> None:
         self.stats = CommStats()
         self.replicate_group = replicate_group
-        self._pending = PendingChecks()
-        self.stats.add_settler(self._pending.settle_timings)
+        self._timings = EventTimings()
+        self.stats.add_settler(self._timings.settle)
         #: name -> (the function wrapped, its wrapper)
         self._saved: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
         shard_link = "shard" if replicate_group is not None else ""
@@ -97,7 +97,7 @@ class NativeCollectives:
         if events is None:
             self.stats.record(r)
         else:
-            self._pending.time_later(r, *events, self.stats)
+            self._timings.later(r, self.stats, span=events, comm=events)
 
     def close(self) -> None:
         """Put back the functions this wrapped (only where they are still its own)."""

@@ -12,7 +12,9 @@ completed (a ``Reduction`` span: overlapping buckets count their time once), and
 bytes PyTorch's hook handed to ``dist.all_reduce`` on a process group of its own
 (counted by wrapping ``torch.distributed.all_reduce`` for calls on that group only;
 powerSGD's second all-reduce runs in a future callback, and is counted too), turned
-into link bytes by the same link model. ``torch:none`` is PyTorch's Python
+into link bytes by the same link model. On CUDA the span is two events on the hook's
+streams, read as the step closes (``eventtimes``): NCCL completes the future when the
+work is enqueued, so a host clock would time the enqueue. ``torch:none`` is PyTorch's Python
 ``allreduce_hook`` rather than DDP's C++ default, which cannot be timed per bucket;
 the two compute the same mean (the C++ path is 3-7% faster on the step of
 ``gradzip bench comm``).
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from gradzip.collectives.linkmodel import backend_model, link_bytes
+from gradzip.comm.eventtimes import EventTimings, event_pair
 from gradzip.comm.stats import CommStats, Reduction
 
 PREFIX = "torch:"
@@ -116,6 +119,10 @@ class TorchHookHandle:
             raise ValueError(f"torch:bf16 (PyTorch's bf16_compress_hook) needs NCCL; this "
                              f"group's backend is {backend}: use gradzip's bf16 instead")
         self.stats = CommStats()
+        #: on CUDA each bucket's time is two events, read as the step closes: NCCL
+        #: completes the hook's future (and runs ``done``) when the work is enqueued
+        self.timings = EventTimings()
+        self.stats.add_settler(self.timings.settle)
         self.group = dist.new_group(list(range(dist.get_world_size())))
         self.world = dist.get_world_size(self.group)
         self.link_model = backend_model(backend)
@@ -142,18 +149,24 @@ class TorchHookHandle:
         plain = self.kind == "powersgd" and state.iter < state.start_powerSGD_iter
         buffer = bucket.buffer()
         numel, nbytes = buffer.numel(), buffer.numel() * buffer.element_size()
+        events = event_pair() if buffer.is_cuda else None
         fut = self._hook(state, bucket)
 
         def done(f: torch.futures.Future) -> torch.Tensor:
             handed, calls = self._counter.take()
-            self.stats.record(Reduction(
+            r = Reduction(
                 numel=numel, sent_values=numel,
                 bytes_raw=link_bytes("all_reduce", nbytes, self.world, self.link_model),
                 bytes_handed=sum(handed.values()),
                 bytes_by_op={op: link_bytes(op, n, self.world, self.link_model)
                              for op, n in handed.items()},
                 calls_by_op=calls, paths=["plain" if plain else "torch"],
-                span=(start, time.perf_counter())))
+                span=(start, time.perf_counter()))
+            if events is None:
+                self.stats.record(r)
+            else:  # this stream waits for NCCL: the event lands when the hook's work ends
+                events[1].record()
+                self.timings.later(r, self.stats, span=events)
             return f.value()
 
         return fut.then(done)

@@ -99,9 +99,20 @@ def default_run_dir() -> Path:
     return Path("runs") / (script if script and script != "-c" else "script")
 
 
+def wait_for_device(module: torch.nn.Module) -> None:
+    """Wait for the work queued on ``module``'s CUDA device (nothing on the CPU): a
+    script's host runs ahead of the GPU, so a step timed on the host alone would time
+    how fast its kernels and collectives are queued, not how fast they run."""
+    device = next((p.device for p in module.parameters()), None)
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class StepClock:
     """Training time per optimizer step, from the forward calls of ``module`` and the
     reductions ``stats`` saw (the module docstring says how steps are told apart).
+    On CUDA a step closes after the device finished it (``wait_for_device``, once per
+    step, at the next step's first forward).
 
     A script may close its steps itself (``handle.stats.end_step()``, as README's
     ``attach`` example does): the clock then closes its own step without closing the
@@ -137,6 +148,7 @@ class StepClock:
         (before an evaluation is logged, and at the end)."""
         if self.stats.reductions_seen() == self._seen:
             return
+        wait_for_device(self.module)
         now = time.perf_counter()
         ms = self._carried + ((now - self._start) * 1e3 if self._start is not None else 0.0)
         self._start, self._carried = None, 0.0

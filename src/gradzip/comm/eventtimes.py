@@ -1,0 +1,86 @@
+"""Times that are still on a GPU: a reduction recorded once its CUDA events ran.
+
+On NCCL a collective returns, and its future's callbacks run, when the work is
+enqueued; so do a codec's kernels. A host clock there times the enqueue: a reduction
+whose encode, all-reduce and decode take milliseconds on the GPU would read as
+microseconds. Every hot path that must not wait for the GPU (the future-chained DDP
+path, PyTorch's own hooks measured as ``torch:*`` methods) records a pair of
+timing events around each part instead, on the stream that runs it, and hands the
+reduction here; ``settle`` (a ``CommStats`` settler, run as the step closes, when the
+step's work is done anyway) reads the events and records the reduction with its device
+times. The spans it records are measured from the first start event of the step, so
+overlapping buckets are counted once, as on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gradzip.comm.stats import CommStats, Reduction
+
+
+def event_pair() -> tuple[Any, Any]:
+    """Two timing events; record the first now, on the current stream."""
+    pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+    pair[0].record()
+    return pair
+
+
+@dataclass
+class _Untimed:
+    reduction: Reduction
+    stats: CommStats
+    span: tuple[Any, Any]  # the whole reduction, call to completion
+    comm: tuple[Any, Any] | None  # the collective alone: seconds_by_op
+    encode: tuple[Any, Any] | None
+    decode: tuple[Any, Any] | None
+
+
+class EventTimings:
+    """Reductions waiting for their CUDA events (see the module doc)."""
+
+    #: a caller that never closes a step stays bounded
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._untimed: list[_Untimed] = []
+        self._origin: Any = None  # the event spans are measured from
+
+    def later(self, r: Reduction, stats: CommStats, span: tuple[Any, Any], *,
+              comm: tuple[Any, Any] | None = None, encode: tuple[Any, Any] | None = None,
+              decode: tuple[Any, Any] | None = None) -> None:
+        """Record ``r`` in ``stats`` once its events ran: ``span`` sets its span,
+        ``comm`` its one collective's seconds, ``encode``/``decode`` the codec's."""
+        if self._origin is None:
+            self._origin = span[0]
+        stats.hold()
+        self._untimed.append(_Untimed(r, stats, span, comm, encode, decode))
+        if len(self._untimed) > self.LIMIT:
+            self.settle()
+
+    def settle(self) -> None:
+        """Read every pending reduction's events and record it (waits for them)."""
+        untimed, self._untimed = self._untimed, []
+        origin, self._origin = self._origin, None
+        for u in untimed:
+            r = u.reduction
+            u.span[1].synchronize()
+            if u.comm is not None:
+                op = next(iter(r.calls_by_op), "all_reduce")
+                r.seconds_by_op = {op: _seconds(u.comm)}
+            if u.encode is not None:
+                r.encode_s = _seconds(u.encode)
+            if u.decode is not None:
+                r.decode_s = _seconds(u.decode)
+            r.span = (origin.elapsed_time(u.span[0]) / 1e3,
+                      origin.elapsed_time(u.span[1]) / 1e3)
+            u.stats.record(r)
+            u.stats.release()
+
+
+def _seconds(pair: tuple[Any, Any]) -> float:
+    pair[1].synchronize()
+    return float(pair[0].elapsed_time(pair[1])) / 1e3
