@@ -333,3 +333,85 @@ def test_alpha_mixes_the_local_weights_into_the_synchronized_ones() -> None:
     """Streaming DiLoCo's mixing: after the outer step, alpha * local + (1 - alpha) *
     synchronized, on every rank."""
     assert all(run_ranks(_alpha_mixing, 2))
+
+
+def test_overlapped_exchanges_leave_nccl_for_gloo() -> None:
+    """NCCL does not support two threads issuing collectives on two communicators in
+    rank-dependent orders: an overlapped exchange beside NCCL runs on gloo."""
+    from gradzip.comm.outer import exchange_backend
+
+    assert exchange_backend("nccl") == "gloo"
+    assert exchange_backend("nccl", overlap=False) == "nccl"
+    assert exchange_backend("gloo") == "gloo"
+
+
+def _threads_and_groups(rank: int, as_nccl: bool) -> dict[str, Any]:
+    """Every collective after construction, by (thread, group); the main thread logs
+    through an all-reduce on the world group each step, as the trainer does.
+    ``as_nccl``: the model's group reports NCCL while DiLoCo is built (its exchanges
+    then go through ``HostCommunicator`` on a gloo group of their own)."""
+    import threading
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from gradzip.comm import streams
+    from gradzip.comm.communicator import HostCommunicator
+
+    model = _Blocks()
+    real = dist.get_backend
+    with mock.patch.object(dist, "get_backend",
+                           lambda g=None: "nccl" if as_nccl else real(g)):
+        outer = DiLoCo(model, sync_every=4, codec="ef | int8", fragments=2,
+                       overlap_steps=2)
+    outer.comm.counter.backend = "gloo"  # the link model of the group it really is
+    through_host = isinstance(outer.comm, HostCommunicator)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    seen: dict[str, set[int]] = {}
+    adopted: list[int] = []
+    saved = {n: getattr(dist, n) for n in ("all_reduce", "all_gather", "broadcast")}
+    original_adopt = streams.SideStreams.adopt
+
+    def record(name: str) -> Any:
+        def collective(*args: Any, **kw: Any) -> Any:
+            group = kw.get("group")
+            seen.setdefault(threading.current_thread().name.split("_")[0], set()).add(
+                id(group))
+            return saved[name](*args, **kw)
+        return collective
+
+    for name in saved:
+        setattr(dist, name, record(name))
+    streams.SideStreams.adopt = staticmethod(  # type: ignore[method-assign]
+        lambda t: adopted.append(1) or original_adopt(t))
+    try:
+        for step in range(9):
+            _inner(model, opt, step, rank)
+            outer.step()
+            dist.all_reduce(torch.ones(1))  # the trainer's log all-reduce
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+        streams.SideStreams.adopt = original_adopt  # type: ignore[method-assign]
+    applied = outer.syncs
+    anchor = torch.cat([a.reshape(-1) for a in outer.anchor])
+    other = anchor.clone()
+    dist.broadcast(other, src=0)
+    outer.close()
+    return {"seen": seen, "adopted": len(adopted), "applied": applied,
+            "through_host": through_host, "anchors_agree": bool(torch.equal(anchor, other))}
+
+
+@pytest.mark.parametrize("as_nccl", [False, True])
+def test_the_exchange_thread_has_a_communicator_of_its_own(as_nccl: bool) -> None:
+    """The thread/communicator audit: the exchange thread's collectives use groups the
+    main thread never uses, and every mean it hands back is adopted by the consuming
+    stream (``SideStreams.adopt``: the allocator keeps its block until the outer step
+    read it). Beside NCCL the exchanges cross through the host, and the anchors still
+    agree."""
+    for out in run_ranks(_threads_and_groups, 2, as_nccl):
+        seen = out["seen"]
+        exchange = seen.pop("diloco-exchange")
+        assert exchange and all(not (exchange & other) for other in seen.values()), seen
+        assert out["applied"] > 0 and out["adopted"] == out["applied"]
+        assert out["through_host"] == as_nccl and out["anchors_agree"]

@@ -73,3 +73,27 @@ def _finished(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cuda":
         torch.cuda.current_stream(t.device).synchronize()
     return t
+
+
+class HostCommunicator(TorchCommunicator):
+    """The same collectives on a gloo group, for tensors on any device: each one's
+    inputs go to the host, and its results come back to the inputs' device.
+
+    For a background thread beside NCCL: NCCL does not support collectives issued from
+    two threads on two communicators in an order that differs between ranks (DiLoCo's
+    exchange thread against the main thread's log all-reduce, evaluation or checkpoint
+    barrier: a hang). On gloo the two threads' collectives never share a communicator,
+    and gloo's order is per group."""
+
+    def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        return super()._all_reduce(t.cpu(), op).to(t.device)
+
+    def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return [r.to(t.device) for r in super()._all_gather(t.cpu())]
+
+    def _all_to_all(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        device = chunks[0].device if chunks else torch.device("cpu")
+        return [r.to(device) for r in super()._all_to_all([c.cpu() for c in chunks])]
+
+    def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        return super()._reduce_scatter(t.cpu()).to(t.device)

@@ -24,7 +24,8 @@ the first block (embeddings) go with fragment 0, those after the last with fragm
 
 ``overlap_steps=S`` (Streaming DiLoCo's overlap) starts a fragment's exchange and goes
 on training: the reduction runs on a background thread (one, so every rank issues its
-collectives in the same order; the inner steps communicate nothing) and is applied S
+collectives in the same order; the inner steps communicate nothing; beside NCCL it
+communicates over gloo, through the host: ``exchange_backend``) and is applied S
 inner steps later: the outer step moves the anchor, and the fragment's weights become the
 new anchor plus what the S local steps since the exchange began changed. With
 ``alpha`` (Streaming DiLoCo's mixing, 0.5 in the paper) they become ``alpha * local +
@@ -55,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradzip.codecs.chain import Codec
-from gradzip.comm.communicator import TorchCommunicator
+from gradzip.comm.communicator import HostCommunicator, TorchCommunicator
 from gradzip.comm.ddp import build_codec
 from gradzip.comm.groups import private_group
 from gradzip.comm.reducer import Reducer
@@ -90,7 +91,7 @@ class DiLoCo:
         self.outer = outer
         self.params = [p for _, p in named]
         self.group = private_group(process_group)
-        self.comm = TorchCommunicator(self.group)
+        self.comm = self._exchange_communicator(process_group, overlap_steps)
         self._broadcast(model)
         self.anchor = [p.detach().float().clone() for p in self.params]
         lr, momentum = (1.0, 0.0) if outer == "average" else (outer_lr, outer_momentum)
@@ -115,6 +116,18 @@ class DiLoCo:
                       if overlap_steps else None)
         self._streams = SideStreams()
         self._pending: list[_Exchange] = []  # started, not yet applied (start order)
+
+    def _exchange_communicator(self, process_group: dist.ProcessGroup | None,
+                               overlap_steps: int) -> TorchCommunicator:
+        """Where the pseudo-gradients travel: this group's own backend; with overlap
+        beside NCCL, a gloo group of the same ranks through the host
+        (``HostCommunicator``), since the exchange thread's collectives and the main
+        thread's (logging, evaluation, checkpoints) would reach two NCCL communicators
+        from two threads in a different order on each rank."""
+        backend = dist.get_backend(self.group)
+        if exchange_backend(backend, overlap=overlap_steps > 0) != backend:
+            return HostCommunicator(private_group(process_group, backend="gloo"))
+        return TorchCommunicator(self.group)
 
     def _broadcast(self, model: nn.Module) -> None:
         """Every rank starts from rank 0's weights and buffers."""
@@ -202,7 +215,8 @@ class DiLoCo:
                                        future, since))
 
     def _apply(self, ex: _Exchange) -> None:
-        self._outer_step(ex.fragment, ex.future.result(), ex.since)
+        # the mean was allocated on gradzip's stream by the exchange thread
+        self._outer_step(ex.fragment, self._streams.adopt(ex.future.result()), ex.since)
 
     @contextlib.contextmanager
     def synchronized_weights(self) -> Iterator[None]:
@@ -297,6 +311,12 @@ def _done(mean: torch.Tensor) -> Future[torch.Tensor]:
     future: Future[torch.Tensor] = Future()
     future.set_result(mean)
     return future
+
+
+def exchange_backend(backend: str, overlap: bool = True) -> str:
+    """The backend DiLoCo's exchanges run on, for a group on ``backend``: gloo when they
+    overlap training beside NCCL (see ``DiLoCo._exchange_communicator``)."""
+    return "gloo" if overlap and backend == "nccl" else backend
 
 
 def check_options(sync_every: int, outer_lr: float, outer_momentum: float, outer: str,

@@ -11,7 +11,10 @@ own, per device, with explicit edges:
 * ``run(job, device, event)`` (the background thread): sets the thread's device,
   makes gradzip's stream wait for the event (a GPU-side edge, no host wait), runs the
   job with that stream current, and synchronizes it before returning, so the plain
-  future the job completes only ever holds finished results.
+  future the job completes only ever holds finished results;
+* ``adopt(tensor)`` (the consuming thread): a result the job allocated, used on the
+  consumer's stream, is recorded on that stream (``record_stream``), so the allocator
+  does not hand its block to the next job while the consumer still reads it.
 
 On CPU both are no-ops around ``job()``.
 """
@@ -47,6 +50,19 @@ class SideStreams:
         if found is None:
             found = self._streams[device] = torch.cuda.Stream(device)
         return found
+
+    @staticmethod
+    def adopt(tensor: torch.Tensor) -> torch.Tensor:
+        """Hand ``tensor``, made by a job on gradzip's stream, to the current stream.
+
+        The caching allocator gives a freed block back to the stream that allocated it
+        at once: if the consuming thread frees the tensor while its own stream's
+        kernels still read it, the next job on gradzip's stream can take the block and
+        overwrite it under them (DiLoCo's mean, read by the outer step). Recording the
+        current stream on it keeps the block until that stream's work ran."""
+        if tensor.device.type == "cuda":
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
+        return tensor
 
     def run(self, job: Callable[[], T], device: torch.device | None, event: Any) -> T:
         """``job()`` on gradzip's stream of ``device``, after ``event``; finished on return."""
