@@ -78,6 +78,7 @@ def _hsdp(rank: int) -> dict[str, Any]:
         handle.stats.end_step()
         out[f"{name}_totals"] = handle.stats.totals()
         out[f"{name}_state"] = handle.state_dict()
+        out[f"{name}_scatters"] = len(handle.reduce_scatters)
         out[f"{name}_codecs"] = [str(c) for c in handle.codecs], \
             [str(c) for c in handle.replicate_codecs]
     try:  # native HSDP's own replicate all-reduce would be neither compressed nor counted
@@ -106,9 +107,25 @@ def test_topk_carries_at_most_a_third_of_the_replicate_bytes(
         plain, topk = out["plain_bytes"], out["topk_bytes"]
         assert plain["replicate"] > 0 and topk["replicate"] > 0
         assert topk["replicate"] <= plain["replicate"] / 3, (plain, topk)
-        # the shard link runs `none` with either codec on the replicate link (FSDP2's
-        # own reduce-scatter calls c10d directly, out of the recorder's sight)
-        assert topk["shard"] == out["none_bytes"]["shard"] > 0, (plain, topk)
+        # the shard link runs `none` with either codec on the replicate link: FSDP2's
+        # own reduce-scatter, which calls c10d directly, out of the recorder's sight;
+        # gradzip's (fp16 there) goes through torch.distributed
+        assert topk["shard"] == out["none_bytes"]["shard"] == 0, (plain, topk)
+        assert out["per_dim_bytes"]["shard"] > 0
+
+
+def test_shard_spec_none_keeps_fsdp2s_own_reduce_scatter(
+        ranks: list[dict[str, Any]]) -> None:
+    """Uncompressed, gradzip's reduce-scatter would only add its own costs (host reads
+    on the autograd thread): FSDP2 keeps its native one, and the replicate hook counts
+    its bytes, the same raw bytes gradzip's fp16 reduce-scatter is measured against."""
+    for out in ranks:
+        assert out["none_scatters"] == out["topk_scatters"] == 0
+        assert out["per_dim_scatters"] > 0
+        native = out["none_totals"]["links"]["shard"]
+        ours = out["per_dim_totals"]["links"]["shard"]
+        assert native["bytes_raw"] == native["bytes_wire"] == ours["bytes_raw"] > 0
+        assert native["compression_ratio"] == pytest.approx(1.0)
 
 
 def test_stats_report_each_link_and_their_sum(ranks: list[dict[str, Any]]) -> None:

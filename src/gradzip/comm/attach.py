@@ -8,7 +8,7 @@ starts, and a spec that cannot compress on a path is refused here too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial, wraps
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, cast
 
@@ -17,6 +17,7 @@ from torch import nn
 
 from gradzip.codecs.chain import Codec
 from gradzip.codecs.registry import SpecError
+from gradzip.collectives.linkmodel import backend_model
 from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.ddp import (
     START_ITERATION,
@@ -25,6 +26,7 @@ from gradzip.comm.ddp import (
     build_codec,
     gradzip_hook,
     load_codec_states,
+    sends_plain,
 )
 from gradzip.comm.fsdp import (
     CommCache,
@@ -35,7 +37,7 @@ from gradzip.comm.fsdp import (
     unit_parameters,
 )
 from gradzip.comm.groups import on_device
-from gradzip.comm.hsdp import ReplicateReduce, native_hsdp, split_spec
+from gradzip.comm.hsdp import NativeShard, ReplicateReduce, native_hsdp, split_spec
 from gradzip.comm.policy import Policy
 from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import CommStats
@@ -374,11 +376,14 @@ def apply_fsdp2(model: nn.Module, policy: Policy, codecs: list[Codec], diagnose:
     names = {id(p): name for name, p in model.named_parameters()}
     units = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     refuse_native_hsdp([cast(nn.Module, unit) for _, unit in units])
-    scatters = []
+    scatters, native = [], set()
     for index, (name, unit) in enumerate(units):
         module = cast(nn.Module, unit)
         params = [names[id(p)] for p in unit_parameters(module)]
         g = unit_group(policy, name, params)
+        if replicate is not None and sends_plain(codecs[g]):
+            native.add(index)  # HSDP's shard link uncompressed: FSDP2's own reduce-scatter
+            continue
         rs = CompressedReduceScatter(reducers[g], comms, key=f"fsdp2/{index}",
                                      start_step=policy.start_step, shapes=shard_shapes(module),
                                      index=index, names=params)
@@ -394,7 +399,7 @@ def apply_fsdp2(model: nn.Module, policy: Policy, codecs: list[Codec], diagnose:
     handle = Handle("fsdp2", codecs, stats, policy)
     handle.reduce_scatters = scatters
     if replicate is not None:
-        apply_replicate(handle, units, names, replicate, diagnose)
+        apply_replicate(handle, units, names, replicate, diagnose, native)
     return handle
 
 
@@ -412,19 +417,23 @@ def refuse_native_hsdp(units: list[nn.Module]) -> None:
 
 def apply_replicate(handle: Handle, units: list[tuple[str, Any]], names: dict[int, str],
                     replicate: tuple[Policy, list[Codec], dist.ProcessGroup],
-                    diagnose: bool) -> None:
+                    diagnose: bool, native: Collection[int] = ()) -> None:
     """HSDP: each unit's all-reduce hook averages its shard over the replicate group
-    through that link's codec (``hsdp.ReplicateReduce``), counted as link "replicate"."""
+    through that link's codec (``hsdp.ReplicateReduce``), counted as link "replicate";
+    the units in ``native`` reduce-scatter with FSDP2's own collective, which the hook
+    counts as link "shard" (``hsdp.NativeShard``)."""
     policy, codecs, group = replicate
     reducers = [Reducer(c, handle.stats, diagnose, link="replicate") for c in codecs]
     comm = TorchCommunicator(group)
+    shard = NativeShard(dist.get_world_size() // dist.get_world_size(group),
+                        backend_model(dist.get_backend()))
     for index, (name, unit) in enumerate(units):
         module = cast(nn.Module, unit)
         params = [names[id(p)] for p in unit_parameters(module)]
         g = unit_group(policy, name, params)
         unit.set_all_reduce_hook(ReplicateReduce(
             reducers[g], comm, key=f"hsdp/{index}", start_step=policy.start_step,
-            shapes=shard_shapes(module)))
+            shapes=shard_shapes(module), native=shard if index in native else None))
     handle.replicate_codecs = codecs
     handle.replicate_policy = policy
 

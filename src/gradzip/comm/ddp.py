@@ -87,7 +87,7 @@ class DDPCommState:
             node, cross = (TorchCommunicator(g)
                            for g in node_groups(node_size, process_group, sets))
             self.hierarchical = [
-                None if _sends_plain(c) else
+                None if sends_plain(c) else
                 HierarchicalReducer(c, self.stats, node, cross, diagnose)
                 for c in self.codecs]
         self.groups = groups or {}
@@ -196,7 +196,7 @@ def _reduce_group(state: DDPCommState, g: int, buffer: torch.Tensor, key: str,
             buffer[o:o + n].copy_(part)
 
 
-def _sends_plain(codec: Codec) -> bool:
+def sends_plain(codec: Codec) -> bool:
     """``none`` and nothing else: the bucket crosses uncompressed."""
     return codec.wrapper is None and all(s.name == "none" for s in codec.stages)
 

@@ -13,8 +13,9 @@ in place, so every rank ends with the mean over all ranks, as native HSDP does; 
 order). Error feedback and other codec state live here, keyed per unit
 (``hsdp/{unit}``), and travel in the handle's checkpoint state.
 
-Both links are counted: the reduce-scatter (``link="shard"``, gradzip's compressed
-reduce-scatter, ``none`` by default) and the replicate reduction (``link="replicate"``),
+Both links are counted: the reduce-scatter (``link="shard"``: FSDP2's own where the
+shard spec is ``none``, the default, counted from its output, ``NativeShard``; else
+gradzip's compressed reduce-scatter) and the replicate reduction (``link="replicate"``),
 each against PyTorch's uncompressed collective for the same gradient, so
 ``compression_ratio`` covers every link and ``CommStats`` reports each
 (``totals()["links"]``).
@@ -22,26 +23,50 @@ each against PyTorch's uncompressed collective for the same gradient, so
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from gradzip.codecs.base import Shapes
+from gradzip.collectives.linkmodel import link_bytes
 from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.fsdp import layout_or_none
 from gradzip.comm.reducer import Reducer
+from gradzip.comm.stats import Reduction
 
 #: the mesh dimensions a per-dimension spec names
 DIMENSIONS = ("replicate", "shard")
 
 
+@dataclass(frozen=True)
+class NativeShard:
+    """FSDP2's own reduce-scatter on the shard link (a unit whose shard spec is
+    ``none``): gradzip neither runs nor times it, and counts the bytes it moved from the
+    shard it produced (``world`` chunks of the output's size, in its dtype)."""
+
+    world: int
+    backend: str  # the link model (``linkmodel.backend_model``)
+
+    def reduction(self, output: torch.Tensor) -> Reduction:
+        numel = output.numel() * self.world
+        handed = numel * output.element_size()
+        wire = link_bytes("reduce_scatter", handed, self.world, self.backend)
+        return Reduction(numel=numel, sent_values=numel, bytes_raw=wire, bytes_handed=handed,
+                         bytes_by_op={"reduce_scatter": wire},
+                         calls_by_op={"reduce_scatter": 1}, paths=["native"], link="shard")
+
+
 class ReplicateReduce:
     """FSDP2's all-reduce hook of one ``fully_shard`` unit: this rank's shard, averaged
-    over the replicate group through the replicate codec, in place."""
+    over the replicate group through the replicate codec, in place; with ``native``,
+    the unit's own reduce-scatter before it is counted here too."""
 
     def __init__(self, reducer: Reducer, comm: TorchCommunicator, key: str, *,
-                 start_step: int = 0, shapes: Shapes | None = None) -> None:
+                 start_step: int = 0, shapes: Shapes | None = None,
+                 native: NativeShard | None = None) -> None:
+        self.native = native
         self.reducer = reducer
         self.comm = comm
         self.key = key
@@ -52,6 +77,8 @@ class ReplicateReduce:
         self.calls = 0
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
+        if self.native is not None:
+            self.reducer.stats.record(self.native.reduction(reduce_output))
         compress = self.calls >= self.start_step
         self.calls += 1
         shapes = layout_or_none(self.shapes, reduce_output.numel())
