@@ -134,3 +134,23 @@ def test_every_tensor_of_a_loaded_record_moves_once() -> None:
     assert first["v"].device.type == first["nested"]["u"][0].device.type == "meta"
     first["v"] = torch.full((3,), 2.0)  # a stage's new state stays where it put it
     assert loaded.slot(0, "k", torch.device("meta")).data["v"].device.type == "cpu"
+
+
+def test_a_payload_frames_onto_the_device_in_one_upload() -> None:
+    """A byte payload's host parts (headers, lengths, digest) go up in one pinned,
+    non-blocking copy; its device tensors are placed on the device (issue 41, item 11:
+    before, every part was its own blocking upload)."""
+    codec = gradzip.codec("topk(ratio=0.1)", nonfinite="propagate")
+    x = torch.randn(sum(s.numel() for s in SHAPES))
+    payload = codec.encode(x, "bucket0", SHAPES)
+    assert len(list(payload.leaves())) > 1
+    received = DeviceWatch()
+    with received:  # a received payload's leaves, back to the device: one copy too
+        on_meta = payload.to("meta")
+    assert received.transfers["cpu->meta"] == 1 and received.blocking_uploads == []
+    watch = DeviceWatch()
+    with watch:
+        framed = on_meta.to_tensor()
+    assert framed.device.type == "meta" and framed.numel() == payload.to_tensor().numel()
+    assert watch.blocking_uploads == []
+    assert watch.transfers["cpu->meta"] == 1, watch.transfers

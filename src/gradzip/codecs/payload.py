@@ -36,6 +36,8 @@ from typing import Union
 import torch
 import xxhash
 
+from gradzip.codecs.upload import upload, upload_all
+
 MAGIC = b"GZ"
 VERSION = 2
 #: versions ``deserialize`` reads (1: no digest)
@@ -184,7 +186,8 @@ class Payload:
     def to(self, device: torch.device | str) -> Payload:
         """This payload with every tensor on ``device`` (a received payload is rebuilt
         on the host; its decoder should run where the result is needed)."""
-        return self.with_leaves([t.to(device) for _, t in self.leaves()])
+        return self.with_leaves(upload_all([t for _, t in self.leaves()],
+                                           torch.device(device)))
 
     def tensor_bytes(self) -> builtins.int:
         """Bytes of tensor and blob data alone (no headers)."""
@@ -287,18 +290,38 @@ class Payload:
         return b"".join(parts)
 
     def to_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """The serialized payload as a flat uint8 tensor (for collectives)."""
-        parts = []
-        dev = device
-        for c in self._chunks():
+        """The serialized payload as a flat uint8 tensor (for collectives), on
+        ``device`` (default: its tensors' device).
+
+        On a GPU the frame's host parts (headers, lengths, the digest) go up in one
+        upload, staged in pinned memory and not blocking the host; its device tensors
+        are copied into place on the device (not one host copy per part)."""
+        chunks = [c if isinstance(c, bytes) else c.detach().contiguous().reshape(-1)
+                  .view(torch.uint8) for c in self._chunks()]
+        found = next((c.device for c in chunks if isinstance(c, torch.Tensor)), None)
+        dev = torch.device(device) if device is not None else found or torch.device("cpu")
+        if dev.type == "cpu":
+            parts = [torch.frombuffer(bytearray(c), dtype=torch.uint8) if isinstance(c, bytes)
+                     else c.to(dev) for c in chunks if len(c)]
+            return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+        sizes = [len(c) if isinstance(c, bytes) else c.numel() for c in chunks]
+        frame = torch.zeros(sum(sizes), dtype=torch.uint8)
+        on_device: list[tuple[int, torch.Tensor]] = []
+        offset = 0
+        for c, n in zip(chunks, sizes, strict=True):
             if isinstance(c, bytes):
-                if c:
-                    parts.append(torch.frombuffer(bytearray(c), dtype=torch.uint8))
+                if n:
+                    frame[offset:offset + n] = torch.frombuffer(bytearray(c),
+                                                                dtype=torch.uint8)
+            elif c.device == dev:
+                on_device.append((offset, c))
             else:
-                dev = dev if dev is not None else c.device
-                parts.append(c.detach().contiguous().reshape(-1).view(torch.uint8))
-        dev = dev if dev is not None else "cpu"
-        return torch.cat([p.to(dev) for p in parts]) if parts else torch.empty(0, dtype=torch.uint8)
+                frame[offset:offset + n] = c.cpu()
+            offset += n
+        out = upload(frame, dev)
+        for start, c in on_device:
+            out[start:start + c.numel()].copy_(c)
+        return out
 
     # ------------------------------------------------------------ decode
     @classmethod
@@ -307,7 +330,7 @@ class Payload:
         if isinstance(data, torch.Tensor):
             if data.dtype != torch.uint8 or data.dim() != 1:
                 raise PayloadError("a serialized payload tensor must be 1-D uint8")
-            data = data.cpu().numpy().tobytes()
+            data = (data if data.device.type == "cpu" else data.cpu()).numpy().tobytes()
         buf = memoryview(bytes(data)) if not isinstance(data, bytes) else memoryview(data)
         if len(buf) < 3 or bytes(buf[:2]) != MAGIC:
             raise PayloadError("not a gradzip payload (bad magic bytes)")

@@ -23,3 +23,33 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and not t.is_pinned():
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+#: byte alignment of each tensor inside a shared upload (any dtype's view is legal)
+ALIGN = 16
+
+
+def upload_all(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``tensors`` on ``device``, the host ones in one upload: a received payload's
+    leaves (values, positions, scales) come back to the GPU in one copy, not one
+    blocking copy each. Tensors already on ``device`` are returned as they are."""
+    host = [i for i, t in enumerate(tensors) if t.device != device]
+    if device.type == "cpu":
+        return [t.to(device) for t in tensors]
+    if len(host) < 2:
+        return [upload(t, device) for t in tensors]
+    sizes = [tensors[i].numel() * tensors[i].element_size() for i in host]
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + -(-n // ALIGN) * ALIGN)
+    frame = torch.empty(starts[-1], dtype=torch.uint8,
+                        pin_memory=device.type == "cuda")
+    for i, start, n in zip(host, starts, sizes, strict=False):
+        frame[start:start + n] = tensors[i].detach().cpu().contiguous().reshape(-1) \
+            .view(torch.uint8)
+    moved = upload(frame, device)
+    out = list(tensors)
+    for i, start, n in zip(host, starts, sizes, strict=False):
+        t = tensors[i]
+        out[i] = moved[start:start + n].view(t.dtype).reshape(t.shape)
+    return out

@@ -81,6 +81,14 @@ class _Flag:
     device: torch.device
 
 
+def on_host(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Equal-length byte buffers of a collective, on the host in one device-to-host
+    copy (one host sync for all of them, not one per buffer)."""
+    if not buffers or all(b.device.type == "cpu" for b in buffers):
+        return buffers
+    return list(torch.stack(buffers).cpu().unbind(0))
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -213,7 +221,8 @@ class Communicator(ABC):
 
     def all_gather_bytes(self, data: torch.Tensor | None,
                          device: torch.device | None = None) -> list[torch.Tensor] | None:
-        """Every rank's 1-D uint8 buffer, sizes may differ (sizes exchanged first).
+        """Every rank's 1-D uint8 buffer, sizes may differ (sizes exchanged first), on
+        the host: every receiver parses them there, so they come back in one copy.
 
         A rank with nothing to send (``data`` None, on ``device``: its gradient was
         non-finite) says so in the size exchange; then every rank gets None and the
@@ -232,12 +241,13 @@ class Communicator(ABC):
         if data.numel() < longest:
             padded = torch.zeros(longest, dtype=torch.uint8, device=data.device)
             padded[: data.numel()] = data
-        gathered = self.all_gather(padded)
+        gathered = on_host(self.all_gather(padded))
         return [g[:n] for g, n in zip(gathered, sizes, strict=True)]
 
     def all_to_all_bytes(self, chunks: list[torch.Tensor] | None,
                          device: torch.device | None = None) -> list[torch.Tensor] | None:
-        """Send 1-D uint8 ``chunks[j]`` to rank j (sizes may differ); return received.
+        """Send 1-D uint8 ``chunks[j]`` to rank j (sizes may differ); return received,
+        on the host, in one copy.
 
         ``chunks`` None (a non-finite gradient, on ``device``): as ``all_gather_bytes``,
         every rank gets None after the size exchange.
@@ -258,6 +268,6 @@ class Communicator(ABC):
             buf[: c.numel()] = c
             padded.append(buf)
         start = time.perf_counter()
-        received = self._all_to_all(padded)
+        received = on_host(self._all_to_all(padded))
         self.counter.add("all_to_all", longest * len(padded), time.perf_counter() - start)
         return [r[: all_sizes[i][self.rank]] for i, r in enumerate(received)]
