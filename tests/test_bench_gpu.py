@@ -26,6 +26,9 @@ def test_smoke_mode_runs_every_part_and_writes_its_tables(tmp_path) -> None:
     assert ddp["ef | int8"]["path"] == "comm thread"
     assert all(r["finite"] and r["reductions"] > 0 for r in ddp.values())
     assert [r["error_step"] for r in record["nonfinite"]] == [2] * 4  # CPU: at once
+    resumed = {r["state"]: r for r in record["resume"]}
+    assert len(resumed) == 7 and all(r["ok"] for r in resumed.values()), resumed
+    assert all(r["max_diff_to_kept"] == 0.0 for r in resumed.values()), resumed
     for row in record["speed"]:
         assert row["encode_gbps"] > 0 and row["decode_gbps"] > 0
         assert row["encode_syncs"] >= 0 and row["decode_syncs"] >= 0

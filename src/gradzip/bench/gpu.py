@@ -18,6 +18,8 @@ One command for one GPU (at most a few minutes on an H100), writing ``gpu.json``
    parameters as eager training, bit for bit; the host syncs of a compressed step's
    backward (where the hooks run, every thread), per reduction (a bucket, or a
    parameter for the multi-round codecs that reduce one at a time).
+   Then **resume on the device** (``gpu_resume.py``): every stateful codec, and DiLoCo
+   with an exchange in flight, saved, loaded on the CPU as a checkpoint is, and resumed.
 3. **Encode and decode speed** per codec on a 25 MB fp32 bucket of three tensors
    (CUDA events, median of ``--repeat``), with the host syncs of each call counted by
    ``torch.cuda.set_sync_debug_mode("warn")``.
@@ -42,6 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from gradzip.bench.gpu_resume import resume_rows
 
 #: codec families of the DDP check and the speed table (``--codecs`` overrides)
 SPECS = ["none", "fp16", "bf16", "randomk(ratio=0.01)", "topk(ratio=0.01)",
@@ -431,6 +435,9 @@ def markdown(record: dict[str, Any]) -> str:
         "syncs_per_reduction", "comm_ms_per_step", "error"]), "",
         "A NaN in step 2 under nonfinite='error':", "",
         _table(record["nonfinite"], ["codec", "path", "nan_step", "error_step", "ok", "error"]),
+        "", "Resumed on the device from a checkpoint loaded on the CPU:", "",
+        _table(record.get("resume", []), ["state", "ok", "finite", "max_diff_to_kept",
+                                          "error"]),
         "",
         f"Encode/decode of a {record['bucket_mb']} MB bucket:", "",
         _table(record["speed"], ["codec", "ok", "encode_gbps", "decode_gbps", "ratio",
@@ -474,10 +481,13 @@ def run(args: argparse.Namespace) -> int:
               f"({time.perf_counter() - started:.0f} s)", flush=True)
         record["nonfinite"] = nonfinite(["none", "fp16", "ef | int8", "powersgd(rank=2)"],
                                         device)
+        record["resume"] = resume_rows(device, _mlp(device))
+        print(f"resume: {sum(r['ok'] for r in record['resume'])}/{len(record['resume'])} "
+              f"ok ({time.perf_counter() - started:.0f} s)", flush=True)
         record["speed"] = codec_speed(specs, device, shapes, args.repeat)
         print(f"speed: done ({time.perf_counter() - started:.0f} s)", flush=True)
-    record["ok"] = all(r["ok"] for part in ("stream_order", "ddp", "nonfinite", "speed")
-                       for r in record[part])
+    record["ok"] = all(r["ok"] for part in ("stream_order", "ddp", "nonfinite", "resume",
+                                            "speed") for r in record[part])
     text = markdown(record)
     print(text)
     if args.out:
