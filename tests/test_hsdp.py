@@ -63,6 +63,7 @@ def _hsdp(rank: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import gradzip
+    from gradzip.bench.devicecheck import count_host_syncs
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     rep_group = mesh.get_group("replicate")
@@ -74,7 +75,10 @@ def _hsdp(rank: int) -> dict[str, Any]:
                        ("per_dim", {"replicate": "int8", "shard": "fp16"})):
         model = _shard(base, mesh["shard"])
         handle = gradzip.attach(model, spec, replicate_group=rep_group)
-        out[name], out[f"{name}_bytes"] = _counted(lambda m=model: _train(m, rank), mesh)
+        with count_host_syncs() as syncs:
+            out[name], out[f"{name}_bytes"] = _counted(lambda m=model: _train(m, rank), mesh)
+        out[f"{name}_syncs"] = syncs.total / (STEPS * len(handle.reduce_scatters or
+                                                          _units(model)))
         handle.stats.end_step()
         out[f"{name}_totals"] = handle.stats.totals()
         out[f"{name}_state"] = handle.state_dict()
@@ -112,6 +116,22 @@ def test_topk_carries_at_most_a_third_of_the_replicate_bytes(
         # gradzip's (fp16 there) goes through torch.distributed
         assert topk["shard"] == out["none_bytes"]["shard"] == 0, (plain, topk)
         assert out["per_dim_bytes"]["shard"] > 0
+
+
+def _units(model: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)
+            and any(True for _ in m.parameters(recurse=False))]
+
+
+def test_a_summable_replicate_codec_reads_the_host_once_per_unit(
+        ranks: list[dict[str, Any]]) -> None:
+    """``none`` on both links: FSDP2's own reduce-scatter, and the replicate all-reduce
+    on the chained path (no host read of gradzip's on the autograd thread on CUDA; on the
+    CPU the callback reads the agreed non-finite flag at once: 1 per unit and step)."""
+    for out in ranks:
+        assert out["none_syncs"] <= 1.0, out["none_syncs"]
 
 
 def test_shard_spec_none_keeps_fsdp2s_own_reduce_scatter(

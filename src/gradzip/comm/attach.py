@@ -18,6 +18,7 @@ from torch import nn
 from gradzip.codecs.chain import Codec
 from gradzip.codecs.registry import SpecError
 from gradzip.collectives.linkmodel import backend_model
+from gradzip.comm.chained import chainable
 from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.ddp import (
     START_ITERATION,
@@ -37,7 +38,13 @@ from gradzip.comm.fsdp import (
     unit_parameters,
 )
 from gradzip.comm.groups import on_device
-from gradzip.comm.hsdp import NativeShard, ReplicateReduce, native_hsdp, split_spec
+from gradzip.comm.hsdp import (
+    NativeShard,
+    OnDevice,
+    ReplicateReduce,
+    native_hsdp,
+    split_spec,
+)
 from gradzip.comm.policy import Policy
 from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import CommStats
@@ -427,13 +434,16 @@ def apply_replicate(handle: Handle, units: list[tuple[str, Any]], names: dict[in
     comm = TorchCommunicator(group)
     shard = NativeShard(dist.get_world_size() // dist.get_world_size(group),
                         backend_model(dist.get_backend()))
+    on_device = OnDevice()
+    handle.stats.add_settler(on_device.timings.settle)
     for index, (name, unit) in enumerate(units):
         module = cast(nn.Module, unit)
         params = [names[id(p)] for p in unit_parameters(module)]
         g = unit_group(policy, name, params)
         unit.set_all_reduce_hook(ReplicateReduce(
             reducers[g], comm, key=f"hsdp/{index}", start_step=policy.start_step,
-            shapes=shard_shapes(module), native=shard if index in native else None))
+            shapes=shard_shapes(module), native=shard if index in native else None,
+            on_device=on_device if chainable(codecs[g]) and not diagnose else None))
     handle.replicate_codecs = codecs
     handle.replicate_policy = policy
 

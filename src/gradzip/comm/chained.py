@@ -127,7 +127,7 @@ def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor
                                                       world, backend) for t in leaves)},
             calls_by_op={"all_reduce": len(leaves)},
             paths=["plain" if plain else "all_reduce"],
-            span=(start + encode_s, decode_start),
+            span=(start + encode_s, decode_start), link=reducer.link,
         )
         if encoding is None or reducing is None or decoding is None:
             reducer.stats.record(reduction)

@@ -23,7 +23,7 @@ each against PyTorch's uncompressed collective for the same gradient, so
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,7 +31,9 @@ from torch import nn
 
 from gradzip.codecs.base import Shapes
 from gradzip.collectives.linkmodel import link_bytes
+from gradzip.comm.chained import PendingChecks, reduce_async
 from gradzip.comm.communicator import TorchCommunicator
+from gradzip.comm.eventtimes import EventTimings
 from gradzip.comm.fsdp import layout_or_none
 from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import Reduction
@@ -58,6 +60,33 @@ class NativeShard:
                          calls_by_op={"reduce_scatter": 1}, paths=["native"], link="shard")
 
 
+@dataclass
+class OnDevice:
+    """The replicate reductions of a summable one-stage codec (``none``, ``fp16``,
+    ``bf16``, ``randomk``) with no host read on the autograd thread: the future-chained
+    all-reduce of DDP (``chained.reduce_async``), its non-finite flags read once, when
+    backward ends (a final autograd callback, before any optimizer step), its times
+    from CUDA events as the step closes. One per handle, shared by every unit."""
+
+    checks: PendingChecks = field(default_factory=PendingChecks)
+    timings: EventTimings = field(default_factory=EventTimings)
+    queued: bool = False
+
+    def reduce(self, reducer: Reducer, comm: TorchCommunicator, x: torch.Tensor, key: str,
+               shapes: Shapes | None, plain: bool) -> None:
+        """``x`` averaged over ``comm``'s ranks through ``reducer``'s codec, in place
+        (queued on the current stream on CUDA; done on return on the CPU)."""
+        if not self.queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.at_backward_end)
+            self.queued = True
+        reduce_async(reducer, comm, x, key, list(shapes) if shapes is not None else None,
+                     plain=plain, checks=self.checks, timings=self.timings).wait()
+
+    def at_backward_end(self) -> None:
+        self.queued = False
+        self.checks.raise_ready()
+
+
 class ReplicateReduce:
     """FSDP2's all-reduce hook of one ``fully_shard`` unit: this rank's shard, averaged
     over the replicate group through the replicate codec, in place; with ``native``,
@@ -65,8 +94,10 @@ class ReplicateReduce:
 
     def __init__(self, reducer: Reducer, comm: TorchCommunicator, key: str, *,
                  start_step: int = 0, shapes: Shapes | None = None,
-                 native: NativeShard | None = None) -> None:
+                 native: NativeShard | None = None, on_device: OnDevice | None = None
+                 ) -> None:
         self.native = native
+        self.on_device = on_device
         self.reducer = reducer
         self.comm = comm
         self.key = key
@@ -82,6 +113,10 @@ class ReplicateReduce:
         compress = self.calls >= self.start_step
         self.calls += 1
         shapes = layout_or_none(self.shapes, reduce_output.numel())
+        if self.on_device is not None:
+            self.on_device.reduce(self.reducer, self.comm, reduce_output, self.key, shapes,
+                                  plain=not compress)
+            return
         if not compress:
             self.reducer.reduce_plain(reduce_output, self.comm)
             return
