@@ -16,6 +16,8 @@ import pytest
 import torch
 from torch import nn
 
+from gradzip.collectives.linkmodel import link_bytes
+
 pytestmark = pytest.mark.dist
 
 STEPS = 3
@@ -85,6 +87,17 @@ def _hsdp(rank: int) -> dict[str, Any]:
         out[f"{name}_scatters"] = len(handle.reduce_scatters)
         out[f"{name}_codecs"] = [str(c) for c in handle.codecs], \
             [str(c) for c in handle.replicate_codecs]
+    for spec in ("fp16", "ef | int8"):  # a NaN on rank 0 only: the chained path, the other
+        nan_model = _shard(base, mesh["shard"])
+        gradzip.attach(nan_model, spec, replicate_group=rep_group)
+        x = torch.randn(8, 16)
+        if rank == 0:
+            x[0, 0] = float("nan")
+        try:
+            (nan_model(x) - x[:, :1]).pow(2).mean().backward()
+            out[f"nan_error/{spec}"] = None
+        except gradzip.NonFiniteGradientError as e:
+            out[f"nan_error/{spec}"] = str(e)
     try:  # native HSDP's own replicate all-reduce would be neither compressed nor counted
         gradzip.attach(_shard(base, mesh), "ef | topk(ratio=0.05)")
     except ValueError as e:
@@ -112,9 +125,10 @@ def test_topk_carries_at_most_a_third_of_the_replicate_bytes(
         assert plain["replicate"] > 0 and topk["replicate"] > 0
         assert topk["replicate"] <= plain["replicate"] / 3, (plain, topk)
         # the shard link runs `none` with either codec on the replicate link: FSDP2's
-        # own reduce-scatter, which calls c10d directly, out of the recorder's sight;
+        # own reduce-scatter, which calls c10d directly, out of the recorder's sight
+        # (what it sees is the non-finite agreement: 4 bytes per unit and step);
         # gradzip's (fp16 there) goes through torch.distributed
-        assert topk["shard"] == out["none_bytes"]["shard"] == 0, (plain, topk)
+        assert topk["shard"] == out["none_bytes"]["shard"] == 4 * 3 * STEPS, (plain, topk)
         assert out["per_dim_bytes"]["shard"] > 0
 
 
@@ -134,6 +148,16 @@ def test_a_summable_replicate_codec_reads_the_host_once_per_unit(
         assert out["none_syncs"] <= 1.0, out["none_syncs"]
 
 
+@pytest.mark.parametrize("spec", ["fp16", "ef | int8"])
+def test_a_nan_on_one_rank_stops_every_rank_in_the_same_unit(
+        ranks: list[dict[str, Any]], spec: str) -> None:
+    """Rank 0's NaN reaches only some ranks' shards (the last layer's dim-0 shard on
+    rank 1 is padding): the shard group agrees first, so every replicate group raises in
+    the same unit, with the same words, and nobody hangs in FSDP2's next all-gather."""
+    errors = {out[f"nan_error/{spec}"] for out in ranks}
+    assert len(errors) == 1 and next(iter(errors)), errors
+
+
 def test_shard_spec_none_keeps_fsdp2s_own_reduce_scatter(
         ranks: list[dict[str, Any]]) -> None:
     """Uncompressed, gradzip's reduce-scatter would only add its own costs (host reads
@@ -144,8 +168,10 @@ def test_shard_spec_none_keeps_fsdp2s_own_reduce_scatter(
         assert out["per_dim_scatters"] > 0
         native = out["none_totals"]["links"]["shard"]
         ours = out["per_dim_totals"]["links"]["shard"]
-        assert native["bytes_raw"] == native["bytes_wire"] == ours["bytes_raw"] > 0
-        assert native["compression_ratio"] == pytest.approx(1.0)
+        assert native["bytes_raw"] == ours["bytes_raw"] > 0
+        # the wire also carries the non-finite agreement: a 4-byte all-reduce per unit
+        flags = native["bytes_wire"] - native["bytes_raw"]
+        assert flags == 3 * STEPS * link_bytes("all_reduce", 4, 2, "gloo") > 0
 
 
 def test_stats_report_each_link_and_their_sum(ranks: list[dict[str, Any]]) -> None:

@@ -27,7 +27,9 @@ def test_hsdp_records_each_link_with_the_replicate_one_compressed(cache: Path,
     links = rec["links"]
     assert set(links) == {"replicate", "shard"}
     assert links["replicate"]["compression_ratio"] > 3
-    assert links["shard"]["compression_ratio"] == pytest.approx(1.0)
+    # uncompressed; its wire also carries the non-finite agreement (a 4-byte all-reduce
+    # per unit and step: under 1% on this small model)
+    assert links["shard"]["compression_ratio"] == pytest.approx(1.0, rel=0.01)
     assert rec["bytes_wire_total"] == sum(v["bytes_wire"] for v in links.values())
     assert rec["compression_ratio"] < links["replicate"]["compression_ratio"]
     assert rec["world_size"] == 4 and rec["val_loss"] is not None

@@ -43,6 +43,7 @@ from gradzip.comm.hsdp import (
     OnDevice,
     ReplicateReduce,
     native_hsdp,
+    shard_group,
     split_spec,
 )
 from gradzip.comm.policy import Policy
@@ -443,9 +444,20 @@ def apply_replicate(handle: Handle, units: list[tuple[str, Any]], names: dict[in
         unit.set_all_reduce_hook(ReplicateReduce(
             reducers[g], comm, key=f"hsdp/{index}", start_step=policy.start_step,
             shapes=shard_shapes(module), native=shard if index in native else None,
-            on_device=on_device if chainable(codecs[g]) and not diagnose else None))
+            on_device=on_device if chainable(codecs[g]) and not diagnose else None,
+            shards=_agreeing_shards(module, codecs[g])))
     handle.replicate_codecs = codecs
     handle.replicate_policy = policy
+
+
+def _agreeing_shards(unit: nn.Module, codec: Codec) -> Any:
+    """The unit's shard group where a non-finite shard must be agreed before the
+    replicate reduction (``hsdp.spread_nonfinite``): under 'error', with several
+    shards; else None."""
+    group = shard_group(unit)
+    if codec.nonfinite != "error" or group is None or dist.get_world_size(group) < 2:
+        return None
+    return group
 
 
 def unit_group(policy: Policy, unit: str, params: list[str]) -> int:

@@ -27,10 +27,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gradzip.codecs.base import Shapes
-from gradzip.collectives.linkmodel import link_bytes
+from gradzip.codecs.nonfinite import (
+    NonFiniteGradientError,
+    agreed_nonfinite_error,
+    nonfinite_flag,
+)
+from gradzip.collectives.linkmodel import backend_model, link_bytes
 from gradzip.comm.chained import PendingChecks, reduce_async
 from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.eventtimes import EventTimings
@@ -79,8 +85,15 @@ class OnDevice:
         if not self.queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.at_backward_end)
             self.queued = True
-        reduce_async(reducer, comm, x, key, list(shapes) if shapes is not None else None,
-                     plain=plain, checks=self.checks, timings=self.timings).wait()
+        future = reduce_async(reducer, comm, x, key,
+                              list(shapes) if shapes is not None else None,
+                              plain=plain, checks=self.checks, timings=self.timings)
+        try:
+            future.wait()
+        except RuntimeError as e:  # the callback's error arrives wrapped: say it plainly
+            if NonFiniteGradientError.__name__ in str(e):
+                raise agreed_nonfinite_error(key) from e
+            raise
 
     def at_backward_end(self) -> None:
         self.queued = False
@@ -94,9 +107,12 @@ class ReplicateReduce:
 
     def __init__(self, reducer: Reducer, comm: TorchCommunicator, key: str, *,
                  start_step: int = 0, shapes: Shapes | None = None,
-                 native: NativeShard | None = None, on_device: OnDevice | None = None
-                 ) -> None:
+                 native: NativeShard | None = None, on_device: OnDevice | None = None,
+                 shards: Any = None) -> None:
         self.native = native
+        #: the unit's shard group, where a non-finite shard must be agreed first
+        #: (``spread_nonfinite``); None: nothing to agree (one shard, or 'propagate')
+        self.shards = shards
         self.on_device = on_device
         self.reducer = reducer
         self.comm = comm
@@ -113,6 +129,8 @@ class ReplicateReduce:
         compress = self.calls >= self.start_step
         self.calls += 1
         shapes = layout_or_none(self.shapes, reduce_output.numel())
+        if self.shards is not None:
+            self.reducer.stats.record(spread_nonfinite(reduce_output, self.shards))
         if self.on_device is not None:
             self.on_device.reduce(self.reducer, self.comm, reduce_output, self.key, shapes,
                                   plain=not compress)
@@ -132,6 +150,40 @@ def native_hsdp(module: nn.Module) -> bool:
     except (AttributeError, TypeError, AssertionError):
         return False
     return getattr(info, "replicate_mesh_size", 1) > 1
+
+
+def shard_group(module: nn.Module) -> Any:
+    """The process group a ``fully_shard`` unit reduce-scatters over (None if this
+    torch lays FSDP2's state out otherwise)."""
+    try:
+        info = module._get_fsdp_state()._fsdp_param_group.mesh_info  # type: ignore[operator]
+    except (AttributeError, TypeError, AssertionError):
+        return None
+    return getattr(info, "shard_process_group", None)
+
+
+def spread_nonfinite(x: torch.Tensor, group: Any) -> Reduction:
+    """Make ``x`` non-finite on every rank of ``group`` if it is on any: NaN in its
+    first value, set on the device (one one-value all-reduce, no host read).
+
+    A reduce-scatter's output is only this rank's chunk: a NaN in another rank's chunk
+    (this one may be padding) leaves this rank finite, so its replicate group would go
+    on while the other replicate group raises, and the shard group's next collective
+    would hang. With the news spread over the shard group first, every replicate group
+    sees a non-finite rank and every rank raises in the same unit. Returns what the
+    flag's all-reduce cost the shard link (no gradient values: ``bytes_raw`` 0)."""
+    flag = (nonfinite_flag(x) if x.numel() else torch.zeros((), dtype=torch.bool,
+                                                            device=x.device))
+    news = flag.to(torch.float32).reshape(1)
+    dist.all_reduce(news, op=dist.ReduceOp.MAX, group=group)
+    if x.numel():
+        head = x.view(-1)[:1]
+        head.copy_(torch.where(news > 0, torch.full_like(head, float("nan")), head))
+    world, nbytes = dist.get_world_size(group), news.element_size()
+    wire = link_bytes("all_reduce", nbytes, world, backend_model(dist.get_backend(group)))
+    return Reduction(numel=0, sent_values=0, bytes_raw=0, bytes_handed=nbytes,
+                     bytes_by_op={"all_reduce": wire}, calls_by_op={"all_reduce": 1},
+                     link="shard")
 
 
 def split_spec(spec: Any) -> tuple[Any, Any]:
