@@ -29,6 +29,10 @@ def test_smoke_mode_runs_every_part_and_writes_its_tables(tmp_path) -> None:
     resumed = {r["state"]: r for r in record["resume"]}
     assert len(resumed) == 7 and all(r["ok"] for r in resumed.values()), resumed
     assert all(r["max_diff_to_kept"] == 0.0 for r in resumed.values()), resumed
+    hsdp = {r["replicate"]: r for r in record["hsdp"]}
+    assert all(r["ok"] for r in hsdp.values()), hsdp
+    assert hsdp["none"]["max_diff_to_native"] == 0.0
+    assert hsdp["none"]["syncs_per_unit"] <= 1.0  # the agreed flag, read at once on CPU
     for row in record["speed"]:
         assert row["encode_gbps"] > 0 and row["decode_gbps"] > 0
         assert row["encode_syncs"] >= 0 and row["decode_syncs"] >= 0

@@ -19,7 +19,8 @@ One command for one GPU (at most a few minutes on an H100), writing ``gpu.json``
    backward (where the hooks run, every thread), per reduction (a bucket, or a
    parameter for the multi-round codecs that reduce one at a time).
    Then **resume on the device** (``gpu_resume.py``): every stateful codec, and DiLoCo
-   with an exchange in flight, saved, loaded on the CPU as a checkpoint is, and resumed.
+   with an exchange in flight, saved, loaded on the CPU as a checkpoint is, and resumed;
+   and **HSDP on a 1x1 mesh** against native HSDP (``gpu_hsdp.py``).
 3. **Encode and decode speed** per codec on a 25 MB fp32 bucket of three tensors
    (CUDA events, median of ``--repeat``), with the host syncs of each call counted by
    ``torch.cuda.set_sync_debug_mode("warn")``.
@@ -45,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradzip.bench.gpu_hsdp import hsdp_rows
 from gradzip.bench.gpu_resume import resume_rows
 
 #: codec families of the DDP check and the speed table (``--codecs`` overrides)
@@ -438,6 +440,10 @@ def markdown(record: dict[str, Any]) -> str:
         "", "Resumed on the device from a checkpoint loaded on the CPU:", "",
         _table(record.get("resume", []), ["state", "ok", "finite", "max_diff_to_kept",
                                           "error"]),
+        "", "HSDP on a 1x1 mesh against native HSDP (host syncs of the last backward, "
+        "per unit):", "",
+        _table(record.get("hsdp", []), ["replicate", "ok", "finite", "max_diff_to_native",
+                                        "syncs_per_unit", "error"]),
         "",
         f"Encode/decode of a {record['bucket_mb']} MB bucket:", "",
         _table(record["speed"], ["codec", "ok", "encode_gbps", "decode_gbps", "ratio",
@@ -482,12 +488,15 @@ def run(args: argparse.Namespace) -> int:
         record["nonfinite"] = nonfinite(["none", "fp16", "ef | int8", "powersgd(rank=2)"],
                                         device)
         record["resume"] = resume_rows(device, _mlp(device))
+        record["hsdp"] = hsdp_rows(device, _mlp(device), lambda: _syncs(device))
+        print(f"hsdp 1x1: {sum(r['ok'] for r in record['hsdp'])}/{len(record['hsdp'])} "
+              f"ok ({time.perf_counter() - started:.0f} s)", flush=True)
         print(f"resume: {sum(r['ok'] for r in record['resume'])}/{len(record['resume'])} "
               f"ok ({time.perf_counter() - started:.0f} s)", flush=True)
         record["speed"] = codec_speed(specs, device, shapes, args.repeat)
         print(f"speed: done ({time.perf_counter() - started:.0f} s)", flush=True)
     record["ok"] = all(r["ok"] for part in ("stream_order", "ddp", "nonfinite", "resume",
-                                            "speed") for r in record[part])
+                                            "hsdp", "speed") for r in record[part])
     text = markdown(record)
     print(text)
     if args.out:
