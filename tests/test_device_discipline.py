@@ -154,3 +154,32 @@ def test_a_payload_frames_onto_the_device_in_one_upload() -> None:
     assert framed.device.type == "meta" and framed.numel() == payload.to_tensor().numel()
     assert watch.blocking_uploads == []
     assert watch.transfers["cpu->meta"] == 1, watch.transfers
+
+
+#: ``torch.tensor(..., device=)`` left on purpose: values the host just computed after a
+#: host read it already made (the codecs of ``HOST`` that read a scale back)
+TENSOR_ON_DEVICE_ALLOWED = {"codecs/sign.py": 3}
+
+
+def test_small_device_tensors_are_uploaded_without_blocking() -> None:
+    """``torch.tensor(data, device=cuda)`` copies from pageable memory and blocks the
+    host; the hot-path layers make such tensors with ``device_tensor`` (pinned,
+    non-blocking). A count per file, held exact, so a new one is a decision."""
+    import ast
+    from pathlib import Path
+
+    root = Path(gradzip.__file__).parent
+    found: dict[str, int] = {}
+    for layer in ("codecs", "collectives", "aggregation", "comm"):
+        for path in sorted((root / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "tensor"
+                        and isinstance(node.func.value, ast.Name)
+                        and node.func.value.id == "torch"
+                        and any(k.arg == "device" and not (
+                            isinstance(k.value, ast.Constant) and k.value.value == "cpu")
+                            for k in node.keywords)):
+                    name = str(path.relative_to(root))
+                    found[name] = found.get(name, 0) + 1
+    assert found == TENSOR_ON_DEVICE_ALLOWED, found

@@ -18,6 +18,7 @@ from gradzip.codecs.base import Shapes
 from gradzip.codecs.chain import Codec
 from gradzip.collectives.communicator import Communicator
 from gradzip.collectives.linkmodel import link_bytes
+from gradzip.collectives.upload import device_tensor
 
 #: per codec, the path ``auto`` chose for each (tensor size, world size)
 _CHOSEN: weakref.WeakKeyDictionary[Codec, dict[tuple[int, int], str]] = \
@@ -54,7 +55,7 @@ def choose(codec: Codec, x: torch.Tensor, world: int, shapes: Shapes | None,
     chunk = probe.encode_body(flat[:bounds[1]], "probe/c",
                               piece_shapes(shapes, 0, bounds[1])).wire_bytes
     if comm is not None and comm.world_size > 1:
-        sizes = torch.tensor([full, chunk], dtype=torch.int64, device=x.device)
+        sizes = device_tensor([full, chunk], x.device, torch.int64)
         full, chunk = (int(v) for v in comm.all_reduce([sizes], op="max")[0].tolist())
     gather = modeled_bytes("gather", full, chunk, world, backend)
     two = modeled_bytes("two_phase", full, chunk, world, backend)

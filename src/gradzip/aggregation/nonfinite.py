@@ -15,6 +15,7 @@ import torch
 from gradzip.codecs.chain import Codec
 from gradzip.codecs.nonfinite import agreed_nonfinite_error
 from gradzip.collectives.communicator import Communicator
+from gradzip.collectives.upload import device_tensor
 
 
 def must_agree(codec: Codec, comm: Communicator) -> bool:
@@ -47,5 +48,5 @@ def propagated(codec: Codec, finite: bool, key: str, comm: Communicator,
         return False
     if comm.world_size == 1:
         return not finite
-    flag = torch.tensor([0.0 if finite else 1.0], device=device)
+    flag = device_tensor([0.0 if finite else 1.0], device)
     return float(comm.all_reduce([flag], op="max")[0]) > 0

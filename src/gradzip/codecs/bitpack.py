@@ -25,7 +25,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from gradzip.codecs.upload import upload
+from gradzip.collectives.upload import device_tensor, upload
 
 #: the five base-3 digit weights of a packed trit byte
 TRIT_WEIGHTS = (1, 3, 9, 27, 81)
@@ -62,7 +62,7 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     pad = packed_bits_len(n) * 8 - n
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=mask.device)
+    weights = device_tensor([1 << i for i in range(8)], mask.device, torch.uint8)
     return (flat.view(-1, 8).to(torch.uint8) * weights).sum(1, dtype=torch.uint8)
 
 

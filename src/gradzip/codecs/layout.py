@@ -27,7 +27,7 @@ from functools import lru_cache
 
 import torch
 
-from gradzip.codecs.upload import upload
+from gradzip.collectives.upload import upload
 
 #: values per piece: 512 KB of fp32, inside this machine's 1 MB L2 per core
 CHUNK = 1 << 17

@@ -36,7 +36,7 @@ from typing import Union
 import torch
 import xxhash
 
-from gradzip.codecs.upload import upload, upload_all
+from gradzip.collectives.upload import upload, upload_all
 
 MAGIC = b"GZ"
 VERSION = 2

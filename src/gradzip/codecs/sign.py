@@ -26,6 +26,7 @@ from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.quantize import numels
 from gradzip.codecs.registry import Param, register
 from gradzip.collectives.communicator import Communicator
+from gradzip.collectives.upload import device_tensor
 
 #: values per chunk for the reductions below (512 KB of fp32: stays in L2)
 _CHUNK = 1 << 17
@@ -74,7 +75,7 @@ def _scalar(p: Payload, name: str) -> float:
 
 def _counts(sizes: list[int], device: torch.device) -> torch.Tensor:
     """float64 number of values per tensor (for per-tensor means)."""
-    return torch.tensor(sizes, dtype=torch.float64, device=device)
+    return device_tensor(sizes, device, torch.float64)
 
 
 def _finite_stats(flat: torch.Tensor, layout: Layout, kind: str) -> torch.Tensor:

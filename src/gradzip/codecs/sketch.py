@@ -61,9 +61,9 @@ import torch
 from gradzip.codecs.base import Compressor, Slot
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, at_least, in_range, register
-from gradzip.codecs.upload import upload
 from gradzip.collectives.agreement import check_same_on_all_ranks
 from gradzip.collectives.communicator import Communicator
+from gradzip.collectives.upload import upload
 
 #: coordinates per hash block: the random per-coordinate hashes are drawn for one
 #: block and re-used, shifted, by every block (see module docstring); small enough

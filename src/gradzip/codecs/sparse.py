@@ -39,7 +39,7 @@ from gradzip.codecs.indices import (
 )
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, SpecError, at_least, in_range, positive, register
-from gradzip.codecs.upload import upload
+from gradzip.collectives.upload import upload
 
 #: at or below this many entries topk selects exactly on the whole tensor
 EXACT_BELOW = 1 << 16

@@ -17,6 +17,7 @@ import hashlib
 import torch
 
 from gradzip.collectives.communicator import Communicator
+from gradzip.collectives.upload import device_tensor
 
 #: bytes one check hands to its all-reduce (two int64)
 CHECK_BYTES = 16
@@ -46,7 +47,7 @@ def check_same_on_all_ranks(comm: Communicator, t: torch.Tensor, codec: str, wha
     if comm.world_size < 2:
         return
     h = fingerprint(t)
-    pair = torch.tensor([h, -h], dtype=torch.int64, device=t.device)
+    pair = device_tensor([h, -h], t.device, torch.int64)
     (top,) = comm.all_reduce([pair], op="max")
     high, low = int(top[0]), -int(top[1])
     if high != low:

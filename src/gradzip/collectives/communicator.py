@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gradzip.collectives.linkmodel import link_bytes
+from gradzip.collectives.upload import device_tensor
 
 REDUCE_OPS = ("sum", "max", "min")
 
@@ -141,7 +142,7 @@ class Communicator(ABC):
         """Agree on a flag still pending (one max all-reduce), raising if any rank set it."""
         flag, self._flag = self._flag, None
         if flag is not None:
-            mark = torch.tensor([1.0 if flag.raised else 0.0], device=flag.device)
+            mark = device_tensor([1.0 if flag.raised else 0.0], flag.device)
             if float(self.all_reduce([mark], op="max")[0]) > 0:
                 raise flag.error()
 
@@ -231,8 +232,7 @@ class Communicator(ABC):
         if data is not None and (data.dtype != torch.uint8 or data.dim() != 1):
             raise ValueError("all_gather_bytes takes a 1-D uint8 tensor")
         where = data.device if data is not None else (device or torch.device("cpu"))
-        size = torch.tensor([-1 if data is None else data.numel()], dtype=torch.int64,
-                            device=where)
+        size = device_tensor([-1 if data is None else data.numel()], where, torch.int64)
         sizes = torch.cat(self.all_gather(size)).tolist()  # one host read
         if data is None or min(sizes) < 0:
             return None
@@ -256,7 +256,7 @@ class Communicator(ABC):
             raise ValueError(f"all_to_all needs {self.world_size} chunks, got {len(chunks)}")
         where = chunks[0].device if chunks else (device or torch.device("cpu"))
         counts = [-1] * self.world_size if chunks is None else [c.numel() for c in chunks]
-        sizes = torch.tensor(counts, dtype=torch.int64, device=where)
+        sizes = device_tensor(counts, where, torch.int64)
         # [rank i][j] = bytes i sends to j: one host read
         all_sizes = torch.stack(self.all_gather(sizes)).tolist()
         if chunks is None or min(min(row) for row in all_sizes) < 0:

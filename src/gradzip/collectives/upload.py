@@ -12,6 +12,8 @@ uploads that still block (on ``meta`` tensors, without a GPU).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -23,6 +25,15 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and not t.is_pinned():
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+def device_tensor(data: Any, device: torch.device, dtype: torch.dtype | None = None,
+                  ) -> torch.Tensor:
+    """``torch.tensor(data, dtype=dtype, device=device)`` without blocking the host:
+    small values a collective or a codec needs on the device (sizes, flags, scales,
+    constants) are made on the host and uploaded (``upload``); ``torch.tensor`` with a
+    CUDA device copies from pageable memory and waits for the copy."""
+    return upload(torch.tensor(data, dtype=dtype), torch.device(device))
 
 
 #: byte alignment of each tensor inside a shared upload (any dtype's view is legal)
