@@ -65,9 +65,11 @@ class _Bucket:
     """What a DDP comm hook reads of a ``GradBucket`` (which Python cannot build)."""
 
     def __init__(self, buffer: torch.Tensor, shapes: list[torch.Size],
-                 last: bool = True) -> None:
+                 last: bool = True, params: list[nn.Parameter] | None = None) -> None:
         self._buffer = buffer
-        self._params = [nn.Parameter(torch.empty(s, device=buffer.device)) for s in shapes]
+        #: the same parameters across calls keep a hook's bucket layout (and its state)
+        self._params = params or [nn.Parameter(torch.empty(s, device=buffer.device))
+                                  for s in shapes]
         self._last = last
 
     def buffer(self) -> torch.Tensor:
@@ -147,11 +149,14 @@ def stream_order(n: int) -> list[dict[str, Any]]:
         state, hook = gradzip.ddp_hook(spec)
         hooks.append((f"gradzip {spec}", hook, state, True, True))
     for name, hook, state, expect, expect_early in hooks:
+        params = _Bucket(torch.ones(n, device="cuda"), [torch.Size((n,))]).parameters()
         if state is not None:  # the first synchronized step is uncompressed by design
-            hook(state, _Bucket(torch.ones(n, device="cuda"), [torch.Size((n,))])).wait()
+            hook(state, _Bucket(torch.ones(n, device="cuda"), [torch.Size((n,))],
+                                params=params)).wait()
             torch.cuda.synchronize()
         for last in (False, True):
-            bucket = _Bucket(torch.ones(n, device="cuda"), [torch.Size((n,))], last=last)
+            bucket = _Bucket(torch.ones(n, device="cuda"), [torch.Size((n,))], last=last,
+                             params=params)
             waited, host_ms = _waited_ms(hook, state, bucket, cycles)
             ordered, early = waited >= 0.8 * sleep_ms, host_ms < 0.5 * sleep_ms
             ok = ordered == expect and (last or early == expect_early)

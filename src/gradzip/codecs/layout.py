@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -58,8 +59,9 @@ class Piece:
     block: int
     lengths: torch.Tensor | None = None
     #: ``lengths`` copied to each device it was used on (layouts are cached and reused
-    #: every step: one host-to-device copy per device, not one per call)
-    _on_device: dict[torch.device, torch.Tensor] = field(
+    #: every step: one host-to-device copy per device, not one per call), with the
+    #: CUDA event after the copy: a later use on another stream waits for it there
+    _on_device: dict[torch.device, tuple[torch.Tensor, Any]] = field(
         default_factory=dict, compare=False, hash=False, repr=False)
 
     def lengths_on(self, device: torch.device) -> torch.Tensor:
@@ -70,8 +72,14 @@ class Piece:
             return self.lengths
         found = self._on_device.get(device)
         if found is None:
-            found = self._on_device[device] = upload(self.lengths, device)
-        return found
+            copied = upload(self.lengths, device)
+            landed = torch.cuda.Event() if device.type == "cuda" else None
+            if landed is not None:
+                landed.record()
+            found = self._on_device[device] = (copied, landed)
+        if found[1] is not None:  # a GPU-side edge: no host wait
+            torch.cuda.current_stream(device).wait_event(found[1])
+        return found[0]
 
     @property
     def size(self) -> int:

@@ -22,6 +22,8 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     itself where it already is there."""
     if t.device == device:
         return t
+    if t.device.type != "cpu" or device.type == "cpu":  # not a host-to-device copy
+        return t.to(device)
     if device.type == "cuda" and not t.is_pinned():
         t = t.pin_memory()
     return t.to(device, non_blocking=True)

@@ -433,8 +433,7 @@ def apply_replicate(handle: Handle, units: list[tuple[str, Any]], names: dict[in
     policy, codecs, group = replicate
     reducers = [Reducer(c, handle.stats, diagnose, link="replicate") for c in codecs]
     comm = TorchCommunicator(group)
-    shard = NativeShard(dist.get_world_size() // dist.get_world_size(group),
-                        backend_model(dist.get_backend()))
+    backend = backend_model(dist.get_backend())
     on_device = OnDevice()
     handle.stats.add_settler(on_device.timings.settle)
     for index, (name, unit) in enumerate(units):
@@ -443,11 +442,21 @@ def apply_replicate(handle: Handle, units: list[tuple[str, Any]], names: dict[in
         g = unit_group(policy, name, params)
         unit.set_all_reduce_hook(ReplicateReduce(
             reducers[g], comm, key=f"hsdp/{index}", start_step=policy.start_step,
-            shapes=shard_shapes(module), native=shard if index in native else None,
+            shapes=shard_shapes(module),
+            native=NativeShard(_shard_world(module, group), backend) if index in native
+            else None,
             on_device=on_device if chainable(codecs[g]) and not diagnose else None,
             shards=_agreeing_shards(module, codecs[g])))
     handle.replicate_codecs = codecs
     handle.replicate_policy = policy
+
+
+def _shard_world(unit: nn.Module, replicate: dist.ProcessGroup) -> int:
+    """The ranks a unit reduce-scatters over (the world over the replicate group's
+    where FSDP2's state does not say)."""
+    group = shard_group(unit)
+    return (dist.get_world_size(group) if group is not None
+            else dist.get_world_size() // dist.get_world_size(replicate))
 
 
 def _agreeing_shards(unit: nn.Module, codec: Codec) -> Any:

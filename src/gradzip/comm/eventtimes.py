@@ -59,12 +59,15 @@ class EventTimings:
         stats.hold()
         self._untimed.append(_Untimed(r, stats, span, comm, encode, decode))
         if len(self._untimed) > self.LIMIT:
-            self.settle()
+            self.settle(keep_origin=True)
 
-    def settle(self) -> None:
-        """Read every pending reduction's events and record it (waits for them)."""
+    def settle(self, keep_origin: bool = False) -> None:
+        """Read every pending reduction's events and record it (waits for them);
+        ``keep_origin``: the step goes on (the spans after stay on one clock)."""
         untimed, self._untimed = self._untimed, []
-        origin, self._origin = self._origin, None
+        origin = self._origin
+        if not keep_origin:
+            self._origin = None
         for u in untimed:
             r = u.reduction
             u.span[1].synchronize()

@@ -76,15 +76,19 @@ class OnDevice:
 
     checks: PendingChecks = field(default_factory=PendingChecks)
     timings: EventTimings = field(default_factory=EventTimings)
-    queued: bool = False
+    #: the backward (autograd graph task) whose end callback is queued; a backward that
+    #: aborted never ran its callback, so the next one queues its own
+    task: int | None = None
 
     def reduce(self, reducer: Reducer, comm: TorchCommunicator, x: torch.Tensor, key: str,
                shapes: Shapes | None, plain: bool) -> None:
         """``x`` averaged over ``comm``'s ranks through ``reducer``'s codec, in place
         (queued on the current stream on CUDA; done on return on the CPU)."""
-        if not self.queued:
+        task = torch._C._current_graph_task_id()
+        if task != self.task:  # the first unit of this backward
+            self.checks.raise_ready()  # flags an aborted backward left unread (as DDP)
             torch.autograd.Variable._execution_engine.queue_callback(self.at_backward_end)
-            self.queued = True
+            self.task = task
         future = reduce_async(reducer, comm, x, key,
                               list(shapes) if shapes is not None else None,
                               plain=plain, checks=self.checks, timings=self.timings)
@@ -96,7 +100,7 @@ class OnDevice:
             raise
 
     def at_backward_end(self) -> None:
-        self.queued = False
+        self.task = None
         self.checks.raise_ready()
 
 

@@ -58,7 +58,7 @@ from torch import nn
 from gradzip.codecs.chain import Codec
 from gradzip.comm.communicator import HostCommunicator, TorchCommunicator
 from gradzip.comm.ddp import build_codec
-from gradzip.comm.groups import private_group
+from gradzip.comm.groups import on_device, private_group
 from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import CommStats
 from gradzip.comm.streams import SideStreams
@@ -90,9 +90,10 @@ class DiLoCo:
         self.offsets = [f * sync_every // fragments for f in range(fragments)]
         self.outer = outer
         self.params = [p for _, p in named]
-        self.group = private_group(process_group)
-        self.comm = self._exchange_communicator(process_group, overlap_steps)
-        self._broadcast(model)
+        with on_device(model):  # NCCL's object exchange runs on the current device
+            self.group = private_group(process_group)
+            self.comm = self._exchange_communicator(process_group, overlap_steps)
+            self._broadcast(model)
         self.anchor = [p.detach().float().clone() for p in self.params]
         lr, momentum = (1.0, 0.0) if outer == "average" else (outer_lr, outer_momentum)
         self.optimizers = [
@@ -124,7 +125,7 @@ class DiLoCo:
         (``HostCommunicator``), since the exchange thread's collectives and the main
         thread's (logging, evaluation, checkpoints) would reach two NCCL communicators
         from two threads in a different order on each rank."""
-        backend = dist.get_backend(self.group)
+        backend = group_backend(self.group)
         if exchange_backend(backend, overlap=overlap_steps > 0) != backend:
             return HostCommunicator(private_group(process_group, backend="gloo"))
         return TorchCommunicator(self.group)
@@ -311,6 +312,14 @@ def _done(mean: torch.Tensor) -> Future[torch.Tensor]:
     future: Future[torch.Tensor] = Future()
     future.set_result(mean)
     return future
+
+
+def group_backend(group: dist.ProcessGroup) -> str:
+    """``nccl`` where the group runs CUDA tensors on NCCL, else its backend's name: a
+    group from ``init_process_group()`` without a backend, or ``"cpu:gloo,cuda:nccl"``,
+    reports ``undefined`` from ``get_backend`` but has NCCL for CUDA tensors."""
+    config = str(dist.get_backend_config(group))
+    return "nccl" if "nccl" in config else dist.get_backend(group)
 
 
 def exchange_backend(backend: str, overlap: bool = True) -> str:
