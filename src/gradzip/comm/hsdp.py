@@ -146,24 +146,24 @@ class ReplicateReduce:
         reduce_output.copy_(mean.reshape(reduce_output.shape))
 
 
+def _mesh_info(module: nn.Module) -> Any:
+    """A ``fully_shard`` unit's mesh info (FSDP2's private state; None if this torch
+    lays it out otherwise)."""
+    try:
+        return module._get_fsdp_state()._fsdp_param_group.mesh_info  # type: ignore[operator]
+    except (AttributeError, TypeError, AssertionError):
+        return None
+
+
 def native_hsdp(module: nn.Module) -> bool:
     """Whether a ``fully_shard`` unit replicates over a 2-D mesh itself (native HSDP),
     whose replicate all-reduce gradzip cannot compress or count."""
-    try:
-        info = module._get_fsdp_state()._fsdp_param_group.mesh_info  # type: ignore[operator]
-    except (AttributeError, TypeError, AssertionError):
-        return False
-    return getattr(info, "replicate_mesh_size", 1) > 1
+    return getattr(_mesh_info(module), "replicate_mesh_size", 1) > 1
 
 
 def shard_group(module: nn.Module) -> Any:
-    """The process group a ``fully_shard`` unit reduce-scatters over (None if this
-    torch lays FSDP2's state out otherwise)."""
-    try:
-        info = module._get_fsdp_state()._fsdp_param_group.mesh_info  # type: ignore[operator]
-    except (AttributeError, TypeError, AssertionError):
-        return None
-    return getattr(info, "shard_process_group", None)
+    """The process group a ``fully_shard`` unit reduce-scatters over (None: unknown)."""
+    return getattr(_mesh_info(module), "shard_process_group", None)
 
 
 def spread_nonfinite(x: torch.Tensor, group: Any) -> Reduction:
