@@ -81,13 +81,20 @@ def test_crossover_interpolates_in_log2_w():
 
 def test_reduce_once_counts_the_gather_of_every_payload():
     import gradzip
+    from gradzip.aggregation.fixed import Frame
     from gradzip.collectives.linkmodel import link_bytes
 
     xs = [torch.randn(1000, generator=torch.Generator().manual_seed(r)) for r in range(4)]
-    r = bench.reduce_once("topk(ratio=0.1)", "gather", xs, None)
-    sizes = [gradzip.codec("topk(ratio=0.1)").encode_body(x, "k").wire_bytes for x in xs]
+    # sizes that depend on the values: exchanged first, payloads padded to the largest
+    r = bench.reduce_once("threshold(v=1.0)", "gather", xs, None)
+    sizes = [gradzip.codec("threshold(v=1.0)").encode_body(x, "k").wire_bytes for x in xs]
+    assert len(set(sizes)) > 1
     assert r.wire_bytes == link_bytes("all_gather", max(sizes), 4) + link_bytes("all_gather", 8, 4)
     assert r.path == "gather" and r.spec.endswith("aggregate=gather")
+    # a fixed layout: one buffer of a length every rank knows, no size exchange
+    r = bench.reduce_once("topk(ratio=0.1)", "gather", xs, None)
+    frame = Frame.of(gradzip.codec("topk(ratio=0.1)").encode_body(xs[0], "k"))
+    assert r.wire_bytes == link_bytes("all_gather", frame.nbytes, 4)
 
 
 def test_default_specs_cover_every_stage():

@@ -334,3 +334,43 @@ def _check_flags(codec: gradzip.codecs.Codec, spec: str) -> None:
             assert bool(codec.encode_checked(x, "w", None)[1]), (bad, at)
     _, flag = codec.encode_checked(torch.empty(0), "w", None)
     assert not bool(flag)
+
+
+def _layout(p: Payload) -> tuple:
+    """A payload's shape without its values: every tensor's path, dtype and shape, and
+    the metadata of every node."""
+    nodes = [sorted(p.meta.items())] + [_layout(v) for v in p.fields.values()
+                                        if isinstance(v, Payload)]
+    return tuple((n, t.dtype, tuple(t.shape)) for n, t in p.leaves()), repr(nodes)
+
+
+#: the fixed-layout stages, in their single-round form where the default is multi-round
+FIXED = [{"signsgd": "signsgd(vote=false)", "terngrad": "terngrad(shared=false)"}.get(n, n)
+         for n in COMPRESSORS if registered()[n].fixed_layout]
+
+
+@pytest.mark.parametrize("spec", FIXED + ["topk(ratio=0.2)", "topk(ratio=0.01)",
+                                          "topk(k=5, chunk=64)", "topk(ratio=0.1) | int8",
+                                          "int8(block=7)", "ef | topk(ratio=0.05)"])
+@pytest.mark.parametrize("shapes", [None, [(40, 9), (7,), (23,)]])
+def test_a_fixed_layout_does_not_depend_on_the_values(spec, shapes):
+    """A fixed-layout codec's payload crosses as a buffer of a length every rank knows
+    (``aggregation.fixed``): values as different as zeros, a constant, a spike, a
+    heavy tail or denormals must give one layout, or ranks would read each other's
+    bytes at the wrong offsets."""
+    codec = gradzip.codec(spec)
+    assert codec.fixed_layout, spec
+    n = 40 * 9 + 7 + 23
+    spike = torch.zeros(n)
+    spike[17] = 1e6
+    inputs = [torch.zeros(n), torch.full((n,), 3.0), spike, heavy_tailed((n,), seed=3),
+              heavy_tailed((n,), seed=4) * 1e-40, torch.arange(n, dtype=torch.float32)]
+    sizes = [torch.Size(s) for s in shapes] if shapes else None
+    layouts = {_layout(codec.encode_body(x, "k", sizes)) for x in inputs}
+    assert len(layouts) == 1, (spec, layouts)
+
+
+@pytest.mark.parametrize("spec", ["threshold", "topk | ans", "int8 | zstd", "randomk",
+                                  "powersgd", "int8(shared=narrow)"])
+def test_payloads_whose_layout_can_vary_are_not_fixed(spec):
+    assert not gradzip.codec(spec).fixed_layout

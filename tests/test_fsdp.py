@@ -12,6 +12,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 import gradzip
+from gradzip.bench.devicecheck import count_host_syncs
 from gradzip.codecs.registry import registered
 from gradzip.comm.launch import CollectiveRecorder, run_ranks
 
@@ -116,6 +117,26 @@ def _fsdp2_checks(rank: int, lossy: list[str]) -> dict:
             losses = _train(m, rank, 12, h)
         out[spec] = {"losses": losses, "totals": h.stats.totals(), "seen": rec.bytes}
 
+    # item 9 of issue 41: host reads in backward, counted as a GPU would make them
+    out["syncs"], out["nan"] = {}, {}
+    for spec in SYNC_FREE:
+        m = _fsdp2(base)
+        h = gradzip.attach(m, spec)
+        _train(m, rank, 1, h)  # the uncompressed first step, the layouts learned
+        x, y = _batch(0, rank)
+        with count_host_syncs() as syncs:
+            for _ in range(2):
+                nn.functional.mse_loss(m(x), y).backward()
+        out["syncs"][spec] = syncs.total / 2
+        if rank == 0:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        try:
+            nn.functional.mse_loss(m(x), y).backward()
+            out["nan"][spec] = None
+        except gradzip.NonFiniteGradientError as e:
+            out["nan"][spec] = str(e)
+
     # the op FSDP passes: a custom divide factor arrives as PREMUL_SUM(1/factor)
     # and with force_sum_reduction_for_comms a SUM around FSDP's own pre/post divides
     grads = {}
@@ -185,6 +206,16 @@ def test_fsdp2_compressed_reduce_scatter():
             assert t["compression_ratio"] > 1.0
     assert "cannot compress FSDP2 module '2'" in r0["refusal"]
     assert "param group" in r0["refusal"]
+    for r in (r0, r1):
+        # no host read in any unit's hook: the flags of every unit (non-finite inputs,
+        # checks on the received bytes) are read once, when backward ends
+        assert r["syncs"] == {spec: 1.0 for spec in SYNC_FREE}, r["syncs"]
+    for spec in SYNC_FREE:  # a NaN on rank 0 stops both ranks, with the same words
+        assert r0["nan"][spec] and r0["nan"][spec] == r1["nan"][spec], spec
+
+
+#: FSDP2 reduce-scatters with no host read on the autograd thread (issue 41, item 9)
+SYNC_FREE = ["none", "int8", "ef | topk(ratio=0.05)"]
 
 
 # ---------------------------------------------------------------- FSDP1

@@ -81,6 +81,7 @@ def _hsdp(rank: int) -> dict[str, Any]:
             out[name], out[f"{name}_bytes"] = _counted(lambda m=model: _train(m, rank), mesh)
         out[f"{name}_syncs"] = syncs.total / (STEPS * len(handle.reduce_scatters or
                                                           _units(model)))
+        out[f"{name}_syncs_per_backward"] = syncs.total / STEPS
         handle.stats.end_step()
         out[f"{name}_totals"] = handle.stats.totals()
         out[f"{name}_state"] = handle.state_dict()
@@ -146,6 +147,16 @@ def test_a_summable_replicate_codec_reads_the_host_once_per_unit(
     CPU the callback reads the agreed non-finite flag at once: 1 per unit and step)."""
     for out in ranks:
         assert out["none_syncs"] <= 1.0, out["none_syncs"]
+
+
+def test_no_unit_reads_the_host_for_none_int8_or_ef_topk(ranks: list[dict[str, Any]]) -> None:
+    """Issue 41, item 9: ``none`` (chained), ``ef | topk`` and ``int8`` (fixed-length
+    exchanges, ``aggregation.fixed``) on the replicate link, ``fp16``'s reduce-scatter
+    on the shard link: no host read in any unit's hook; every unit's flags are read
+    once, when backward ends (counted as a GPU would make them)."""
+    for out in ranks:
+        for name in ("none", "topk", "per_dim"):
+            assert out[f"{name}_syncs_per_backward"] == 1.0, (name, out)
 
 
 @pytest.mark.parametrize("spec", ["fp16", "ef | int8"])

@@ -32,11 +32,26 @@ def poison(leaves: list[torch.Tensor], finite: bool) -> None:
                 t.view(-1)[:1] = float("nan")
 
 
+def poison_where(leaves: list[torch.Tensor], bad: torch.Tensor) -> None:
+    """``poison`` by a flag on the device (0-d bool): no host read."""
+    for t in leaves:
+        if t.numel() and t.dtype.is_floating_point:
+            head = t.view(-1)[:1]
+            head.copy_(torch.where(bad, torch.full_like(head, float("nan")), head))
+
+
+def poisoned(leaves: list[torch.Tensor]) -> torch.Tensor | None:
+    """After the all-reduce, on the device: whether any rank poisoned the sums (None:
+    no floating leaf carries a head)."""
+    heads = [t.reshape(-1)[:1].float() for t in leaves if t.numel() and t.dtype.is_floating_point]
+    return ~torch.isfinite(torch.cat(heads)).all() if heads else None
+
+
 def raise_if_poisoned(leaves: list[torch.Tensor], key: str) -> None:
     """After the all-reduce: every rank sees the same sums, so every rank raises here
     together if any rank poisoned them (one host read of one value)."""
-    heads = [t.reshape(-1)[:1].float() for t in leaves if t.numel() and t.dtype.is_floating_point]
-    if heads and not bool(torch.isfinite(torch.cat(heads)).all()):
+    flag = poisoned(leaves)
+    if flag is not None and bool(flag):
         raise agreed_nonfinite_error(key)
 
 

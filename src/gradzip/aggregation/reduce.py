@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from gradzip.aggregation import fixed
 from gradzip.aggregation.choose import path_for
 from gradzip.aggregation.nonfinite import propagated
-from gradzip.aggregation.strategies import STRATEGIES, ReduceScatter
+from gradzip.aggregation.strategies import STRATEGIES, Gather, ReduceScatter
 from gradzip.codecs.base import Shapes
 from gradzip.codecs.chain import Codec, Reduced, checked_shapes, saturating_cast
-from gradzip.codecs.nonfinite import agreed_nonfinite_error
+from gradzip.codecs.nonfinite import agreed_nonfinite_error, host_reads_free, nonfinite_flag
 from gradzip.collectives.communicator import Communicator
 
 
@@ -31,6 +32,8 @@ def reduce(codec: Codec, x: torch.Tensor, key: str, comm: Communicator,
     or aggregated in two phases (the chain's ``aggregate=``; ``choose.py``).
     ``shapes``: the tensors inside a flat bucket, for ``per_tensor`` compressors.
     """
+    if fixed_gather(codec, x, comm, shapes):
+        return _reduce_fixed(codec, x, key, comm, want_local, shapes)
     finite = Codec.is_finite(x)
     x = x.detach()
     shapes = checked_shapes(shapes, x.numel())
@@ -50,6 +53,44 @@ def reduce(codec: Codec, x: torch.Tensor, key: str, comm: Communicator,
             comm.settle_flag()
     finally:
         comm.drop_flag()
+    if local is not None:
+        local = saturating_cast(local, x.dtype)
+    return saturating_cast(mean, x.dtype), local
+
+
+def fixed_gather(codec: Codec, x: torch.Tensor, comm: Communicator,
+                 shapes: Shapes | None) -> bool:
+    """Whether ``reduce`` gathers ``x``'s payloads as fixed-length buffers, with no host
+    read (``fixed.py``): a fixed layout, the 'error' policy, the gather path
+    (two-phase's chunks differ in size between owners: it keeps the byte path)."""
+    return (codec.fixed_layout and codec.nonfinite == "error"
+            and isinstance(x, torch.Tensor) and x.numel() > 0
+            and path_for(codec, x, comm.world_size, checked_shapes(shapes, x.numel()),
+                         comm.counter.backend, comm) == "gather")
+
+
+def _zeroed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``x``, or zeros where it held NaN/Inf; whether it did, a 0-d bool on its device),
+    without a host read where one would stall a GPU."""
+    Codec.check_input_type(x)
+    x = x.detach()
+    bad = nonfinite_flag(x)
+    if host_reads_free(x) and not bool(bad):
+        return x, bad
+    return torch.where(bad, torch.zeros((), dtype=x.dtype, device=x.device), x), bad
+
+
+def _reduce_fixed(codec: Codec, x: torch.Tensor, key: str, comm: Communicator,
+                  want_local: bool, shapes: Shapes | None) -> Reduced:
+    """``reduce`` over the fixed-layout gather: a non-finite rank sends zeros and says
+    so in its buffer; every rank raises when the flags are read (``Communicator.watch``)."""
+    x, bad = _zeroed(x)
+    shapes = checked_shapes(shapes, x.numel())
+    if codec.observer is not None:
+        codec.observer.aggregated(Gather.name)
+    mean, local = codec.reduce_with_feedback(
+        x, key, lambda t, wl: fixed.gather_mean(codec, t, key, comm, wl, shapes, bad),
+        want_local)
     if local is not None:
         local = saturating_cast(local, x.dtype)
     return saturating_cast(mean, x.dtype), local
@@ -78,6 +119,16 @@ def reduce_scatter(codec: Codec, chunks: torch.Tensor, key: str, comm: Communica
     if codec.multi_round:  # ``reduce`` agrees on finiteness and reports the path
         mean, _ = reduce(codec, chunks.reshape(-1), key, comm)
         return mean.reshape(world, n)[comm.rank] * world
+    if codec.fixed_layout and codec.nonfinite == "error":
+        # no host read: the sums or the fixed-length exchange (``fixed.py``), the flags
+        # read through ``comm.watch``
+        chunks, bad = _zeroed(chunks)
+        if codec.observer is not None:
+            codec.observer.aggregated(ReduceScatter.name)
+        checked = checked_shapes(shapes, n)
+        out = (ReduceScatter().shard_on_device(codec, chunks, key, comm, checked, bad)
+               if codec.summable else fixed.scatter_sum(codec, chunks, key, comm, checked, bad))
+        return saturating_cast(out, chunks.dtype)
     finite = Codec.is_finite(chunks)
     if propagated(codec, finite, key, comm, chunks.device):
         return torch.full((n,), float("nan"), dtype=chunks.dtype, device=chunks.device)

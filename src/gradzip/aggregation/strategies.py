@@ -31,7 +31,13 @@ from typing import ClassVar
 import torch
 
 from gradzip.aggregation.layout import as_bytes, chunk_bounds, decode_sum, piece_shapes
-from gradzip.aggregation.nonfinite import must_agree, poison, raise_if_poisoned
+from gradzip.aggregation.nonfinite import (
+    must_agree,
+    poison,
+    poison_where,
+    poisoned,
+    raise_if_poisoned,
+)
 from gradzip.codecs.base import Shapes
 from gradzip.codecs.chain import Codec, Reduced
 from gradzip.codecs.nonfinite import agreed_nonfinite_error
@@ -170,17 +176,37 @@ class ReduceScatter:
             raise agreed_nonfinite_error(key)
         return decode_sum(codec, blobs, n, shapes, chunks.device)
 
+    def shard_on_device(self, codec: Codec, chunks: torch.Tensor, key: str,
+                        comm: Communicator, shapes: Shapes | None,
+                        bad: torch.Tensor) -> torch.Tensor:
+        """``shard`` for a summable codec under 'error' with no host read: ``bad`` (0-d
+        bool; ``chunks`` then hold zeros) poisons the sums on the device, and every
+        rank's flag goes to ``comm.watch``."""
+        payloads = [codec.encode_with_feedback(chunks[j], f"{key}/to{j}", shapes)
+                    for j in range(comm.world_size)]
+        return self._summed(codec, payloads, key, comm, chunks.shape[1], shapes, True, True,
+                            bad)
+
     @staticmethod
     def _summed(codec: Codec, payloads: list[Payload], key: str, comm: Communicator,
-                n: int, shapes: Shapes | None, finite: bool, checks: bool) -> torch.Tensor:
-        """Summable payloads: reduce-scatter each leaf, stacked one row per owner."""
+                n: int, shapes: Shapes | None, finite: bool, checks: bool,
+                bad: torch.Tensor | None = None) -> torch.Tensor:
+        """Summable payloads: reduce-scatter each leaf, stacked one row per owner
+        (``bad``: the non-finite flag on the device, read through ``comm.watch``)."""
         per_chunk = [[t for _, t in p.leaves()] for p in payloads]
         stacked = [torch.stack([leaves[i] for leaves in per_chunk])
                    for i in range(len(per_chunk[0]))]
-        if checks:  # every chunk's first value: each owner learns it from its own row
-            poison([row for t in stacked for row in t], finite)
+        rows = [row for t in stacked for row in t]
+        if checks and bad is not None:  # every chunk's first value: each owner learns
+            poison_where(rows, bad)      # it from its own row
+        elif checks:
+            poison(rows, finite)
         summed = [comm.reduce_scatter_sum(t) for t in stacked]
-        if checks:
+        if checks and bad is not None:
+            flag = poisoned(summed)
+            if flag is not None:
+                comm.watch(flag, lambda: agreed_nonfinite_error(key))
+        elif checks:
             raise_if_poisoned(summed, key)
         mine = payloads[comm.rank].with_leaves(summed)
         return codec.decode_body(mine, None, torch.Size((n,)), shapes).reshape(-1)

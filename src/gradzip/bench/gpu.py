@@ -448,7 +448,7 @@ def markdown(record: dict[str, Any]) -> str:
         "", "HSDP on a 1x1 mesh against native HSDP (host syncs of the last backward, "
         "per unit):", "",
         _table(record.get("hsdp", []), ["replicate", "ok", "finite", "max_diff_to_native",
-                                        "syncs_per_unit", "error"]),
+                                        "syncs_per_unit", "syncs_per_backward", "error"]),
         "",
         f"Encode/decode of a {record['bucket_mb']} MB bucket:", "",
         _table(record["speed"], ["codec", "ok", "encode_gbps", "decode_gbps", "ratio",

@@ -3,9 +3,10 @@
 One rank is a 1x1 ``("replicate", "shard")`` mesh: FSDP2 still runs its post-backward
 path (the reduce-scatter's copy, the all-reduce hook) and gradzip's replicate hook with
 it. With ``none`` the result must be bit-identical to native HSDP on the same mesh, and
-each unit's backward is counted for host syncs (the summable replicate codecs run the
-future-chained all-reduce: none of gradzip's on the autograd thread on CUDA; the others
-still reduce synchronously inside FSDP2's hook, item 9 not met for them).
+the last backward is counted for host syncs: no unit's hook may read the host (the
+summable replicate codecs run the future-chained all-reduce, ``int8`` and ``ef | topk``
+the fixed-length exchange of ``aggregation.fixed``), and every unit's flags are read
+once, when backward ends: at most one sync per backward, or the row fails.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-#: replicate codecs of the cell: the chained path, then the synchronous ones
+#: replicate codecs of the cell: the chained path, then the fixed-length exchanges
 SPECS = ["none", "fp16", "int8", "ef | topk(ratio=0.01)"]
 
 
@@ -83,8 +84,10 @@ def hsdp_rows(device: torch.device, base: nn.Module,
                                                                   strict=True))
             finite = all(bool(torch.isfinite(w).all()) for w in weights)
             row.update(finite=finite, max_diff_to_native=diff,
-                       syncs_per_unit=round(counted / _units(model), 2), error="",
-                       ok=finite and (diff == 0.0 if spec == "none" else True))
+                       syncs_per_unit=round(counted / _units(model), 2),
+                       syncs_per_backward=counted, error="",
+                       ok=finite and counted <= 1 and (diff == 0.0 if spec == "none"
+                                                       else True))
         except Exception as e:  # noqa: BLE001 - the row reports it
             row.update(ok=False, error=f"{type(e).__name__}: {e}"[:120])
         rows.append(row)

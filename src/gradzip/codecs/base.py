@@ -223,6 +223,11 @@ class Compressor(Stage):
     #: compresses only matrices: on a flat tensor (an FSDP shard) it would send the
     #: gradient uncompressed, so the sharded paths refuse it when attached
     needs_matrices: ClassVar[bool] = False
+    #: its payload's tensors (names, dtypes, shapes) and metadata depend on the input's
+    #: shape and the stage's parameters only, never on the values: every rank's payload
+    #: for the same tensor has one layout, so it can cross as a fixed-length buffer (no
+    #: size exchange, no framing; ``aggregation.fixed``); the contract tests check it
+    fixed_layout: ClassVar[bool] = False
 
     @abstractmethod
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:

@@ -25,6 +25,7 @@ class Identity(Compressor):
     unbiased = True
     keeps_dtype = True
     values_field = "values"
+    fixed_layout = True
 
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
         return Payload({"values": x.reshape(-1)})
@@ -47,6 +48,7 @@ class _Cast(Compressor):
     dtype: ClassVar[torch.dtype]
     summable = True
     values_field = "values"
+    fixed_layout = True
 
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
         return self.encode_flagged(x, slot)[0]

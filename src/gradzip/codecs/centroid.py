@@ -93,6 +93,8 @@ def magnitude_ranks(mag: torch.Tensor, bucket: int) -> torch.Tensor:
 class Centroid(Compressor):
     """Sign plus a magnitude bin per value; bins decode to their per-bucket mean."""
 
+    fixed_layout = True
+
     summary = "sign + magnitude bin per value, bins decoded to their mean (SparseLoCo 2-bit)"
     PARAMS = (
         Param("bits", int, 2, "bits per value: the sign and 2**(bits-1) magnitude bins",

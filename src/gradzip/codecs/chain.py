@@ -40,6 +40,7 @@ from gradzip.codecs.nonfinite import NonFiniteGradientError, nonfinite_flag
 from gradzip.codecs.payload import DTYPE_CODE, DTYPES, Payload, PayloadError
 from gradzip.codecs.registry import SpecError, lookup
 from gradzip.codecs.spec import parse_options
+from gradzip.codecs.validation import own_payload
 from gradzip.collectives.communicator import Communicator
 
 NONFINITE_POLICIES = ("error", "propagate")
@@ -194,6 +195,14 @@ class Codec:
     def multi_round(self) -> bool:
         return any(c.multi_round for _, c in self.compressors)
 
+    @property
+    def fixed_layout(self) -> bool:
+        """Every rank's payload for a tensor of one shape has the same layout (the
+        compressors' ``fixed_layout``; a lossless coder's output length depends on the
+        values, a multi-round stage talks to its peers itself)."""
+        return (not self.coders and not self.multi_round
+                and all(c.fixed_layout for _, c in self.compressors))
+
     def __str__(self) -> str:
         text = " | ".join(s.spec for s in self.stages)
         return text if self.aggregate == "auto" else f"{text} | aggregate={self.aggregate}"
@@ -232,15 +241,20 @@ class Codec:
     @staticmethod
     def is_finite(x: torch.Tensor) -> bool:
         """Validate ``x`` and say whether it is finite (one host read; none on meta)."""
+        Codec.check_input_type(x)
+        if x.numel() == 0 or x.device.type == "meta":  # meta: shapes only, no values
+            return True
+        return not bool(nonfinite_flag(x.detach()))  # one pass, one host read
+
+    @staticmethod
+    def check_input_type(x: torch.Tensor) -> None:
+        """Raise a clear ``TypeError`` unless ``x`` is a tensor of a supported float dtype."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"codec input must be a torch.Tensor, got {type(x).__name__}")
         if not x.dtype.is_floating_point:
             raise TypeError(f"codec input must be a floating-point tensor, got {x.dtype}")
         if x.dtype not in DTYPE_CODE:
             raise TypeError(f"codec input dtype {x.dtype} is not supported")
-        if x.numel() == 0 or x.device.type == "meta":  # meta: shapes only, no values
-            return True
-        return not bool(nonfinite_flag(x.detach()))  # one pass, one host read
 
     def encode(self, x: torch.Tensor, key: str = "", shapes: Shapes | None = None) -> Payload:
         """Compress ``x``; stateful stages update their state for ``key``.
@@ -480,10 +494,17 @@ class Codec:
         p = self.wrapper.encode(
             x.float(), slot,
             lambda t: self.encode_body(t, key, shapes),
-            lambda q: self.decode_body(q, key, x.shape, shapes),
+            lambda q: self.decode_own(q, key, x.shape, shapes),
         )
         slot.advance()
         return p
+
+    def decode_own(self, p: Payload, key: str | None, shape: torch.Size,
+                   shapes: Shapes | None) -> torch.Tensor:
+        """``decode_body`` of a payload this rank just encoded: the checks for bytes
+        from the network are skipped (each is a host read on a GPU)."""
+        with own_payload():
+            return self.decode_body(p, key, shape, shapes)
 
     # ------------------------------------------------------------ state
     def fresh(self, **kwargs: Any) -> Codec:
@@ -506,13 +527,19 @@ class Codec:
     def residual_norm(self, prefix: str) -> float | None:
         """L2 norm over the error-feedback memories of ``prefix`` and its sub-keys
         (``ef``'s residual, or a stage's own: DGC, EF-signSGD); None if there is none."""
-        sq, found = 0.0, False
-        for k in self._records(prefix):
-            residual = self.state.records[k]["data"].get("residual")
-            if isinstance(residual, torch.Tensor):
-                sq += float(residual.float().pow(2).sum())
-                found = True
-        return sq ** 0.5 if found else None
+        sq = self.residual_sq(prefix)
+        return float(sq) ** 0.5 if sq is not None else None
+
+    def residual_sq(self, prefix: str) -> torch.Tensor | None:
+        """``residual_norm`` squared, as a 0-d fp32 tensor on the residuals' device (no
+        host read: a caller on a GPU reads many at once, later); None if there is none."""
+        squares = [residual.float().pow(2).sum() for k in self._records(prefix)
+                   if isinstance(residual := self.state.records[k]["data"].get("residual"),
+                                 torch.Tensor)]
+        if not squares:
+            return None
+        device = squares[0].device
+        return torch.stack([t.to(device) for t in squares]).sum()
 
     def take_residual(self, key: str, numel: int) -> torch.Tensor | None:
         """Remove and return the error-feedback memory of ``key`` (``ef``'s residual or a

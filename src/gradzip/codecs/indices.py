@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from gradzip.codecs.payload import Field, Payload, PayloadError, varint_len
+from gradzip.codecs.validation import DeferredChecks, deferring
 
 SEL = "sel"          # meta key naming the form
 DELTA = "delta"      # sorted positions as gaps
@@ -263,6 +264,12 @@ class Selection:
                     f"got {bits.dtype}[{bits.numel()}]"
                 )
             mask = unpackbits(bits, numel)
+            checks = deferring()
+            if checks is not None:  # fixed-size positions, the count checked later
+                checks.require(mask.sum() == k, f"a bitmap marks as many positions as "
+                               f"values came ({k})")
+                return cls(numel, indices=torch.nonzero_static(mask, size=k,
+                                                               fill_value=0).reshape(-1))
             if count(mask) != k:
                 raise PayloadError(f"bitmap marks {count(mask)} positions but {k} values came")
             return cls(numel, mask=mask)
@@ -274,6 +281,9 @@ class Selection:
                 )
             if k == 0:
                 return cls(numel, indices=torch.zeros(0, dtype=torch.int64))
+            checks = deferring()
+            if checks is not None:
+                return cls(numel, indices=_checked_later(deltas, numel, checks))
             if _fast(deltas):
                 d = _np(deltas)
                 bad = d[0] < 0 or (k > 1 and int(d[1:].min()) <= 0)
@@ -304,6 +314,16 @@ class Selection:
             else:
                 out[self.mask] = values
         return out
+
+
+def _checked_later(deltas: torch.Tensor, numel: int, checks: DeferredChecks) -> torch.Tensor:
+    """Positions from gaps without a host read: whether they ascend below ``numel`` is
+    recorded in ``checks``, and they are clamped into range so a bad payload cannot
+    write outside the tensor before the check is read."""
+    idx = deltas.cumsum(0, dtype=torch.int64)
+    ok = (deltas[0] >= 0) & (deltas[1:] > 0).all() & (idx[-1] < numel)
+    checks.require(ok, f"sparse positions ascend below {numel}")
+    return idx.clamp_(0, numel - 1)
 
 
 def sparse_payload(flat: torch.Tensor, sel: Selection, form: str | None = None) -> Payload:

@@ -261,6 +261,8 @@ class Int8(Compressor):
     shared-scale ``reduce`` still cuts the bucket as a whole.
     """
 
+    fixed_layout = True
+
     summary = "block-wise abs-max int8 (1 byte/value + fp32 scale per block)"
     PARAMS = (
         Param("block", int, 256, "values per fp32 abs-max scale (the last block may be short)",
@@ -358,6 +360,8 @@ class QSGD(Compressor):
     Given a DDP bucket's tensor shapes (``encode_tensors``), buckets of values restart
     at every tensor, so no norm mixes two tensors.
     """
+
+    fixed_layout = True
 
     summary = "QSGD: per-bucket L2 norm + unbiased stochastic rounding to s levels"
     unbiased = True
@@ -520,6 +524,8 @@ class TernGrad(Compressor):
     ((W-1) x 0.2 bytes/value), which wins below 10 ranks. ``shared=false`` keeps
     per-rank scales (the payloads are then all-gathered and decoded per rank).
     """
+
+    fixed_layout = True
 
     summary = "TernGrad: stochastic ternary x max|x| (1.6 bits/value, base-3 packed)"
     unbiased = True

@@ -116,6 +116,8 @@ class SignSGD(Compressor):
     the l1 scale built in.
     """
 
+    fixed_layout = True
+
     summary = "signSGD: 1 bit/value, majority-vote reduce (Bernstein et al. 2018)"
     # the class flag describes the default (vote=true), as ``codecs list`` shows it;
     # each instance sets its own from ``vote``
@@ -191,6 +193,8 @@ class EFSignSGD(Compressor):
     after a sparsifier. Wire: signs bit-packed (1 bit/value) + ``scale`` fp32:
     32x vs fp32 for large tensors. Decode returns ``copysign(scale, p)``.
     """
+
+    fixed_layout = True
 
     own_feedback = True
     positional_state = True  # the residual, one value per coordinate
@@ -291,6 +295,8 @@ class OneBit(Compressor):
     tensor in it: ``recon`` holds a pair per non-column tensor, shape (2, tensors),
     and ``cols`` the column pairs of the column tensors, shape (2, their columns).
     """
+
+    fixed_layout = True
 
     summary = "1-bit SGD: sign bits + per-column means of each side (use with ef)"
     PARAMS = (

@@ -37,6 +37,7 @@ from gradzip.codecs.indices import (
     sparse_decode,
     sparse_payload,
 )
+from gradzip.codecs.nonfinite import host_reads_free
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, SpecError, at_least, in_range, positive, register
 from gradzip.collectives.upload import upload
@@ -107,7 +108,7 @@ def topk_positions(flat: torch.Tensor, k: int, generator: torch.Generator) -> to
     n = flat.numel()
     if k >= n:
         return torch.arange(n, device=flat.device)
-    if flat.device.type != "cpu":  # a GPU's topk is fast and needs no host reads
+    if not host_reads_free(flat):  # a GPU's topk is fast and needs no host reads
         return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
     if n > EXACT_BELOW:
         pick = torch.randint(n, (SAMPLE,), generator=generator).to(flat.device)
@@ -155,6 +156,7 @@ class TopK(Compressor):
 
     summary = "exact top-k by magnitude: values + index gaps or bitmap (Aji & Heafield 2017)"
     values_field = "values"
+    fixed_layout = True  # k follows from the size; the form from k and the size
     PARAMS = (*_ratio_k_params(0.01),
               Param("chunk", int, None, "select within every chunk of this many consecutive "
                     "entries (k or ratio per chunk; SparseLoCo: k=64, chunk=4096) instead of "

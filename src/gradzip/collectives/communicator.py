@@ -102,6 +102,9 @@ class Communicator(ABC):
         self.world_size = world_size
         self.counter = CommCounter(world_size=world_size)
         self._flag: _Flag | None = None
+        #: where ``watch`` hands a flag instead of reading it (a hook on a GPU, which
+        #: reads them all once, when backward ends); None: read at once
+        self.deferred: Callable[[torch.Tensor, Callable[[], Exception]], None] | None = None
 
     # ------------------------------------------------------------ transport
     @abstractmethod
@@ -179,6 +182,15 @@ class Communicator(ABC):
             return out.reshape(-1)[:-1].reshape(t.shape)
         return sent, strip
 
+    def watch(self, flag: torch.Tensor, error: Callable[[], Exception]) -> None:
+        """Raise ``error()`` if ``flag`` (a 0-d bool every rank computed alike) is set:
+        now (one host read), or where ``deferred`` says (later, with the step's other
+        flags, before anything uses the result)."""
+        if self.deferred is not None:
+            self.deferred(flag, error)
+        elif bool(flag):
+            raise error()
+
     # ------------------------------------------------------------ public
     def all_reduce(self, tensors: list[torch.Tensor], op: str = "sum") -> list[torch.Tensor]:
         """Element-wise reduce each tensor over ranks (``sum``, ``max`` or ``min``)."""
@@ -219,6 +231,17 @@ class Communicator(ABC):
         if bool(torch.stack([o.reshape(-1)[-1] for o in out]).ne(0).any()):
             raise flag.error()
         return [o.reshape(-1)[:-1].reshape(t.shape) for o in out]
+
+    def all_to_all(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Send ``chunks[j]`` to rank j, all of one shape and dtype on every rank; return
+        what each rank sent to this one, on the chunks' device."""
+        if len(chunks) != self.world_size:
+            raise ValueError(f"all_to_all needs {self.world_size} chunks, got {len(chunks)}")
+        start = time.perf_counter()
+        out = self._all_to_all(chunks)
+        self.counter.add("all_to_all", sum(_nbytes(c) for c in chunks),
+                         time.perf_counter() - start)
+        return out
 
     def all_gather_bytes(self, data: torch.Tensor | None,
                          device: torch.device | None = None) -> list[torch.Tensor] | None:

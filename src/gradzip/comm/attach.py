@@ -29,6 +29,7 @@ from gradzip.comm.ddp import (
     load_codec_states,
     sends_plain,
 )
+from gradzip.comm.eventtimes import EventTimings
 from gradzip.comm.fsdp import (
     CommCache,
     CompressedReduceScatter,
@@ -46,6 +47,7 @@ from gradzip.comm.hsdp import (
     shard_group,
     split_spec,
 )
+from gradzip.comm.pending import AtBackwardEnd
 from gradzip.comm.policy import Policy
 from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import CommStats
@@ -380,7 +382,12 @@ def apply_fsdp2(model: nn.Module, policy: Policy, codecs: list[Codec], diagnose:
     stats = CommStats()
     link = "shard" if replicate is not None else ""
     reducers = [Reducer(c, stats, diagnose, link=link) for c in codecs]
-    comms = CommCache()
+    end = AtBackwardEnd()  # one read of every unit's flags (both links) per backward
+    comms = CommCache(end=end)
+    timings = EventTimings()  # device times of the reductions on a GPU
+    stats.add_settler(timings.settle)
+    for reducer in reducers:
+        reducer.timings = timings
     names = {id(p): name for name, p in model.named_parameters()}
     units = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     refuse_native_hsdp([cast(nn.Module, unit) for _, unit in units])
@@ -407,7 +414,7 @@ def apply_fsdp2(model: nn.Module, policy: Policy, codecs: list[Codec], diagnose:
     handle = Handle("fsdp2", codecs, stats, policy)
     handle.reduce_scatters = scatters
     if replicate is not None:
-        apply_replicate(handle, units, names, replicate, diagnose, native)
+        apply_replicate(handle, units, names, replicate, diagnose, native, end)
     return handle
 
 
@@ -425,7 +432,8 @@ def refuse_native_hsdp(units: list[nn.Module]) -> None:
 
 def apply_replicate(handle: Handle, units: list[tuple[str, Any]], names: dict[int, str],
                     replicate: tuple[Policy, list[Codec], dist.ProcessGroup],
-                    diagnose: bool, native: Collection[int] = ()) -> None:
+                    diagnose: bool, native: Collection[int] = (),
+                    end: AtBackwardEnd | None = None) -> None:
     """HSDP: each unit's all-reduce hook averages its shard over the replicate group
     through that link's codec (``hsdp.ReplicateReduce``), counted as link "replicate";
     the units in ``native`` reduce-scatter with FSDP2's own collective, which the hook
@@ -434,8 +442,11 @@ def apply_replicate(handle: Handle, units: list[tuple[str, Any]], names: dict[in
     reducers = [Reducer(c, handle.stats, diagnose, link="replicate") for c in codecs]
     comm = TorchCommunicator(group)
     backend = backend_model(dist.get_backend())
-    on_device = OnDevice()
+    on_device = OnDevice(end=end or AtBackwardEnd())
     handle.stats.add_settler(on_device.timings.settle)
+    comm.deferred = on_device.end.checks.watch  # flags read when backward ends
+    for reducer in reducers:
+        reducer.timings = on_device.timings
     for index, (name, unit) in enumerate(units):
         module = cast(nn.Module, unit)
         params = [names[id(p)] for p in unit_parameters(module)]
@@ -445,7 +456,7 @@ def apply_replicate(handle: Handle, units: list[tuple[str, Any]], names: dict[in
             shapes=shard_shapes(module),
             native=NativeShard(_shard_world(module, group), backend) if index in native
             else None,
-            on_device=on_device if chainable(codecs[g]) and not diagnose else None,
+            on_device=on_device, chained=chainable(codecs[g]) and not diagnose,
             shards=_agreeing_shards(module, codecs[g])))
     handle.replicate_codecs = codecs
     handle.replicate_policy = policy

@@ -17,7 +17,6 @@ buckets, so collectives are issued in the same order on every rank.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,7 @@ from gradzip.codecs.payload import Payload
 from gradzip.collectives.linkmodel import link_bytes
 from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.eventtimes import EventTimings, event_pair
+from gradzip.comm.pending import PendingChecks
 from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import Reduction
 
@@ -39,42 +39,6 @@ def chainable(codec: Codec) -> bool:
     # with nonfinite='propagate', NaN/Inf must reach every rank whole: a cast may
     # saturate inf and random-k may not sample it, so only ``none`` sends them as is
     return simple and (codec.nonfinite == "error" or codec.compressors[0][1].name == "none")
-
-
-class PendingChecks:
-    """What the chained path leaves on a GPU: non-finite flags.
-
-    On CPU a callback runs after its collective finished, so it checks at once. On
-    CUDA it runs when the collective is enqueued, and a host read there would stall
-    backward until NCCL finished; instead the flag is copied to pinned memory behind an
-    event and read in the step's last bucket's callback, where backward has nothing
-    left to overlap: the step fails before the optimizer can apply it. Every rank
-    holds the same sums, so every rank raises there, with the same words. (The
-    reductions' times wait on the GPU likewise: ``eventtimes.EventTimings``.)
-    """
-
-    def __init__(self) -> None:
-        self._pending: list[tuple[torch.Tensor, Any, str]] = []
-
-    def watch(self, flag: torch.Tensor, key: str) -> None:
-        """Raise now (CPU) or at ``raise_ready`` (CUDA) if ``flag`` (0-d bool) is set."""
-        if flag.device.type != "cuda":
-            if bool(flag):
-                raise agreed_nonfinite_error(key)
-            return
-        host = torch.empty((), dtype=torch.bool, pin_memory=True)
-        host.copy_(flag, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending.append((host, event, key))
-
-    def raise_ready(self) -> None:
-        """Raise for the first set flag among those watched so far (then forget them)."""
-        pending, self._pending = self._pending, []
-        for host, event, key in pending:
-            event.synchronize()
-            if bool(host):
-                raise agreed_nonfinite_error(key)
 
 
 def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor, key: str,
@@ -109,7 +73,7 @@ def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor
         decode_start = time.perf_counter()
         decoding = event_pair() if reducing is not None else None  # [0]: the sum landed
         if bad is not None and heads:
-            checks.watch(~torch.isfinite(heads[0]).all(), key)
+            checks.watch(~torch.isfinite(heads[0]).all(), lambda: agreed_nonfinite_error(key))
         if last:  # the step's last bucket: read its flags before any optimizer step (on
             checks.raise_ready()  # CUDA a wait for the step's all-reduces, at backward's end)
         if payload is not None:  # casts convert straight into the bucket

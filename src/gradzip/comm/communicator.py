@@ -10,6 +10,10 @@ counted the same way. Device-agnostic: tensors stay on whatever device they are 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -20,7 +24,15 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 
 
 class TorchCommunicator(Communicator):
-    """Blocking collectives on ``group`` (None = the default group), counted per op."""
+    """Blocking collectives on ``group`` (None = the default group), counted per op.
+
+    On a GPU a blocking collective returns when NCCL has it enqueued. By default the
+    calling stream (gradzip's own, on the communication thread) is synchronized after
+    each one, so the counters time the transfer, not the enqueue (the jobs read most
+    results on the host next anyway). With ``deferred`` set (a hook on the autograd
+    thread, which must not wait), nothing is synchronized: each collective is
+    bracketed by CUDA events instead (``events``), read when the step closes.
+    """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -30,6 +42,28 @@ class TorchCommunicator(Communicator):
         self.group = group
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         self.counter.backend = backend_model(dist.get_backend(group))
+        #: (op, start event, end event) of each collective since ``events.clear()``,
+        #: on a GPU with ``deferred`` set
+        self.events: list[tuple[str, Any, Any]] = []
+
+    def on_events(self, t: torch.Tensor) -> bool:
+        """Whether collectives on ``t`` are timed by events, without a sync."""
+        return t.device.type == "cuda" and self.deferred is not None
+
+    @contextmanager
+    def _collective(self, op: str, t: torch.Tensor) -> Iterator[None]:
+        """Run one collective on ``t``'s device: then synchronize, or record its events."""
+        timed = self.on_events(t)
+        start = torch.cuda.Event(enable_timing=True) if timed else None
+        if start is not None:
+            start.record()
+        yield
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events.append((op, start, end))
+        elif t.device.type == "cuda":
+            torch.cuda.current_stream(t.device).synchronize()
 
     # ------------------------------------------------------------ transport
     def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
@@ -37,42 +71,32 @@ class TorchCommunicator(Communicator):
         # decodes its own payload after the all-reduce for error feedback's residual),
         # and the simulated communicator leaves inputs untouched too
         out = t.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, op=_OPS[op], group=self.group)
-        return _finished(out)
+        with self._collective("all_reduce", t):
+            dist.all_reduce(out, op=_OPS[op], group=self.group)
+        return out
 
     def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         t = t.contiguous()
         out = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(out, t, group=self.group)
-        _finished(t)
+        with self._collective("all_gather", t):
+            dist.all_gather(out, t, group=self.group)
         return out
 
     def _all_to_all(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
         chunks = [c.contiguous() for c in chunks]
         out = [torch.empty_like(c) for c in chunks]
-        dist.all_to_all(out, chunks, group=self.group)
-        if chunks:
-            _finished(chunks[0])
+        if not chunks:
+            return out
+        with self._collective("all_to_all", chunks[0]):
+            dist.all_to_all(out, chunks, group=self.group)
         return out
 
     def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         flat = t.contiguous().reshape(-1)  # gloo wants 1-D: world x n in, n out
         out = torch.empty(t.shape[1], dtype=t.dtype, device=t.device)
-        dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=self.group)
-        return _finished(out)
-
-
-def _finished(t: torch.Tensor) -> torch.Tensor:
-    """``t``, after the collective that wrote it has run (CUDA only).
-
-    A blocking collective on NCCL returns when it is enqueued; the counters time each
-    call, so the calling stream (gradzip's own, on the communication thread) is
-    synchronized here and the time is the transfer's, not the enqueue's. The jobs read
-    most results on the host next anyway.
-    """
-    if t.device.type == "cuda":
-        torch.cuda.current_stream(t.device).synchronize()
-    return t
+        with self._collective("reduce_scatter", t):
+            dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=self.group)
+        return out
 
 
 class HostCommunicator(TorchCommunicator):

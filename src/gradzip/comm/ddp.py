@@ -40,10 +40,11 @@ import torch.distributed as dist
 from gradzip.codecs.base import Compressor
 from gradzip.codecs.chain import Codec
 from gradzip.codecs.nonfinite import NonFiniteGradientError
-from gradzip.comm.chained import PendingChecks, chainable, reduce_async
+from gradzip.comm.chained import chainable, reduce_async
 from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.eventtimes import EventTimings
 from gradzip.comm.groups import node_groups, private_group, rank_sets
+from gradzip.comm.pending import PendingChecks
 from gradzip.comm.reducer import HierarchicalReducer, Reducer
 from gradzip.comm.stats import CommStats
 from gradzip.comm.worker import CommWorker

@@ -37,6 +37,9 @@ class _Untimed:
     comm: tuple[Any, Any] | None  # the collective alone: seconds_by_op
     encode: tuple[Any, Any] | None
     decode: tuple[Any, Any] | None
+    #: a reduction of several collectives: (op, start, end) each, in issue order; the
+    #: codec's time is the span outside them (``split``)
+    comms: list[tuple[str, Any, Any]] | None = None
 
 
 class EventTimings:
@@ -51,13 +54,15 @@ class EventTimings:
 
     def later(self, r: Reduction, stats: CommStats, span: tuple[Any, Any], *,
               comm: tuple[Any, Any] | None = None, encode: tuple[Any, Any] | None = None,
-              decode: tuple[Any, Any] | None = None) -> None:
+              decode: tuple[Any, Any] | None = None,
+              comms: list[tuple[str, Any, Any]] | None = None) -> None:
         """Record ``r`` in ``stats`` once its events ran: ``span`` sets its span,
-        ``comm`` its one collective's seconds, ``encode``/``decode`` the codec's."""
+        ``comm`` its one collective's seconds, ``encode``/``decode`` the codec's; or
+        ``comms``, every collective's events (``split_codec_time``)."""
         if self._origin is None:
             self._origin = span[0]
         stats.hold()
-        self._untimed.append(_Untimed(r, stats, span, comm, encode, decode))
+        self._untimed.append(_Untimed(r, stats, span, comm, encode, decode, comms))
         if len(self._untimed) > self.LIMIT:
             self.settle(keep_origin=True)
 
@@ -78,10 +83,31 @@ class EventTimings:
                 r.encode_s = _seconds(u.encode)
             if u.decode is not None:
                 r.decode_s = _seconds(u.decode)
+            if u.comms:
+                split_codec_time(r, u.span, u.comms)
             r.span = (origin.elapsed_time(u.span[0]) / 1e3,
                       origin.elapsed_time(u.span[1]) / 1e3)
             u.stats.record(r)
             u.stats.release()
+
+
+def split_codec_time(r: Reduction, span: tuple[Any, Any],
+                     comms: list[tuple[str, Any, Any]]) -> None:
+    """Set ``r``'s collective seconds per op from their events, and (unless it was
+    plain) its codec's: the decode from the last collective's end to the span's end,
+    the encode the rest outside the collectives (a multi-round protocol's compute
+    between rounds counts as encode, as on the host)."""
+    seconds: dict[str, float] = {}
+    each = []
+    for op, start, end in comms:
+        s = _seconds((start, end))
+        seconds[op] = seconds.get(op, 0.0) + s
+        each.append(s)
+    r.seconds_by_op = seconds
+    r.extra_collective_s = sum(each) - max(each)
+    if r.paths != ["plain"]:
+        r.decode_s = _seconds((comms[-1][2], span[1]))
+        r.encode_s = max(_seconds(span) - sum(each) - r.decode_s, 0.0)
 
 
 def _seconds(pair: tuple[Any, Any]) -> float:

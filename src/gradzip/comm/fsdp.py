@@ -16,7 +16,11 @@ for ``NO_SHARD`` — and expects the *mean* gradient (its default path pre/post
 divides by the world size around a SUM); the same reducer does the work.
 
 Both run synchronously inside FSDP's own reduction step (on CUDA FSDP already
-issues it on its reduce-scatter stream), on FSDP's process group.
+issues it on its reduce-scatter stream), on FSDP's process group. On FSDP2 the
+fixed-layout codecs (``int8``, ``ef | topk``, ...) exchange equal-length device
+buffers (``aggregation.fixed``) whose flags are read once, when backward ends
+(``CommCache(end=...)``), and whose times come from CUDA events: no host read on the
+autograd thread; summable ones reduce-scatter their leaves likewise.
 """
 
 from __future__ import annotations
@@ -30,19 +34,25 @@ from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from gradzip.comm.communicator import TorchCommunicator
+from gradzip.comm.pending import AtBackwardEnd
 from gradzip.comm.reducer import Reducer
 
 
 class CommCache:
-    """One ``TorchCommunicator`` per process group FSDP hands us."""
+    """One ``TorchCommunicator`` per process group FSDP hands us; with ``end``, their
+    flags are read when backward ends (``Communicator.deferred``), not in the hook."""
 
-    def __init__(self) -> None:
+    def __init__(self, end: AtBackwardEnd | None = None) -> None:
         self._comms: dict[int, TorchCommunicator] = {}
+        self.end = end
 
     def get(self, group: dist.ProcessGroup | None) -> TorchCommunicator:
         k = id(group)
         if k not in self._comms:
-            self._comms[k] = TorchCommunicator(group)
+            comm = TorchCommunicator(group)
+            if self.end is not None:
+                comm.deferred = self.end.checks.watch
+            self._comms[k] = comm
         return self._comms[k]
 
 
@@ -129,6 +139,8 @@ class CompressedReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         comm = self.comms.get(group)
+        if self.comms.end is not None:
+            self.comms.end.arm()
         divisor, factor = scaling(op, comm.world_size)
         compress = self.calls >= self.start_step
         self.calls += 1

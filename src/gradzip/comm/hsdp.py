@@ -37,10 +37,11 @@ from gradzip.codecs.nonfinite import (
     nonfinite_flag,
 )
 from gradzip.collectives.linkmodel import backend_model, link_bytes
-from gradzip.comm.chained import PendingChecks, reduce_async
+from gradzip.comm.chained import reduce_async
 from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.eventtimes import EventTimings
 from gradzip.comm.fsdp import layout_or_none
+from gradzip.comm.pending import AtBackwardEnd
 from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import Reduction
 
@@ -71,37 +72,28 @@ class OnDevice:
     """The replicate reductions of a summable one-stage codec (``none``, ``fp16``,
     ``bf16``, ``randomk``) with no host read on the autograd thread: the future-chained
     all-reduce of DDP (``chained.reduce_async``), its non-finite flags read once, when
-    backward ends (a final autograd callback, before any optimizer step), its times
-    from CUDA events as the step closes. One per handle, shared by every unit."""
+    backward ends (``pending.AtBackwardEnd``, before any optimizer step), its times
+    from CUDA events as the step closes. One per handle, shared by every unit; its
+    ``end`` also reads the flags of the other codecs' device-only exchanges
+    (``aggregation.fixed``)."""
 
-    checks: PendingChecks = field(default_factory=PendingChecks)
+    end: AtBackwardEnd = field(default_factory=AtBackwardEnd)
     timings: EventTimings = field(default_factory=EventTimings)
-    #: the backward (autograd graph task) whose end callback is queued; a backward that
-    #: aborted never ran its callback, so the next one queues its own
-    task: int | None = None
 
     def reduce(self, reducer: Reducer, comm: TorchCommunicator, x: torch.Tensor, key: str,
                shapes: Shapes | None, plain: bool) -> None:
         """``x`` averaged over ``comm``'s ranks through ``reducer``'s codec, in place
         (queued on the current stream on CUDA; done on return on the CPU)."""
-        task = torch._C._current_graph_task_id()
-        if task != self.task:  # the first unit of this backward
-            self.checks.raise_ready()  # flags an aborted backward left unread (as DDP)
-            torch.autograd.Variable._execution_engine.queue_callback(self.at_backward_end)
-            self.task = task
+        self.end.arm()
         future = reduce_async(reducer, comm, x, key,
                               list(shapes) if shapes is not None else None,
-                              plain=plain, checks=self.checks, timings=self.timings)
+                              plain=plain, checks=self.end.checks, timings=self.timings)
         try:
             future.wait()
         except RuntimeError as e:  # the callback's error arrives wrapped: say it plainly
             if NonFiniteGradientError.__name__ in str(e):
                 raise agreed_nonfinite_error(key) from e
             raise
-
-    def at_backward_end(self) -> None:
-        self.task = None
-        self.checks.raise_ready()
 
 
 class ReplicateReduce:
@@ -112,8 +104,11 @@ class ReplicateReduce:
     def __init__(self, reducer: Reducer, comm: TorchCommunicator, key: str, *,
                  start_step: int = 0, shapes: Shapes | None = None,
                  native: NativeShard | None = None, on_device: OnDevice | None = None,
-                 shards: Any = None) -> None:
+                 chained: bool = False, shards: Any = None) -> None:
         self.native = native
+        #: ``on_device``'s chained all-reduce runs the reductions (summable codecs); else
+        #: the reducer does, its deferred flags read at ``on_device.end``
+        self.chained = chained and on_device is not None
         #: the unit's shard group, where a non-finite shard must be agreed first
         #: (``spread_nonfinite``); None: nothing to agree (one shard, or 'propagate')
         self.shards = shards
@@ -135,10 +130,12 @@ class ReplicateReduce:
         shapes = layout_or_none(self.shapes, reduce_output.numel())
         if self.shards is not None:
             self.reducer.stats.record(spread_nonfinite(reduce_output, self.shards))
-        if self.on_device is not None:
+        if self.on_device is not None and self.chained:
             self.on_device.reduce(self.reducer, self.comm, reduce_output, self.key, shapes,
                                   plain=not compress)
             return
+        if self.on_device is not None:
+            self.on_device.end.arm()
         if not compress:
             self.reducer.reduce_plain(reduce_output, self.comm)
             return

@@ -15,6 +15,7 @@ collective time come from the communicator's counters.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ from gradzip.codecs.chain import Codec, CodecObserver
 from gradzip.codecs.payload import Payload
 from gradzip.collectives.linkmodel import link_bytes
 from gradzip.comm.communicator import TorchCommunicator
+from gradzip.comm.eventtimes import EventTimings, event_pair
 from gradzip.comm.stats import CommStats, Reduction
 
 #: field names (or ``_``-separated parts of them) that carry positions: the sparse
@@ -64,6 +66,10 @@ class Reducer(CodecObserver):
         self._decode_s = 0.0
         self._payloads: list[tuple[int, Payload]] = []
         self._paths: list[str] = []
+        #: where a reduction timed by CUDA events waits for them (a hook on the
+        #: autograd thread: ``TorchCommunicator.on_events``); None: host clocks
+        self.timings: EventTimings | None = None
+        self._span_start: Any = None
         codec.observer = self
 
     # ------------------------------------------------------------ observer
@@ -90,11 +96,15 @@ class Reducer(CodecObserver):
                 return n
         return numel
 
-    def _begin(self, comm: TorchCommunicator) -> float:
+    def _begin(self, comm: TorchCommunicator, x: torch.Tensor) -> float:
         comm.counter.reset()
+        comm.events.clear()
         self._encode_s = self._decode_s = 0.0
         self._payloads = []
         self._paths = []
+        self._span_start = None
+        if self.timings is not None and comm.on_events(x):
+            self._span_start = event_pair()[0]
         return time.perf_counter()
 
     def _finish(self, comm: TorchCommunicator, x: torch.Tensor, start: float,
@@ -115,7 +125,7 @@ class Reducer(CodecObserver):
             sent = sum(self.sent_values(n, p) for n, p in self._payloads)
             idx = sum(index_bytes(p) for _, p in self._payloads)
             made = sum(p.wire_bytes for _, p in self._payloads)
-        self.stats.record(Reduction(
+        reduction = Reduction(
             numel=numel, sent_values=sent, index_bytes=idx, payload_bytes=made,
             bytes_raw=link_bytes(baseline, numel * x.element_size(), comm.world_size,
                                  c.backend),
@@ -124,13 +134,20 @@ class Reducer(CodecObserver):
             seconds_by_op=dict(c.seconds), bytes_by_op=dict(c.wire), calls_by_op=dict(c.calls),
             paths=["plain"] if plain else list(self._paths),
             extra_collective_s=max(comm_s - c.longest, 0.0), link=self.link,
-        ))
+        )
         self._payloads = []
+        if self._span_start is not None and self.timings is not None and comm.events:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()  # the host times above are the enqueue's: the events say
+            self.timings.later(reduction, self.stats, span=(self._span_start, end),
+                               comms=list(comm.events))
+        else:
+            self.stats.record(reduction)
 
     def _record_residual(self, key: str) -> None:
-        norm = self.codec.residual_norm(key)
-        if norm is not None:
-            self.stats.record_residual(key, norm)
+        sq = self.codec.residual_sq(key)  # read with the step's others, as it closes
+        if sq is not None:
+            self.stats.record_residual_sq(key, sq)
 
     def _exact_mean(self, x: torch.Tensor, comm: TorchCommunicator) -> torch.Tensor:
         """Diagnostic only: the uncompressed fp32 mean, outside the byte counters."""
@@ -151,7 +168,7 @@ class Reducer(CodecObserver):
     # ------------------------------------------------------------ all-reduce
     def reduce_plain(self, x: torch.Tensor, comm: TorchCommunicator) -> torch.Tensor:
         """Uncompressed mean, in place, exactly as PyTorch's ``allreduce_hook`` does it."""
-        start = self._begin(comm)
+        start = self._begin(comm, x)
         x.div_(comm.world_size)
         out = comm.all_reduce([x], op="sum")[0]
         if out is not x:
@@ -166,7 +183,7 @@ class Reducer(CodecObserver):
         """Mean of ``x`` over ranks through the codec (``gradzip.aggregation.reduce``);
         ``shapes`` are the tensors inside a flat bucket."""
         ref = self._exact_mean(x, comm) if self.diagnose else None
-        start = self._begin(comm)
+        start = self._begin(comm, x)
         mean, _ = reduce(self.codec, x, key, comm, shapes=shapes)
         self._finish(comm, x, start)
         self._record_residual(key)
@@ -184,7 +201,7 @@ class Reducer(CodecObserver):
         PyTorch's one all-reduce of the bucket as its baseline.
         """
         ref = self._exact_mean(buffer, comm) if self.diagnose else None
-        start = self._begin(comm)
+        start = self._begin(comm, buffer)
         offset = 0
         for j, shape in enumerate(shapes):
             view = buffer[offset:offset + shape.numel()].view(shape)
@@ -225,7 +242,7 @@ class Reducer(CodecObserver):
         ref = None
         if self.diagnose:
             ref = self._exact_mean(flat, comm)[comm.rank] * (comm.world_size * scale)
-        start = self._begin(comm)
+        start = self._begin(comm, inp)
         chunks = flat * scale if scale != 1.0 else flat
         if plain:
             result = comm.reduce_scatter_sum(chunks)

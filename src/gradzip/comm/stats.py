@@ -56,6 +56,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 
 @dataclass
 class _Acc:
@@ -223,7 +225,7 @@ class CommStats:
         self._open = _Acc()
         self._last = _Acc()
         self._total = _Acc()
-        self._residuals: dict[str, float] = {}
+        self._residuals: dict[str, float | torch.Tensor] = {}
         self._settlers: list[Callable[[], None]] = []
         self._held = 0  # reductions to be recorded when the step settles
         self._recorded = 0  # reductions recorded, every step
@@ -293,8 +295,13 @@ class CommStats:
 
     def record_residual(self, key: str, norm: float) -> None:
         """The error-feedback residual norm of ``key`` after its latest reduction."""
+        self.record_residual_sq(key, norm * norm)
+
+    def record_residual_sq(self, key: str, sq: float | torch.Tensor) -> None:
+        """The squared residual norm of ``key`` after its latest reduction; a tensor
+        (on a GPU) is read as the step closes, with every other key's, in one read."""
         with self._lock:
-            self._residuals[key] = norm
+            self._residuals[key] = sq
 
     def end_step(self) -> None:
         """Close the open step: it becomes ``summary()`` and is added to ``totals()``."""
@@ -302,7 +309,7 @@ class CommStats:
             settle()
         with self._lock:
             if self._residuals:
-                self._open.residual_norm = math.sqrt(sum(v * v for v in self._residuals.values()))
+                self._open.residual_norm = math.sqrt(_total(list(self._residuals.values())))
             self._last = self._open
             self._total.merge(self._open)
             if self._open.reductions and "plain" not in self._open.paths:
@@ -355,3 +362,13 @@ class CommStats:
         """The open (not yet closed) step, e.g. to inspect a step mid-way."""
         with self._lock:
             return self._open.view(0)
+
+
+def _total(values: list[float | torch.Tensor]) -> float:
+    """The sum of numbers and 0-d tensors, the tensors read in one host read."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    numbers = sum(float(v) for v in values if not isinstance(v, torch.Tensor))
+    if not tensors:
+        return numbers
+    device = tensors[0].device
+    return numbers + float(torch.stack([t.float().to(device) for t in tensors]).sum())
