@@ -37,5 +37,12 @@ def test_smoke_mode_runs_every_part_and_writes_its_tables(tmp_path) -> None:
     for row in record["speed"]:
         assert row["encode_gbps"] > 0 and row["decode_gbps"] > 0
         assert row["encode_syncs"] >= 0 and row["decode_syncs"] >= 0
+    ranks = {r["case"]: r for r in record["ranks"]}
+    assert len(ranks) == 17 and all(r["ok"] for r in ranks.values()), ranks
+    assert all(r["checked_collectives"] > 50 for r in ranks.values())  # the shim ran
+    assert ranks["negative control: unequal all-gather"]["detail"].startswith(
+        "StrictViolation")
+    assert [r["ok"] for r in record["overlap"]] == [True, True], record["overlap"]
+    assert record["overlap"][0]["equal_to_uncached"]
     md = (tmp_path / "gpu.md").read_text()
     assert "skipped (needs CUDA)" in md and "ef \\| int8" in md

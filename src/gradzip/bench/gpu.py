@@ -21,6 +21,11 @@ One command for one GPU (at most a few minutes on an H100), writing ``gpu.json``
    Then **resume on the device** (``gpu_resume.py``): every stateful codec, and DiLoCo
    with an exchange in flight, saved, loaded on the CPU as a checkpoint is, and resumed;
    and **HSDP on a 1x1 mesh** against native HSDP (``gpu_hsdp.py``).
+   Then **several ranks on the one GPU** (``gpu_ranks.py``): 3 and 4 processes on
+   ``cuda:0`` over gloo with NCCL's rules enforced (``strict.py``), every aggregation
+   path, a NaN on one rank, Streaming DiLoCo with overlap, SparseLoCo, hierarchical DDP
+   and HSDP 2x2, and a negative control; and **Streaming DiLoCo's overlap race**
+   against the caching allocator (``gpu_overlap.py``).
 3. **Encode and decode speed** per codec on a 25 MB fp32 bucket of three tensors
    (CUDA events, median of ``--repeat``), with the host syncs of each call counted by
    ``torch.cuda.set_sync_debug_mode("warn")``.
@@ -47,6 +52,8 @@ import torch.distributed as dist
 from torch import nn
 
 from gradzip.bench.gpu_hsdp import hsdp_rows
+from gradzip.bench.gpu_overlap import overlap_rows
+from gradzip.bench.gpu_ranks import ranks_rows
 from gradzip.bench.gpu_resume import resume_rows
 
 #: codec families of the DDP check and the speed table (``--codecs`` overrides)
@@ -449,6 +456,14 @@ def markdown(record: dict[str, Any]) -> str:
         "per unit):", "",
         _table(record.get("hsdp", []), ["replicate", "ok", "finite", "max_diff_to_native",
                                         "syncs_per_unit", "syncs_per_backward", "error"]),
+        "", "Several ranks on the one device, over gloo with NCCL's rules enforced "
+        "(`bench/gpu_ranks.py`, `bench/strict.py`):", "",
+        _table(record.get("ranks", []), ["case", "world", "ok", "checked_collectives",
+                                         "detail"]),
+        "", "Streaming DiLoCo's overlapped exchanges against the caching allocator, "
+        "sleeps on both streams (`bench/gpu_overlap.py`):", "",
+        _table(record.get("overlap", []), ["run", "ok", "equal_to_uncached", "ranks_agree",
+                                           "finite"]),
         "",
         f"Encode/decode of a {record['bucket_mb']} MB bucket:", "",
         _table(record["speed"], ["codec", "ok", "encode_gbps", "decode_gbps", "ratio",
@@ -500,8 +515,15 @@ def run(args: argparse.Namespace) -> int:
               f"ok ({time.perf_counter() - started:.0f} s)", flush=True)
         record["speed"] = codec_speed(specs, device, shapes, args.repeat)
         print(f"speed: done ({time.perf_counter() - started:.0f} s)", flush=True)
+    record["ranks"] = ranks_rows(device.type)
+    print(f"several ranks: {sum(r['ok'] for r in record['ranks'])}/{len(record['ranks'])} "
+          f"ok ({time.perf_counter() - started:.0f} s)", flush=True)
+    record["overlap"] = overlap_rows(device.type)
+    print(f"overlap race: {sum(r['ok'] for r in record['overlap'])}/"
+          f"{len(record['overlap'])} ok ({time.perf_counter() - started:.0f} s)", flush=True)
     record["ok"] = all(r["ok"] for part in ("stream_order", "ddp", "nonfinite", "resume",
-                                            "hsdp", "speed") for r in record[part])
+                                            "hsdp", "speed", "ranks", "overlap")
+                       for r in record[part])
     text = markdown(record)
     print(text)
     if args.out:
