@@ -109,3 +109,31 @@ def test_flags_are_read_when_backward_ends_before_the_step_can_use_them() -> Non
     (w * 3).sum().backward()  # a fresh backward: nothing left over
     assert len(armed) == 3
     end.arm()  # outside backward: nothing queued, nothing raised
+
+
+def test_a_reduction_timed_by_events_keeps_the_codec_from_waiting_on_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU a codec's ``Clock`` waits for its second event: on the autograd thread
+    that would be a host sync per encode and decode. Inside a reduction the reducer
+    times by events (a hook's), the codec is told to report host time instead."""
+    import gradzip
+    from gradzip.codecs import chain
+    from gradzip.comm.reducer import Reducer
+
+    devices: list[object] = []
+
+    class Recording:
+        def __init__(self, device: object) -> None:
+            devices.append(device)
+
+        def seconds(self) -> float:
+            return 0.0
+
+    monkeypatch.setattr(chain, "Clock", Recording)
+    codec = gradzip.codec("int8")
+    reducer = Reducer(codec, CommStats())
+    x = torch.randn(64)
+    codec.decode_body(codec.encode_body(x, "k"), "k", x.shape)
+    reducer._span_start = object()  # what ``_begin`` sets when events time the reduction
+    codec.decode_body(codec.encode_body(x, "k"), "k", x.shape)
+    assert devices == [x.device, x.device, None, None]

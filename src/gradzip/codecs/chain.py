@@ -72,6 +72,13 @@ class CodecObserver:
     def aggregated(self, path: str) -> None:
         """One reduction went through aggregation ``path`` (``gradzip.aggregation``)."""
 
+    @property
+    def device_clock(self) -> bool:
+        """Whether calls on a GPU are timed by events the codec waits for (``Clock``).
+        False where waiting would stall the caller (a hook on the autograd thread that
+        times the whole reduction by events itself): the host's time is reported."""
+        return True
+
 
 class Codec:
     """A gradient codec: a chain of stages plus its state.
@@ -275,7 +282,7 @@ class Codec:
     def encode_body(self, x: torch.Tensor, key: str, shapes: Shapes | None = None) -> Payload:
         if self.observer is None:
             return self.encode_stages(x, key, shapes)
-        clock = Clock(x.device)
+        clock = Clock(x.device if self.observer.device_clock else None)
         p = self.encode_stages(x, key, shapes)
         self.observer.encoded(x.numel(), p, clock.seconds())
         return p
@@ -388,7 +395,8 @@ class Codec:
         """Decode a payload for a tensor of ``shape`` (the receiver's, not the wire's):
         every size the payload declares inside is bounded by it (``limits.py``), and
         whatever goes wrong on malformed bytes surfaces as ``PayloadError``."""
-        clock = Clock(_device_of(p) if self.observer is not None else None)
+        clock = Clock(_device_of(p) if self.observer is not None
+                      and self.observer.device_clock else None)
         try:
             with decode_budget(shape.numel()):
                 out = self._decode_stages(p, key, shape, shapes)

@@ -83,6 +83,12 @@ class Reducer(CodecObserver):
     def aggregated(self, path: str) -> None:
         self._paths.append(path)
 
+    @property
+    def device_clock(self) -> bool:
+        """No event waits inside a reduction timed by events (``_begin``): its codec
+        times are split from the span's events when the step settles."""
+        return self._span_start is None
+
     def sent_values(self, numel: int, p: Payload) -> int:
         """Values this payload carries for a tensor of ``numel`` entries."""
         first = self.codec.compressors[0][1]
@@ -143,6 +149,7 @@ class Reducer(CodecObserver):
                                comms=list(comm.events))
         else:
             self.stats.record(reduction)
+        self._span_start = None
 
     def _record_residual(self, key: str) -> None:
         sq = self.codec.residual_sq(key)  # read with the step's others, as it closes
