@@ -26,6 +26,7 @@ from gradzip.codecs.nonfinite import agreed_nonfinite_error
 from gradzip.codecs.payload import Payload
 from gradzip.collectives.linkmodel import link_bytes
 from gradzip.comm.communicator import TorchCommunicator
+from gradzip.comm.divide import divide_checked
 from gradzip.comm.eventtimes import EventTimings, event_pair
 from gradzip.comm.pending import PendingChecks
 from gradzip.comm.reducer import Reducer
@@ -121,6 +122,16 @@ def _summands(codec: Codec, buffer: torch.Tensor, key: str,
     bad = None
     if plain:
         return None, [buffer.div_(world)], [], None
+    identity = codec.compressors[0][1].name == "none"
+    if identity and codec.nonfinite == "error" and buffer.numel() > 0:
+        bad = divide_checked(buffer, world)  # the check inside the division's pass
+        if bad is not None:  # ``none``'s payload is the bucket itself, now divided
+            payload = codec.encode_stages(buffer, key, shapes)
+            leaves = [t for _, t in payload.leaves()]
+            heads = [t.view(-1)[:1] for t in leaves]
+            heads[0].copy_(torch.where(bad, torch.full_like(heads[0], float("nan")),
+                                       heads[0]))
+            return payload, leaves, heads, bad
     if codec.nonfinite == "error" and buffer.numel() > 0:
         payload, bad = codec.encode_checked(buffer, key, shapes)
     else:
