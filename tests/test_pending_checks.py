@@ -6,24 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from event_helpers import FakeEvent
 
 from gradzip.bench.devicecheck import count_host_syncs
 from gradzip.comm.eventtimes import EventTimings, split_codec_time
 from gradzip.comm.pending import AtBackwardEnd, PendingChecks
 from gradzip.comm.stats import CommStats, Reduction
-
-
-class FakeEvent:
-    """A CUDA event's timing API on the CPU: ``at`` ms after an origin."""
-
-    def __init__(self, at: float) -> None:
-        self.at = at
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, other: FakeEvent) -> float:
-        return other.at - self.at
 
 
 def _reduction(paths: list[str]) -> Reduction:

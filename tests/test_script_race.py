@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from event_helpers import FakeEvent
 from test_results_schema import documented_fields
 
 import gradzip
@@ -211,19 +212,6 @@ def test_the_clock_counts_reductions_a_gpu_holds_until_the_step_settles() -> Non
     model(torch.randn(2, 4))  # the next step closes this one
     assert clock.steps == 1 and stats.open_reductions() == 0
     assert stats.totals()["bytes_raw"] == 80
-
-
-class FakeEvent:
-    """A CUDA event's timing API on the CPU: ``at`` ms after an origin."""
-
-    def __init__(self, at: float) -> None:
-        self.at = at
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, other: FakeEvent) -> float:
-        return other.at - self.at
 
 
 def test_the_chained_paths_timings_hold_their_reductions_until_the_step_settles() -> None:
