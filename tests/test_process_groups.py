@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradzip.comm.groups import node_layout, on_device
+from gradzip.comm.groups import check_hosts, node_layout, on_device
 
 REPLICAS = ((0, 2), (1, 3))
 
@@ -129,3 +129,16 @@ def test_replicas_train_apart_and_each_agrees(replicas: list[dict[str, Any]]) ->
             assert torch.equal(x, y), (a, b)
     assert not all(torch.equal(x, y) for x, y in
                    zip(replicas[0]["weights"], replicas[1]["weights"], strict=True))
+
+
+def test_a_node_that_spans_two_machines_is_refused() -> None:
+    """Ranks numbered otherwise than machine by machine, or a node_size that is not the
+    ranks per machine: the "intra-node" link would cross the network uncompressed."""
+    nodes, _ = node_layout(4, 2)
+    check_hosts(nodes, ["a", "a", "b", "b"], 2)  # torchrun's numbering: fine
+    check_hosts(nodes, ["a"] * 4, 2)  # one machine (the tests' netns links): fine
+    with pytest.raises(ValueError, match=r"ranks \[0, 1\] in one node, but they run on a, b"):
+        check_hosts(nodes, ["a", "b", "a", "b"], 2)  # round-robin placement
+    with pytest.raises(ValueError, match="node_size=4"):
+        check_hosts(node_layout(4, 4)[0], ["a", "a", "b", "b"], 4)  # 2 per machine
+

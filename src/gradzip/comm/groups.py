@@ -11,7 +11,9 @@ hierarchical reduction never averages over, or waits on, ranks outside it.
 Nodes inside a group: torchrun numbers the ranks of a node consecutively, so with
 ``node_size`` ranks per node, the group's sorted ranks ``g`` form nodes
 ``g[n*L:(n+1)*L]``, and the cross-node group of local rank j is ``g[j::L]``: one rank of
-every node.
+every node. The ranks' host names are exchanged once (``node_groups``), and a node whose
+ranks sit on two machines is refused (``check_hosts``): its uncompressed "intra-node" link
+would cross the network.
 
 NCCL's object collectives stage through ``torch.cuda.current_device()``; a script that
 never calls ``torch.cuda.set_device`` would run every rank's exchange on cuda:0.
@@ -21,6 +23,7 @@ never calls ``torch.cuda.set_device`` would run every rank's exchange on cuda:0.
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -82,15 +85,34 @@ def node_layout(ranks: int | tuple[int, ...],
     return nodes, cross
 
 
+def check_hosts(nodes: list[list[int]], hosts: list[str], node_size: int) -> None:
+    """Refuse a layout that puts ranks of two machines in one node (``hosts[r]``: rank
+    r's host name): its "intra-node" link would cross the network uncompressed. Ranks
+    numbered otherwise than torchrun numbers them, or a ``node_size`` that is not the
+    ranks per machine, would do that."""
+    for members in nodes:
+        names = sorted({hosts[r] for r in members})
+        if len(names) > 1:
+            raise ValueError(
+                f"node_size={node_size} puts ranks {members} in one node, but they run on "
+                f"{', '.join(names)}: pass the number of this group's ranks on each "
+                "machine (torchrun's LOCAL_WORLD_SIZE for a group of the whole world), "
+                "with ranks numbered machine by machine as torchrun does")
+
+
 def node_groups(node_size: int, process_group: dist.ProcessGroup | None = None,
                 sets: list[tuple[int, ...]] | None = None,
                 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This rank's node group and cross-node group inside ``process_group`` (None: the
-    world); ``sets``: ``rank_sets`` already exchanged. Collective over the world."""
+    world); ``sets``: ``rank_sets`` already exchanged. Collective over the world; the
+    ranks' host names are exchanged once and every node must sit on one host."""
     rank = dist.get_rank()
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
     mine_node = mine_cross = None
     for ranks in sets if sets is not None else rank_sets(process_group):
         nodes, cross = node_layout(ranks, node_size)
+        check_hosts(nodes, hosts, node_size)
         for members in nodes:
             group = dist.new_group(members)
             mine_node = group if rank in members else mine_node
