@@ -8,7 +8,7 @@ PIP_EXTRA   ?=
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-dist test-all lint bench clean
+.PHONY: venv demo test test-fast test-dist test-all lint bench clean gpu-kit
 
 venv: $(STAMP)
 
@@ -55,6 +55,19 @@ test-all: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples
 	$(VENV)/bin/mypy
+
+# For a borrowed GPU host without network (Python 3.12 with torch, numba, h5py, xxhash):
+# gradzip's wheel and the dependencies it lacks as cp312 manylinux wheels, in gpu-kit/
+# (git-ignored; about 25 MB). There, from the repository root:
+#   python -m pip install --no-index --find-links gpu-kit gradzip rich tqdm
+#   gradzip bench gpu --out runs/gpu
+gpu-kit: $(STAMP)
+	rm -rf gpu-kit && mkdir -p gpu-kit
+	$(PY) -m pip download --quiet --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux_2_28_x86_64 --dest gpu-kit \
+	  constriction isal lz4 zstandard cffi tqdm rich
+	$(PY) -m pip wheel --quiet --no-deps --wheel-dir gpu-kit .
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
