@@ -38,7 +38,7 @@ def test_smoke_mode_runs_every_part_and_writes_its_tables(tmp_path) -> None:
         assert row["encode_gbps"] > 0 and row["decode_gbps"] > 0
         assert row["encode_syncs"] >= 0 and row["decode_syncs"] >= 0
     ranks = {r["case"]: r for r in record["ranks"]}
-    assert len(ranks) == 17 and all(r["ok"] for r in ranks.values()), ranks
+    assert len(ranks) == 19 and all(r["ok"] for r in ranks.values()), ranks
     assert all(r["checked_collectives"] > 50 for r in ranks.values())  # the shim ran
     assert ranks["negative control: unequal all-gather"]["detail"].startswith(
         "StrictViolation")

@@ -137,6 +137,25 @@ def _fsdp2_checks(rank: int, lossy: list[str]) -> dict:
         except gradzip.NonFiniteGradientError as e:
             out["nan"][spec] = str(e)
 
+    # an optimizer stepping in backward (post-accumulate-grad hooks): the flags are read
+    # in the hook, before FSDP2 runs that step (counted as a GPU: deferred otherwise)
+    m = _fsdp2(base)
+    gradzip.attach(m, "int8")
+    _train(m, rank, 1)
+    stepped: list[int] = []
+    for p in m.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: stepped.append(1))
+    x, y = _batch(0, rank)
+    if rank == 0:
+        x = x.clone()
+        x[0, 0] = float("nan")
+    with count_host_syncs():
+        try:
+            nn.functional.mse_loss(m(x), y).backward()
+            out["in_backward"] = ("", len(stepped))
+        except gradzip.NonFiniteGradientError:
+            out["in_backward"] = ("raised", len(stepped))
+
     # the op FSDP passes: a custom divide factor arrives as PREMUL_SUM(1/factor)
     # and with force_sum_reduction_for_comms a SUM around FSDP's own pre/post divides
     grads = {}
@@ -212,6 +231,8 @@ def test_fsdp2_compressed_reduce_scatter():
         assert r["syncs"] == {spec: 1.0 for spec in SYNC_FREE}, r["syncs"]
     for spec in SYNC_FREE:  # a NaN on rank 0 stops both ranks, with the same words
         assert r0["nan"][spec] and r0["nan"][spec] == r1["nan"][spec], spec
+    # no optimizer step inside backward ever saw the NaN step's gradients
+    assert r0["in_backward"] == r1["in_backward"] == ("raised", 0)
 
 
 #: FSDP2 reduce-scatters with no host read on the autograd thread (issue 41, item 9)

@@ -50,6 +50,8 @@ def test_event_timed_reductions_wait_for_the_step_to_settle() -> None:
     stats.end_step()
     assert stats.open_reductions() == 0
     assert stats.totals()["comm_ms_by_op"]["all_gather"] == pytest.approx(4.0)
+    # the step's communication time is the collective's, not the encode and decode's
+    assert stats.totals()["comm_ms"] == pytest.approx(4.0)
 
 
 def test_flags_wait_for_one_read_when_host_reads_cost_a_sync() -> None:

@@ -22,6 +22,7 @@ def _cases(rank: int) -> dict[str, str]:
         out["sum"] = str(t.tolist())
         work = dist.all_reduce(torch.ones(2), async_op=True)
         work.wait()
+        dist.all_reduce(torch.ones(2), dist.ReduceOp.SUM, None, True).wait()  # positional
         try:  # the length differs between ranks: refused on every rank, nothing hangs
             dist.all_gather([torch.zeros(2 + rank) for _ in range(2)], torch.zeros(2 + rank))
             out["unequal"] = "ran"
@@ -42,6 +43,6 @@ def test_the_shim_checks_devices_and_shapes_and_runs_the_rest() -> None:
     for out in run_ranks(_cases, 2):
         assert out["sum"] == "[1.0, 1.0, 1.0]"
         assert out["unequal"] == "StrictViolation"
-        assert out["calls"] == "{'all_reduce': 2}"
+        assert out["calls"] == "{'all_reduce': 3}"
         assert "NCCL refuses" in out["host"] and "cpu" in out["host"]
         assert out["restored"].startswith("torch.distributed")

@@ -1,4 +1,4 @@
-"""Fixed-layout payloads exchanged as equal-length device buffers: no host read.
+"""Fixed-layout payloads exchanged as equal-length device buffers, with no host read.
 
 A codec whose payload layout follows from the input's shape alone
 (``Codec.fixed_layout``: ``int8``, ``qsgd``, ``topk``, the casts, the sign codecs,
@@ -15,6 +15,11 @@ input held NaN/Inf (the sender encoded zeros instead, so no NaN reaches any code
 state). The flags, and the decoders' checks on the bytes they received
 (``codecs.validation``), go to ``Communicator.watch``: read at once, or, on a hook
 that defers them, read once when backward ends, before any optimizer step.
+
+The exchange itself reads nothing on the host. Codecs that read it in their own encode
+or decode still do: the sign codecs (an l1 scale, a header), ``terngrad(shared=false)``
+and ``centroid`` (a bin count). ``none``, the casts, ``int8``, ``qsgd`` and ``topk``
+(with or without ``ef``) read nothing on a GPU.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ the ranks' device, equal shapes and dtypes on every rank). They run:
 * a NaN on one rank under three paths: every rank raises the same error, none hangs;
 * Streaming DiLoCo with two fragments and an exchange overlapping the next step, and
   SparseLoCo's gather of entropy-coded top-k: the ranks' anchors equal;
-* hierarchical DDP at W = 4 in nodes of 2, and HSDP on a 2 x 2 mesh (the replicate
-  peers' shards equal);
+* FSDP2 at W = 3 (gradzip's reduce-scatter, the fixed-length exchange), hierarchical
+  DDP at W = 4 in nodes of 2, and HSDP on a 2 x 2 mesh, the shard link FSDP2's own or
+  gradzip's (the replicate peers' shards equal);
 * a negative control: an all-gather whose length differs between ranks must be refused.
 """
 
@@ -28,8 +29,12 @@ PATH_SPECS = ["none", "fp16 | aggregate=two_phase", "ef | int8",
               "ef | topk(ratio=0.1) | aggregate=two_phase", "int8 | ans", "ef | powersgd(rank=2)"]
 #: a NaN on rank 1: the chained flag, the fixed-length buffer's byte, the size exchange
 NAN_SPECS = ["fp16", "ef | int8", "int8 | ans"]
-#: hierarchical DDP (nodes of 2) and HSDP's replicate link at W = 4
+#: hierarchical DDP (nodes of 2) at W = 4
 NODE_SPECS = ["fp16", "ef | int8"]
+#: HSDP 2 x 2: the replicate link's codec (the shard link ``none``, FSDP2's own), and
+#: both links compressed (gradzip's reduce-scatter on the shard link)
+HSDP_SPECS: list[Any] = ["none", "fp16", "ef | int8",
+                         {"replicate": "fp16", "shard": "ef | int8"}]
 
 
 def rank_device(kind: str) -> torch.device:
@@ -123,7 +128,7 @@ def _outer(codec: str, rank: int, device: torch.device, **options: Any) -> torch
     return flat(outer.anchor)
 
 
-def _hsdp(spec: str, rank: int, device: torch.device) -> torch.Tensor:
+def _hsdp(spec: Any, rank: int, device: torch.device) -> torch.Tensor:
     """This rank's shards after 3 steps of HSDP on a 2 x 2 mesh under ``spec``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -145,6 +150,30 @@ def _hsdp(spec: str, rank: int, device: torch.device) -> torch.Tensor:
     finally:
         handle.close()
     return flat(p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
+
+
+def _fsdp2(spec: str, rank: int, device: torch.device) -> torch.Tensor:
+    """The full weights after 3 steps of FSDP2 over every rank under ``spec`` (gradzip's
+    reduce-scatter: the fixed-length exchange for ``ef | int8``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    import gradzip
+
+    model = _model(device)
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer)
+    fully_shard(model)
+    handle = gradzip.attach(model, spec)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    try:
+        for step in range(3):
+            opt.zero_grad()
+            model(batch(step, rank, device)).pow(2).mean().backward()
+            opt.step()
+    finally:
+        handle.close()
+    return flat(p.full_tensor() if hasattr(p, "full_tensor") else p
+                for p in model.parameters())
 
 
 def _unequal_gather(rank: int, device: torch.device) -> str:
@@ -177,15 +206,15 @@ def rank_cases(rank: int, kind: str, world: int) -> dict[str, Any]:
             out["SparseLoCo's gather"] = _attempt(lambda: _outer(
                 sparseloco_codec(k=4, chunk=64), rank, device, sync_every=2, outer_lr=1.0,
                 outer_momentum=0.0))
+            out["FSDP2 W=3: ef | int8"] = _attempt(lambda: _fsdp2("ef | int8", rank, device))
             out["negative control: unequal all-gather"] = _attempt(
                 lambda: _unequal_gather(rank, device))
         else:
             for spec in NODE_SPECS:
                 out[f"hierarchical W=4, nodes of 2: {spec}"] = _attempt(
                     lambda s=spec: _ddp(s, rank, device, node_size=2))
-            for spec in ["none", *NODE_SPECS]:
-                out[f"HSDP 2x2, replicate {spec}"] = _attempt(
-                    lambda s=spec: _hsdp(s, rank, device))
+            for spec in HSDP_SPECS:
+                out[f"HSDP 2x2: {spec}"] = _attempt(lambda s=spec: _hsdp(s, rank, device))
     out["_checked_collectives"] = sum(strict.calls.values())
     return out
 

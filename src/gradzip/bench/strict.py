@@ -21,6 +21,7 @@ itself.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,9 +31,12 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map
 
-#: torch.distributed's collectives gradzip and FSDP2 call from Python
-PATCHED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-           "all_to_all", "all_to_all_single", "broadcast")
+#: torch.distributed's collectives gradzip and FSDP2 call from Python (the ``*_single``
+#: names are FSDP2's on recent torch; those this torch lacks are skipped). The first
+#: argument of each is its output.
+PATCHED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+           "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all",
+           "all_to_all_single", "broadcast")
 
 
 class StrictViolation(RuntimeError):
@@ -51,8 +55,9 @@ class StrictCollectives:
 
     def __enter__(self) -> StrictCollectives:
         for name in PATCHED:
-            self._originals[name] = getattr(dist, name)
-            setattr(dist, name, self._checked(name, self._originals[name]))
+            if hasattr(dist, name):
+                self._originals[name] = getattr(dist, name)
+                setattr(dist, name, self._checked(name, self._originals[name]))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -61,17 +66,22 @@ class StrictCollectives:
         self._originals.clear()
 
     def _checked(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
         def collective(*args: Any, **kwargs: Any) -> Any:
             if getattr(self._inside, "active", False):
                 return original(*args, **kwargs)
-            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            # by name, however the caller passed them (a positional group or async_op)
+            named = dict(signature.bind(*args, **kwargs).arguments)
+            tensors = [t for t in tree_flatten(list(named.values()))[0]
+                       if isinstance(t, torch.Tensor)]
             self._check_devices(name, tensors)
             with self._nested():
-                self._check_shapes(name, tensors, kwargs.get("group"))
+                self._check_shapes(name, tensors, named.get("group"))
             self.calls[name] = self.calls.get(name, 0) + 1
             if self.device.type == "cpu":
                 return original(*args, **kwargs)
-            return self._through_host(original, args, kwargs)
+            return self._through_host(original, named)
         return collective
 
     @contextmanager
@@ -97,24 +107,22 @@ class StrictCollectives:
             raise StrictViolation(f"{name}: the ranks passed different shapes or dtypes "
                                   f"({every}); NCCL would hang or corrupt memory")
 
-    def _through_host(self, original: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        """Run ``original`` on host copies of the device tensors, copy every tensor back
-        (outputs are written in place), and return completed work for ``async_op``."""
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-
+    def _through_host(self, original: Callable[..., Any], named: dict[str, Any]) -> Any:
+        """Run ``original`` on host copies of the device tensors, copy its output (the
+        first argument) back, and return completed work for ``async_op``."""
         def down(t: Any) -> Any:
-            if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-                host = t.detach().cpu()
-                pairs.append((t, host))
-                return host
-            return t
+            return t.detach().cpu() if isinstance(t, torch.Tensor) else t
 
-        host_args, host_kwargs = tree_map(down, (args, kwargs))
-        async_op = bool(host_kwargs.pop("async_op", False))
+        host = {key: tree_map(down, value) for key, value in named.items()}
+        async_op = bool(host.pop("async_op", False))
         with self._nested():
-            original(*host_args, **host_kwargs)
-        for device_tensor, host in pairs:
-            device_tensor.detach().copy_(host)
+            original(**host)
+        output = next(iter(named))
+        pairs = list(zip(tree_flatten(named[output])[0], tree_flatten(host[output])[0],
+                         strict=True))
+        for device_tensor, copy in pairs:
+            if isinstance(device_tensor, torch.Tensor):
+                device_tensor.detach().copy_(copy)
         if not async_op:
             return None
         done: torch.futures.Future = torch.futures.Future()

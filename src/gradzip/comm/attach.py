@@ -402,6 +402,7 @@ def apply_fsdp2(model: nn.Module, policy: Policy, codecs: list[Codec], diagnose:
         rs = CompressedReduceScatter(reducers[g], comms, key=f"fsdp2/{index}",
                                      start_step=policy.start_step, shapes=shard_shapes(module),
                                      index=index, names=params)
+        rs.params = unit_parameters(module)
         scatters.append(rs)
         try:
             unit.set_custom_reduce_scatter(rs)
@@ -414,7 +415,7 @@ def apply_fsdp2(model: nn.Module, policy: Policy, codecs: list[Codec], diagnose:
     handle = Handle("fsdp2", codecs, stats, policy)
     handle.reduce_scatters = scatters
     if replicate is not None:
-        apply_replicate(handle, units, names, replicate, diagnose, native, end)
+        apply_replicate(handle, units, names, replicate, diagnose, native, end, timings)
     return handle
 
 
@@ -433,7 +434,8 @@ def refuse_native_hsdp(units: list[nn.Module]) -> None:
 def apply_replicate(handle: Handle, units: list[tuple[str, Any]], names: dict[int, str],
                     replicate: tuple[Policy, list[Codec], dist.ProcessGroup],
                     diagnose: bool, native: Collection[int] = (),
-                    end: AtBackwardEnd | None = None) -> None:
+                    end: AtBackwardEnd | None = None,
+                    timings: EventTimings | None = None) -> None:
     """HSDP: each unit's all-reduce hook averages its shard over the replicate group
     through that link's codec (``hsdp.ReplicateReduce``), counted as link "replicate";
     the units in ``native`` reduce-scatter with FSDP2's own collective, which the hook
@@ -442,8 +444,10 @@ def apply_replicate(handle: Handle, units: list[tuple[str, Any]], names: dict[in
     reducers = [Reducer(c, handle.stats, diagnose, link="replicate") for c in codecs]
     comm = TorchCommunicator(group)
     backend = backend_model(dist.get_backend())
-    on_device = OnDevice(end=end or AtBackwardEnd())
-    handle.stats.add_settler(on_device.timings.settle)
+    # one end-of-backward read and one event clock for both links' reductions
+    on_device = OnDevice(end=end or AtBackwardEnd(), timings=timings or EventTimings())
+    if timings is None:
+        handle.stats.add_settler(on_device.timings.settle)
     comm.deferred = on_device.end.checks.watch  # flags read when backward ends
     for reducer in reducers:
         reducer.timings = on_device.timings
@@ -451,13 +455,15 @@ def apply_replicate(handle: Handle, units: list[tuple[str, Any]], names: dict[in
         module = cast(nn.Module, unit)
         params = [names[id(p)] for p in unit_parameters(module)]
         g = unit_group(policy, name, params)
-        unit.set_all_reduce_hook(ReplicateReduce(
+        hook = ReplicateReduce(
             reducers[g], comm, key=f"hsdp/{index}", start_step=policy.start_step,
             shapes=shard_shapes(module),
             native=NativeShard(_shard_world(module, group), backend) if index in native
             else None,
             on_device=on_device, chained=chainable(codecs[g]) and not diagnose,
-            shards=_agreeing_shards(module, codecs[g])))
+            shards=_agreeing_shards(module, codecs[g]))
+        hook.params = unit_parameters(module)
+        unit.set_all_reduce_hook(hook)
     handle.replicate_codecs = codecs
     handle.replicate_policy = policy
 

@@ -83,10 +83,13 @@ class EventTimings:
                 r.encode_s = _seconds(u.encode)
             if u.decode is not None:
                 r.decode_s = _seconds(u.decode)
+            wire = u.span
             if u.comms:
                 split_codec_time(r, u.span, u.comms)
-            r.span = (origin.elapsed_time(u.span[0]) / 1e3,
-                      origin.elapsed_time(u.span[1]) / 1e3)
+                # the step's communication time is the union of collectives' spans: the
+                # codec's time is in encode_s/decode_s already
+                wire = (u.comms[0][1], u.comms[-1][2])
+            r.span = (origin.elapsed_time(wire[0]) / 1e3, origin.elapsed_time(wire[1]) / 1e3)
             u.stats.record(r)
             u.stats.release()
 

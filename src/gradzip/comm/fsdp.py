@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from gradzip.comm.communicator import TorchCommunicator
-from gradzip.comm.pending import AtBackwardEnd
+from gradzip.comm.pending import AtBackwardEnd, steps_in_backward
 from gradzip.comm.reducer import Reducer
 
 
@@ -126,6 +126,8 @@ class CompressedReduceScatter(ReduceScatter):
         self.names = names or []
         #: a ``gradzip.capture.Capture`` recording each reduction (set by ``attach``)
         self.capture: Any = None
+        #: the unit's own parameters (an optimizer stepping in backward reads them)
+        self.params: list[nn.Parameter] = []
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -153,6 +155,8 @@ class CompressedReduceScatter(ReduceScatter):
                                     shapes=shapes)
         if capture is not None and capture.active and capture.aggregated:
             self._record(capture, output_tensor, shapes, 1, "aggregated", comm.rank)
+        if self.comms.end is not None and steps_in_backward(self.params):
+            self.comms.end.checks.raise_ready()  # before FSDP2 runs that step
         if not async_op:
             return None
         done: torch.futures.Future = torch.futures.Future()

@@ -41,7 +41,7 @@ from gradzip.comm.chained import reduce_async
 from gradzip.comm.communicator import TorchCommunicator
 from gradzip.comm.eventtimes import EventTimings
 from gradzip.comm.fsdp import layout_or_none
-from gradzip.comm.pending import AtBackwardEnd
+from gradzip.comm.pending import AtBackwardEnd, steps_in_backward
 from gradzip.comm.reducer import Reducer
 from gradzip.comm.stats import Reduction
 
@@ -121,6 +121,8 @@ class ReplicateReduce:
         #: the padded shard shapes of the unit's parameters (per-tensor codecs)
         self.shapes = shapes
         self.calls = 0
+        #: the unit's own parameters (an optimizer stepping in backward reads them)
+        self.params: list[nn.Parameter] = []
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         if self.native is not None:
@@ -133,14 +135,17 @@ class ReplicateReduce:
         if self.on_device is not None and self.chained:
             self.on_device.reduce(self.reducer, self.comm, reduce_output, self.key, shapes,
                                   plain=not compress)
-            return
-        if self.on_device is not None:
-            self.on_device.end.arm()
-        if not compress:
-            self.reducer.reduce_plain(reduce_output, self.comm)
-            return
-        mean = self.reducer.reduce_mean(reduce_output, self.key, self.comm, shapes=shapes)
-        reduce_output.copy_(mean.reshape(reduce_output.shape))
+        else:
+            if self.on_device is not None:
+                self.on_device.end.arm()
+            if not compress:
+                self.reducer.reduce_plain(reduce_output, self.comm)
+            else:
+                mean = self.reducer.reduce_mean(reduce_output, self.key, self.comm,
+                                                shapes=shapes)
+                reduce_output.copy_(mean.reshape(reduce_output.shape))
+        if self.on_device is not None and steps_in_backward(self.params):
+            self.on_device.end.checks.raise_ready()  # before FSDP2 runs that step
 
 
 def _mesh_info(module: nn.Module) -> Any:

@@ -9,12 +9,16 @@ has nothing left to overlap: in a final autograd callback, before any optimizer 
 can apply the result. While host syncs are counted on a CPU
 (``bench.devicecheck.count_host_syncs``) the CPU takes this path too. Every rank holds the same
 flags (they come out of the same collectives), so every rank raises there, with the
-same words.
+same words. Two limits: where an optimizer steps inside backward (a post-accumulate-grad
+hook on the unit's parameters) the hook reads its flags at once instead
+(``steps_in_backward``); and a check on received bytes (``codecs.validation``) is made
+by the rank that received them only, so, as on the byte path, a corrupt payload stops
+that rank while its peers may wait in the next collective until its timeout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -81,3 +85,10 @@ class AtBackwardEnd:
     def at_backward_end(self) -> None:
         self._task = None
         self.checks.raise_ready()
+
+
+def steps_in_backward(params: Iterable[torch.Tensor]) -> bool:
+    """Whether an optimizer may step inside backward, right after a reduction of
+    ``params`` (a post-accumulate-grad hook, FSDP2's optimizer-in-backward): its flags
+    must then be read in the hook, before that step applies the result."""
+    return any(getattr(p, "_post_accumulate_grad_hooks", None) for p in params)

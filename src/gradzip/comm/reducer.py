@@ -154,7 +154,11 @@ class Reducer(CodecObserver):
     def _record_residual(self, key: str) -> None:
         sq = self.codec.residual_sq(key)  # read with the step's others, as it closes
         if sq is not None:
-            self.stats.record_residual_sq(key, sq)
+            ready = None
+            if sq.device.type == "cuda":  # made on this stream; read on another, later
+                ready = torch.cuda.Event()
+                ready.record()
+            self.stats.record_residual_sq(key, sq, ready)
 
     def _exact_mean(self, x: torch.Tensor, comm: TorchCommunicator) -> torch.Tensor:
         """Diagnostic only: the uncompressed fp32 mean, outside the byte counters."""

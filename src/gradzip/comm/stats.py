@@ -226,6 +226,7 @@ class CommStats:
         self._last = _Acc()
         self._total = _Acc()
         self._residuals: dict[str, float | torch.Tensor] = {}
+        self._ready: dict[str, Any] = {}  # events the residual tensors' streams recorded
         self._settlers: list[Callable[[], None]] = []
         self._held = 0  # reductions to be recorded when the step settles
         self._recorded = 0  # reductions recorded, every step
@@ -297,11 +298,15 @@ class CommStats:
         """The error-feedback residual norm of ``key`` after its latest reduction."""
         self.record_residual_sq(key, norm * norm)
 
-    def record_residual_sq(self, key: str, sq: float | torch.Tensor) -> None:
+    def record_residual_sq(self, key: str, sq: float | torch.Tensor,
+                           ready: Any = None) -> None:
         """The squared residual norm of ``key`` after its latest reduction; a tensor
-        (on a GPU) is read as the step closes, with every other key's, in one read."""
+        (on a GPU) is read as the step closes, with every other key's, in one read,
+        after ``ready`` (a CUDA event on the stream that computed it)."""
         with self._lock:
             self._residuals[key] = sq
+            if ready is not None:
+                self._ready[key] = ready
 
     def end_step(self) -> None:
         """Close the open step: it becomes ``summary()`` and is added to ``totals()``."""
@@ -309,6 +314,9 @@ class CommStats:
             settle()
         with self._lock:
             if self._residuals:
+                for event in self._ready.values():  # e.g. DiLoCo's exchange thread's
+                    event.synchronize()
+                self._ready.clear()
                 self._open.residual_norm = math.sqrt(_total(list(self._residuals.values())))
             self._last = self._open
             self._total.merge(self._open)
