@@ -6,6 +6,7 @@ All three are summable (the cast values are all-reduced directly, as PyTorch's
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import torch
@@ -14,6 +15,9 @@ from gradzip.codecs.base import Compressor, Slot
 from gradzip.codecs.nonfinite import host_reads_free, nonfinite_flag
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import register
+
+#: the flag of an input found finite on the host (one shared tensor, never written)
+_FINITE = torch.zeros((), dtype=torch.bool)
 
 
 @register("none")
@@ -66,8 +70,8 @@ class _Cast(Compressor):
         limit = torch.finfo(self.dtype).max
         values = x.reshape(-1).to(self.dtype, copy=True)
         if host_reads_free(x):
-            if values.numel() == 0 or not bool(nonfinite_flag(values)):
-                return Payload({"values": values}), torch.zeros((), dtype=torch.bool)
+            if values.numel() == 0 or math.isfinite(values.sum().item()):
+                return Payload({"values": values}), _FINITE
             flag = nonfinite_flag(x)
         else:
             flag = nonfinite_flag(x) if x.numel() else torch.zeros((), dtype=torch.bool,

@@ -16,13 +16,14 @@ buckets, so collectives are issued in the same order on every rank.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 import torch.distributed as dist
 
 from gradzip.codecs.chain import Codec
-from gradzip.codecs.nonfinite import agreed_nonfinite_error
+from gradzip.codecs.nonfinite import agreed_nonfinite_error, host_reads_free
 from gradzip.codecs.payload import Payload
 from gradzip.collectives.linkmodel import link_bytes
 from gradzip.comm.communicator import TorchCommunicator
@@ -74,7 +75,12 @@ def reduce_async(reducer: Reducer, comm: TorchCommunicator, buffer: torch.Tensor
         decode_start = time.perf_counter()
         decoding = event_pair() if reducing is not None else None  # [0]: the sum landed
         if bad is not None and heads:
-            checks.watch(~torch.isfinite(heads[0]).all(), lambda: agreed_nonfinite_error(key))
+            if host_reads_free(heads[0]):  # one read of one value, no tensor ops
+                if not math.isfinite(heads[0].item()):
+                    raise agreed_nonfinite_error(key)
+            else:
+                checks.watch(~torch.isfinite(heads[0]).all(),
+                             lambda: agreed_nonfinite_error(key))
         if last:  # the step's last bucket: read its flags before any optimizer step (on
             checks.raise_ready()  # CUDA a wait for the step's all-reduces, at backward's end)
         if payload is not None:  # casts convert straight into the bucket
@@ -129,8 +135,7 @@ def _summands(codec: Codec, buffer: torch.Tensor, key: str,
             payload = codec.encode_stages(buffer, key, shapes)
             leaves = [t for _, t in payload.leaves()]
             heads = [t.view(-1)[:1] for t in leaves]
-            heads[0].copy_(torch.where(bad, torch.full_like(heads[0], float("nan")),
-                                       heads[0]))
+            _poison_head(heads[0], bad)
             return payload, leaves, heads, bad
     if codec.nonfinite == "error" and buffer.numel() > 0:
         payload, bad = codec.encode_checked(buffer, key, shapes)
@@ -145,5 +150,15 @@ def _summands(codec: Codec, buffer: torch.Tensor, key: str,
         leaves = [t for _, t in payload.leaves()]
     heads = [t.view(-1)[:1] for t in leaves if t.numel() and t.dtype.is_floating_point]
     if bad is not None and heads:
-        heads[0].copy_(torch.where(bad, torch.full_like(heads[0], float("nan")), heads[0]))
+        _poison_head(heads[0], bad)
     return payload, leaves, heads, bad
+
+
+def _poison_head(head: torch.Tensor, bad: torch.Tensor) -> None:
+    """NaN into the first value sent if this rank's bucket was non-finite: on the
+    device without a read, or, where a read is free, only when it was."""
+    if host_reads_free(bad):
+        if bool(bad):
+            head.fill_(float("nan"))
+        return
+    head.copy_(torch.where(bad, torch.full_like(head, float("nan")), head))
