@@ -128,19 +128,19 @@ def _outer(codec: str, rank: int, device: torch.device, **options: Any) -> torch
     return flat(outer.anchor)
 
 
-def _hsdp(spec: Any, rank: int, device: torch.device) -> torch.Tensor:
-    """This rank's shards after 3 steps of HSDP on a 2 x 2 mesh under ``spec``."""
-    from torch.distributed.device_mesh import init_device_mesh
+def _sharded(spec: Any, rank: int, device: torch.device, mesh: Any = None,
+             **attach: Any) -> nn.Module:
+    """The model after 3 SGD steps, every layer ``fully_shard``-ed over ``mesh`` (None:
+    every rank) and ``attach``-ed with ``spec``."""
     from torch.distributed.fsdp import fully_shard
 
     import gradzip
 
-    mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("replicate", "shard"))
     model = _model(device)
     for layer in (model[0], model[2], model[4]):
-        fully_shard(layer, mesh=mesh["shard"])
-    fully_shard(model, mesh=mesh["shard"])
-    handle = gradzip.attach(model, spec, replicate_group=mesh.get_group("replicate"))
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    handle = gradzip.attach(model, spec, **attach)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     try:
         for step in range(3):
@@ -149,29 +149,23 @@ def _hsdp(spec: Any, rank: int, device: torch.device) -> torch.Tensor:
             opt.step()
     finally:
         handle.close()
+    return model
+
+
+def _hsdp(spec: Any, rank: int, device: torch.device) -> torch.Tensor:
+    """This rank's shards after 3 steps of HSDP on a 2 x 2 mesh under ``spec``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _sharded(spec, rank, device, mesh["shard"],
+                     replicate_group=mesh.get_group("replicate"))
     return flat(p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
 
 
 def _fsdp2(spec: str, rank: int, device: torch.device) -> torch.Tensor:
     """The full weights after 3 steps of FSDP2 over every rank under ``spec`` (gradzip's
     reduce-scatter: the fixed-length exchange for ``ef | int8``)."""
-    from torch.distributed.fsdp import fully_shard
-
-    import gradzip
-
-    model = _model(device)
-    for layer in (model[0], model[2], model[4]):
-        fully_shard(layer)
-    fully_shard(model)
-    handle = gradzip.attach(model, spec)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    try:
-        for step in range(3):
-            opt.zero_grad()
-            model(batch(step, rank, device)).pow(2).mean().backward()
-            opt.step()
-    finally:
-        handle.close()
+    model = _sharded(spec, rank, device)
     return flat(p.full_tensor() if hasattr(p, "full_tensor") else p
                 for p in model.parameters())
 
