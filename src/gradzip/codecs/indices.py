@@ -265,9 +265,15 @@ class Selection:
                 )
             mask = unpackbits(bits, numel)
             checks = deferring()
-            if checks is not None:  # fixed-size positions, the count checked later
-                checks.require(mask.sum() == k, f"a bitmap marks as many positions as "
-                               f"values came ({k})")
+            if checks is not None:  # the count checked later: free on the host, else on
+                message = f"a bitmap marks as many positions as values came ({k})"
+                if _fast(mask):  # the device with fixed-size positions
+                    matches = count(mask) == k
+                    checks.require(torch.tensor(matches), message)
+                    if matches:
+                        return cls(numel, mask=mask)
+                else:
+                    checks.require(mask.sum() == k, message)
                 return cls(numel, indices=torch.nonzero_static(mask, size=k,
                                                                fill_value=0).reshape(-1))
             if count(mask) != k:
@@ -282,12 +288,18 @@ class Selection:
             if k == 0:
                 return cls(numel, indices=torch.zeros(0, dtype=torch.int64))
             checks = deferring()
-            if checks is not None:
+            if checks is not None and not _fast(deltas):
                 return cls(numel, indices=_checked_later(deltas, numel, checks))
-            if _fast(deltas):
+            if _fast(deltas):  # NumPy values: no tensor is read
                 d = _np(deltas)
-                bad = d[0] < 0 or (k > 1 and int(d[1:].min()) <= 0)
-                idx = _t(np.cumsum(d, dtype=np.int64))
+                positions = np.cumsum(d, dtype=np.int64)
+                bad = bool(d[0] < 0 or (k > 1 and d[1:].min() <= 0)
+                           or positions[-1] >= numel)
+                idx = _t(positions)
+                if checks is not None:  # deferred: recorded, positions kept in range
+                    checks.require(torch.tensor(not bad), f"sparse positions ascend below "
+                                   f"{numel}")
+                    return cls(numel, indices=idx.clamp_(0, numel - 1) if bad else idx)
             else:
                 bad = bool(deltas[0] < 0) or (k > 1 and bool((deltas[1:] <= 0).any()))
                 idx = deltas.cumsum(0, dtype=torch.int64)
