@@ -5,6 +5,7 @@ a switch, resume continuing the same choice)."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -102,15 +103,87 @@ def test_a_drop_of_the_link_is_acted_on_within_fifty_steps() -> None:
     the current choice again beside the others, and the switch follows it."""
     c = AutoController(AutoOptions(), lambda v: v)
     costs = {0: 40.0, 1: 50.0}
-    _run(c, costs, 105)
-    assert [d.method for d in c.decisions] == ["fp16"]
-    costs[0], costs[1] = 180.0, 90.0  # the link dropped between steps 105 and 106
+    _run(c, costs, 125)  # trials at steps 3 and 53 keep fp16; the next is due at 253
+    assert [d.method for d in c.decisions] == ["fp16", "fp16"]
+    costs[0], costs[1] = 180.0, 90.0  # the link dropped between steps 125 and 126
     _run(c, costs, 60)
-    assert [d.method for d in c.decisions] == ["fp16", "int8"]
-    # 4.5x slower: one window (the one that ends at step 110, read at 111) starts the
+    assert [d.method for d in c.decisions] == ["fp16", "fp16", "int8"]
+    # 4.5x slower: one window (the one that ends at step 130, read at 131) starts the
     # trial, and its 2 x 6 steps decide
-    assert c.decisions[1].from_step - 105 <= 25
-    assert c.decisions[1].costs_ms == {"fp16": 180.0, "int8": 90.0}
+    assert c.decisions[2].from_step - 125 <= 25
+    assert c.decisions[2].costs_ms == {"fp16": 180.0, "int8": 90.0}
+
+
+def test_a_first_choice_is_checked_again_within_fifty_steps() -> None:
+    """The default schedule: trials at step 3 and 50 steps after, the interval doubling
+    while they keep the choice; a switch brings the next trial back to 50 steps."""
+    c = AutoController(AutoOptions(), lambda v: v)
+    _run(c, {0: 10.0, 1: 9.0}, 800)  # int8 10% cheaper: chosen at the first trial
+    starts = [d.from_step - 2 * 6 for d in c.decisions]
+    assert starts == [3, 53, 153, 353] + ([753] if len(starts) > 4 else [])
+    assert [d.method for d in c.decisions][:2] == ["int8", "int8"]
+    settling = AutoController(AutoOptions(), lambda v: v)
+    costs = {0: 10.0, 1: 9.0}  # int8 looks cheaper while the run settles ...
+    _run(settling, costs, 20)
+    costs[1] = 10.8  # ... and is not (short of a drift): fp16 again at the next trial
+    _run(settling, costs, 50)
+    assert [(d.from_step, d.method) for d in settling.decisions] == [(15, "int8"),
+                                                                     (65, "fp16")]
+
+
+def test_a_candidate_far_behind_is_cut_short() -> None:
+    """The current choice runs first; a candidate whose first measured step costs more
+    than ``cut`` above the choice's median runs 2 steps, not ``trial_steps``, and what
+    deciding cost counts the steps it ran."""
+    o = AutoOptions(warmup=1, trial_steps=6, every=100)
+    c = AutoController(o, lambda v: v)
+    ran = _run(c, {0: 10.0, 1: 13.0}, 20)  # 1.3x: past the 25% cut
+    assert ran[:9] == [0] * 6 + [1, 1, 0]
+    [d] = c.decisions
+    assert d.from_step == 9 and "cut short: int8" in d.why
+    assert c.overhead()["trials_ms"] == 2 * 3.0
+    near = AutoController(o, lambda v: v)
+    assert _run(near, {0: 10.0, 1: 12.0}, 20)[:13] == [0] * 6 + [1] * 6 + [0]  # 1.2x
+    # the current choice (int8) first, fp16 cut after it: a drop with int8 running
+    settled = AutoController(o, lambda v: v)
+    _run(settled, {0: 10.0, 1: 5.0}, 20)
+    assert settled.choice == 1
+    settled.next_trial = settled.step + 1
+    assert _run(settled, {0: 30.0, 1: 10.0}, 9) == [1] * 6 + [0, 0, 1]
+
+
+def test_a_cut_is_agreed_on_every_rank() -> None:
+    """The first step and the choice's median are agreed (the MAX) before a cut: a rank
+    that measured the candidate slow cannot cut it while another does not, and a rank
+    with no figure (-inf) leaves the decision to the others."""
+    o = AutoOptions(warmup=1, trial_steps=4, every=100)
+    others = [9.0, 20.0]  # another rank's first step and choice median
+    sent: list[list[float]] = []
+
+    def agree(values: list[float]) -> list[float]:
+        sent.append(list(values))
+        return [max(v, w) for v, w in zip(values, others, strict=False)] + values[2:]
+
+    c = AutoController(o, agree)
+    ran = _run(c, {0: 10.0, 1: 14.0}, 12)  # 1.4x here, 0.7x of the agreed median
+    assert ran[:8] == [0] * 4 + [1] * 4 and "cut short" not in c.decisions[0].why
+    assert sent[0] == [14.0, 10.0]
+    lone = AutoController(o, lambda v: [v[0], -math.inf] if len(v) == 2 else v)
+    assert _run(lone, {0: 10.0, 1: 30.0}, 12)[:8] == [0] * 4 + [1] * 4
+
+
+def test_a_trial_saved_before_slots_resumes_at_its_place() -> None:
+    """A checkpoint written before trials had slots (fixed ``trial_steps`` per candidate)
+    resumes inside its trial at the same candidate."""
+    o = AutoOptions(warmup=1, trial_steps=3, every=100)
+    c = AutoController(o, lambda v: v)
+    _run(c, {0: 10.0, 1: 10.0}, 5)  # the trial began at step 1: int8 runs step 5
+    sd = c.state_dict()
+    for key in ("order", "slot", "slot_start", "ran"):
+        del sd[key]
+    again = AutoController(o, lambda v: v)
+    again.load_state_dict(sd)
+    assert (again.slot, again.slot_start, again.active()) == (1, 4, 1)
 
 
 def test_one_noisy_window_starts_no_trial() -> None:
@@ -164,12 +237,12 @@ def test_the_cost_of_deciding_is_measured() -> None:
     time (the caller adds it), as a fraction of all steps' time."""
     o = AutoOptions(warmup=1, trial_steps=3, every=100)
     c = AutoController(o, lambda v: v)
-    _run(c, {0: 10.0, 1: 16.0}, 101)  # one trial: int8's 3 steps cost 6 ms more each
+    _run(c, {0: 10.0, 1: 12.0}, 101)  # one trial: int8's 3 steps cost 2 ms more each
     c.overhead_ms["agree"] += 2.0
     got = c.overhead()
-    assert got["trials_ms"] == 18.0 and got["agree_ms"] == 2.0
-    assert got["steps_ms"] == 100 * 10.0 + 3 * 6.0  # the last step is not yet accounted
-    assert got["fraction"] == pytest.approx(20.0 / got["steps_ms"], abs=1e-6)
+    assert got["trials_ms"] == 6.0 and got["agree_ms"] == 2.0
+    assert got["steps_ms"] == 100 * 10.0 + 3 * 2.0  # the last step is not yet accounted
+    assert got["fraction"] == pytest.approx(8.0 / got["steps_ms"], abs=1e-6)
 
 
 # ---------------------------------------------------------------- on gloo ranks
@@ -399,3 +472,21 @@ def test_a_candidate_some_rank_did_not_measure_is_not_chosen_nor_recorded() -> N
     _run(c, {0: 10.0, 1: 5.0}, 8)
     [d] = c.decisions
     assert d.method == "fp16" and d.costs_ms == {"int8": 5.0} and "not measured" in d.why
+
+
+def test_the_trainer_leaves_evaluations_out_of_the_step_clock() -> None:
+    """After an evaluation or a checkpoint the loop restarts ``auto``'s clock: the step
+    that ran before it is not measured (an evaluation is no candidate's cost)."""
+    from types import SimpleNamespace
+
+    from gradzip.train.parallel import Parallelism
+
+    restarted: list[bool] = []
+    Parallelism.not_a_step(SimpleNamespace(  # type: ignore[arg-type]
+        handle=SimpleNamespace(restart_clock=lambda: restarted.append(True))))
+    Parallelism.not_a_step(SimpleNamespace(handle=None))  # type: ignore[arg-type]
+    assert restarted == [True]
+    c = AutoController(AutoOptions(warmup=1, trial_steps=3, every=100), lambda v: v)
+    for ms in (None, 10.0, 10.0, None, 10.0, 12.0, 12.0):  # None: the clock restarted
+        c.begin_step(ms)
+    assert c.samples == {0: [10.0], 1: [12.0, 12.0]}  # step 3 (fp16) left out

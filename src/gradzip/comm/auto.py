@@ -7,22 +7,27 @@ reduces every DDP bucket through one of its candidates, whole codecs tried in pl
   to the next step's first bucket (forward, backward with the reductions it waits for,
   encode and decode, the optimizer step), the median over a trial's steps.
 - **Trials.** After ``warmup`` steps (DDP's plain first step among them) every candidate
-  runs ``trial_steps`` steps in turn, the first of each left out (its caches and state
-  warm up). Trials repeat every ``every`` steps, the interval doubling (up to
-  ``max_every``) each time a trial keeps the choice, so a candidate that loses is not
-  paid for again and again; and as soon as the chosen candidate's step time drifts by
-  more than ``drift`` from what its trial measured (the median of each ``window``
-  steps) in two windows running, as when a link slows down; one window alone is noise
-  on a busy host, unless it moved by a factor of ``jump`` (2x), which no busy host
-  does and a dropped link does. Every trial measures the current choice again beside
-  the others: the window that drifted is no unbiased estimate of its cost (it was
-  picked for being far off). A drop is acted on within one or two windows and a trial
-  (``window=10``: some 20 to 35 steps).
+  runs ``trial_steps`` steps in turn, the current choice first, the first step of each
+  left out (its caches and state warm up). A candidate whose first measured step costs
+  more than ``cut`` (25%) above the current choice's median is cut short there: it
+  would need to be 5% cheaper, and a loser's steps are what a trial costs (after a
+  link drop, six 16-bit steps at 25 Mbit/s were most of it). Trials repeat ``every``
+  (50) steps after the first, the interval doubling (up to ``max_every``) each time a
+  trial keeps the choice: a choice made while the run settles is checked again within
+  50 steps, and a candidate that keeps losing is not paid for again and again; and as
+  soon as the chosen candidate's step time drifts by more than ``drift`` from what its
+  trial measured (the median of each ``window`` steps) in two windows running, as when
+  a link slows down; one window alone is noise on a busy host, unless it moved by a
+  factor of ``jump`` (2x), which no busy host does and a dropped link does. Every trial
+  measures the current choice again beside the others: the window that drifted is no
+  unbiased estimate of its cost (it was picked for being far off). A drop is acted on
+  within one or two windows and a trial (``window=10``: some 20 to 35 steps).
 - **Agreed on every rank.** The schedule is a function of the step count, and every
   figure a decision reads is first all-reduced with MAX over the ranks (one small
-  collective per trial and per window, on a gloo group of its own; a window's runs
-  during the next step and is read as the one after begins): the slowest rank's cost
-  decides, so ranks that measure differently still choose alike.
+  collective per trial, per candidate checked for a cut and per window, on a gloo group
+  of its own; a window's runs during the next step and is read as the one after
+  begins): the slowest rank's cost decides, so ranks that measure differently still
+  choose alike.
 - **What deciding costs** is measured too: the time of those collectives, and each
   trial's steps run on a candidate that lost, over what the choice would have taken
   (``report()['overhead']``, as a fraction of all the steps' time).
@@ -88,7 +93,7 @@ class AutoOptions:
     #: steps each candidate runs in a trial; the first of them is not measured
     trial_steps: int = 6
     #: steps from one trial to the next (doubled after each trial that keeps the choice)
-    every: int = 500
+    every: int = 50
     #: the longest interval the doubling reaches
     max_every: int = 4000
     #: steps between drift checks of the current choice (the median of each window)
@@ -99,6 +104,9 @@ class AutoOptions:
     #: busy host moves a window's median 2x; a link that drops from 1 Gbit/s to 25 Mbit/s
     #: makes the 16-bit path's steps several times slower)
     jump: float = 2.0
+    #: a candidate whose first measured trial step costs more than this fraction above
+    #: the current choice's trial median runs no more steps of that trial
+    cut: float = 0.25
     #: whether ``candidates`` is the default (the 16-bit reference then follows the
     #: backend: ``for_backend``), not a list the user named
     default_candidates: bool = field(default=True, compare=False)
@@ -167,6 +175,9 @@ class AutoOptions:
         if self.jump <= 1.0 + self.drift:
             raise ValueError(f"auto: jump ({self.jump}) must be a factor above 1 + drift "
                              f"({1.0 + self.drift})")
+        if not self.margin < self.cut:
+            raise ValueError(f"auto: cut ({self.cut}) must be above margin ({self.margin})"
+                             ": a candidate cut short could otherwise have won")
         if self.max_every < self.every:
             raise ValueError(f"auto: max_every ({self.max_every}) must be >= every "
                              f"({self.every})")
@@ -219,6 +230,10 @@ class AutoController:
     step: int = 0  # synchronized steps begun so far: the current step's number (from 1)
     choice: int = 0
     trial_start: int | None = None  # the step the running trial began at
+    order: list[int] = field(default_factory=list)  # the running trial's candidates
+    slot: int = 0  # the running trial's candidate: ``order[slot]``
+    slot_start: int = 0  # the step it began at
+    ran: dict[int, int] = field(default_factory=dict)  # candidate -> steps this trial
     next_trial: int = 0
     chosen_cost: float | None = None  # the agreed cost of the choice at its trial
     samples: dict[int, list[float]] = field(default_factory=dict)  # candidate -> ms
@@ -243,8 +258,7 @@ class AutoController:
         """The candidate that runs the current step."""
         if self.trial_start is None:
             return self.choice
-        return min((self.step - self.trial_start) // self.options.trial_steps,
-                   len(self.options.candidates) - 1)
+        return self.order[self.slot]
 
     def begin_step(self, last_step_ms: float | None) -> int:
         """Account the step that just ended (``last_step_ms``; None for the first), move
@@ -253,14 +267,15 @@ class AutoController:
         if last_step_ms is not None:
             self._account(last_step_ms)
         self.step += 1
-        o = self.options
-        if self.trial_start is not None and \
-                self.step - self.trial_start >= len(o.candidates) * o.trial_steps:
-            self._decide()
+        if self.trial_start is not None:
+            self._advance_trial()
         if self.trial_start is None and self.step >= self.next_trial:
-            if len(o.candidates) > 1:
-                self.trial_start, self.samples = self.step, {}
+            if len(self.options.candidates) > 1:
+                self._start_trial()
             self.next_trial = self.step + self.period
+        if self.trial_start is not None:
+            active = self.active()
+            self.ran[active] = self.ran.get(active, 0) + 1
         return self.active()
 
     def pass_step(self) -> None:
@@ -269,15 +284,44 @@ class AutoController:
         part of a trial."""
         self.step += 1
 
+    def _start_trial(self) -> None:
+        """The current choice first (the figure a cut compares with), then the others."""
+        n = len(self.options.candidates)
+        self.trial_start = self.slot_start = self.step
+        self.order = [self.choice, *(i for i in range(n) if i != self.choice)]
+        self.slot, self.samples, self.ran = 0, {}, {}
+
+    def _advance_trial(self) -> None:
+        """Move to the next candidate when this one has run its steps or is cut short;
+        after the last, decide."""
+        o, ran = self.options, self.step - self.slot_start
+        over = ran >= o.trial_steps
+        if not over and self.slot > 0 and ran == 2:  # its first measured step is in
+            over = self._cut_short(self.order[self.slot])
+        if over:
+            self.slot, self.slot_start = self.slot + 1, self.step
+            if self.slot >= len(self.order):
+                self._decide()
+
+    def _cut_short(self, candidate: int) -> bool:
+        """Whether ``candidate``'s first measured step (agreed: the slowest rank's) costs
+        more than ``cut`` above the current choice's trial median (agreed too; a rank
+        without a figure sends -inf, so the decision is the same on every rank)."""
+        mine = self.samples.get(candidate, [])
+        ref = self.samples.get(self.order[0], [])
+        first, base = self.agree([mine[0] if mine else -math.inf,
+                                  statistics.median(ref) if ref else -math.inf])
+        return math.isfinite(first) and math.isfinite(base) and base > 0 and \
+            first > (1.0 + self.options.cut) * base
+
     def _account(self, ms: float) -> None:
         """File the step that just ended (its number is ``self.step``; steps count
         from 1)."""
         o, ended = self.options, self.step
         self.overhead_ms["steps"] += ms
         if self.trial_start is not None and ended >= self.trial_start:
-            offset = ended - self.trial_start
-            if offset % o.trial_steps:  # the first step of each candidate warms it up
-                self.samples.setdefault(offset // o.trial_steps, []).append(ms)
+            if ended > self.slot_start:  # the first step of each candidate warms it up
+                self.samples.setdefault(self.order[self.slot], []).append(ms)
             return
         if self.chosen_cost is None or ended < o.warmup:
             return
@@ -324,9 +368,14 @@ class AutoController:
                                  f"cheaper than {o.candidates[current]}")
         else:
             choice, why = current, f"no candidate more than {o.margin:.0%} cheaper"
+        cut = [o.candidates[i] for i in self.order[1:]
+               if 0 < self.ran.get(i, o.trial_steps) < o.trial_steps]
+        if cut:
+            why += f"; cut short: {', '.join(cut)}"
         if choice in measured:  # the losers' trial steps, over what the choice costs
-            self.overhead_ms["trials"] += o.trial_steps * sum(
-                max(0.0, c - measured[choice]) for i, c in measured.items() if i != choice)
+            self.overhead_ms["trials"] += sum(
+                self.ran.get(i, o.trial_steps) * max(0.0, c - measured[choice])
+                for i, c in measured.items() if i != choice)
         self.period = o.every if choice != current else min(2 * self.period, o.max_every)
         self.next_trial = (self.trial_start or self.step) + self.period
         self.choice, self.trial_start, self.suspect = choice, None, False
@@ -340,6 +389,8 @@ class AutoController:
         return {"step": self.step, "choice": self.choice, "trial_start": self.trial_start,
                 "next_trial": self.next_trial, "chosen_cost": self.chosen_cost,
                 "samples": {str(k): v for k, v in self.samples.items()},
+                "order": list(self.order), "slot": self.slot, "slot_start": self.slot_start,
+                "ran": {str(k): v for k, v in self.ran.items()},
                 "window_ms": list(self.window_ms),
                 "decisions": [d.__dict__ for d in self.decisions],
                 "candidates": list(self.options.candidates),
@@ -354,6 +405,14 @@ class AutoController:
         self.trial_start, self.next_trial = sd["trial_start"], int(sd["next_trial"])
         self.chosen_cost = sd["chosen_cost"]
         self.samples = {int(k): list(v) for k, v in sd["samples"].items()}
+        self.order = [int(i) for i in sd.get("order", range(len(self.options.candidates)))]
+        if "slot" in sd:
+            self.slot, self.slot_start = int(sd["slot"]), int(sd["slot_start"])
+        elif self.trial_start is not None:  # saved before trials had slots: fixed ones
+            t = self.options.trial_steps
+            self.slot = min((self.step - self.trial_start) // t, len(self.order) - 1)
+            self.slot_start = self.trial_start + self.slot * t
+        self.ran = {int(k): int(v) for k, v in sd.get("ran", {}).items()}
         self.window_ms = list(sd["window_ms"])
         self.decisions = [Decision(**d) for d in sd["decisions"]]
         self.period = int(sd.get("period", self.options.every))
@@ -554,6 +613,11 @@ class AutoHandle:
 
     def report(self) -> dict[str, Any]:
         return self.state.report()
+
+    def restart_clock(self) -> None:
+        """The time until the next step's first reduction (an evaluation, a checkpoint)
+        is no step's: it is left out of what the trials and drift checks measure."""
+        self.state.restart_clock()
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "auto", **self.state.state_dict()}

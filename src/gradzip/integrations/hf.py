@@ -69,8 +69,20 @@ class GradzipCallback(TrainerCallback):
         if self.handle is not None and not self.launched:
             self.handle.stats.end_step()  # a launched run's clock ends its own steps
 
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._not_a_step()
+
+    def _not_a_step(self) -> None:
+        """An evaluation or a checkpoint ran: no step's time, so ``auto`` leaves it out
+        of what it measures."""
+        restart = getattr(self.handle, "restart_clock", None)
+        if callable(restart):
+            restart()
+
     def on_evaluate(self, args: Any, state: Any, control: Any,
                     metrics: dict[str, float] | None = None, **kwargs: Any) -> None:
+        if not self.launched:  # a launched run's ``log_eval`` restarts the clock
+            self._not_a_step()
         if self.launched and metrics and "eval_loss" in metrics:
             if self.handle.record is not None:
                 warnings.warn("an evaluation after training ended is not in the race's "

@@ -212,6 +212,14 @@ class ScriptHandle:
         loss = float(val_loss)
         self.evals.append({"step": int(step), "train_time_s": self.clock.train_time_s,
                            "val_loss": loss if math.isfinite(loss) else None})
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """The time until the next step (the evaluation just logged) is no step's:
+        ``auto`` leaves it out of what it measures (other methods measure nothing)."""
+        restart = getattr(self.handle, "restart_clock", None)
+        if callable(restart):
+            restart()
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.handle.state_dict())

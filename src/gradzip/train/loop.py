@@ -350,8 +350,10 @@ class Trainer:
                     last = last or interrupted
                 if self._evaluation_due(step, last and not interrupted):  # stop promptly
                     val = self._evaluate(step, train_loss)
+                    self.par.not_a_step()
                 if r.ckpt_every and step % r.ckpt_every == 0 or last:
                     self._save_checkpoint(step)
+                    self.par.not_a_step()
                 self.log.advance()
                 if last:
                     break

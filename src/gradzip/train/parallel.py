@@ -224,6 +224,13 @@ class Parallelism:
         """The weights validation runs on (``LocalUpdates``: the synchronized ones)."""
         return contextlib.nullcontext()
 
+    def not_a_step(self) -> None:
+        """The time from now to the next step (an evaluation, a checkpoint) is no
+        step's: ``auto`` leaves it out of what it measures."""
+        restart = getattr(self.handle, "restart_clock", None)
+        if callable(restart):
+            restart()
+
     def auto_report(self) -> dict[str, Any] | None:
         """What ``auto`` chose, from which step, on which costs; None for other methods."""
         report = getattr(self.handle, "report", None)
