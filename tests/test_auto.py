@@ -95,6 +95,15 @@ def test_trials_that_keep_the_choice_come_less_often() -> None:
     _run(c, {0: 10.0, 1: 30.0}, 200)
     starts = [d.from_step - 4 for d in c.decisions]  # a trial is 2 x 2 steps
     assert starts[:5] == [1, 21, 61, 101, 141] and all(d.method == "fp16" for d in c.decisions)
+    noisy = AutoController(AutoOptions(warmup=1, trial_steps=2, every=10, max_every=80,
+                                       window=4), lambda v: v)
+    _run(noisy, {0: 10.0, 1: 30.0}, 40)  # trials at 1 and 21 keep fp16: next due at 61
+    for ms in [14.0] * 8:  # two windows 40% off: a drift trial at once ...
+        noisy.begin_step(ms)
+    _run(noisy, {0: 10.0, 1: 30.0}, 10)
+    assert len(noisy.decisions) == 3 and noisy.decisions[-1].method == "fp16"
+    # ... which keeps fp16: the interval keeps doubling (40, then 80), not back to 10
+    assert noisy.period == 80 and noisy.next_trial > noisy.decisions[-1].from_step + 60
 
 
 def test_a_drop_of_the_link_is_acted_on_within_fifty_steps() -> None:
@@ -112,6 +121,29 @@ def test_a_drop_of_the_link_is_acted_on_within_fifty_steps() -> None:
     # trial, and its 2 x 6 steps decide
     assert c.decisions[2].from_step - 125 <= 25
     assert c.decisions[2].costs_ms == {"fp16": 180.0, "int8": 90.0}
+
+
+def test_after_a_jump_the_choice_runs_last_and_is_cut_when_far_behind() -> None:
+    """A trial that a jump started measures the others first: the current choice, which
+    the dropped link made several times slower, runs 2 steps of its slot, not 6; after
+    a drift short of a jump (often noise) the choice runs first, as in a periodic one."""
+    c = AutoController(AutoOptions(), lambda v: v)
+    costs = {0: 40.0, 1: 50.0}
+    _run(c, costs, 125)
+    costs[0], costs[1] = 180.0, 90.0  # the link dropped
+    ran = _run(c, costs, 40)
+    start = ran.index(1)  # the trial: int8's slot, then fp16's
+    assert ran[start:start + 9] == [1] * 6 + [0, 0, 1]
+    d = c.decisions[-1]
+    assert d.method == "int8" and "cut short: fp16" in d.why and d.from_step - 125 <= 20
+    assert not c.jumped  # the next trial is a periodic one: the choice first again
+    slower = AutoController(AutoOptions(), lambda v: v)
+    costs = {0: 40.0, 1: 50.0}
+    _run(slower, costs, 125)
+    costs[0], costs[1] = 60.0, 90.0  # 1.5x: a drift, two windows running
+    ran = _run(slower, costs, 60)
+    start = ran.index(1) - 6
+    assert ran[start:start + 9] == [0] * 6 + [1, 1, 0]  # fp16 first, int8 cut after it
 
 
 def test_a_first_choice_is_checked_again_within_fifty_steps() -> None:

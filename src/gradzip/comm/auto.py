@@ -9,9 +9,10 @@ reduces every DDP bucket through one of its candidates, whole codecs tried in pl
 - **Trials.** After ``warmup`` steps (DDP's plain first step among them) every candidate
   runs ``trial_steps`` steps in turn, the current choice first, the first step of each
   left out (its caches and state warm up). A candidate whose first measured step costs
-  more than ``cut`` (25%) above the current choice's median is cut short there: it
-  would need to be 5% cheaper, and a loser's steps are what a trial costs (after a
-  link drop, six 16-bit steps at 25 Mbit/s were most of it). Trials repeat ``every``
+  more than ``cut`` (25%) above the cheapest median measured before it in the trial is
+  cut short there: it would need to be 5% cheaper, and a loser's steps are what a trial
+  costs. A trial that a jump started runs the current choice last instead (after a
+  link drop, six 16-bit steps at 25 Mbit/s were most of what deciding cost). Trials repeat ``every``
   (50) steps after the first, the interval doubling (up to ``max_every``) each time a
   trial keeps the choice: a choice made while the run settles is checked again within
   50 steps, and a candidate that keeps losing is not paid for again and again; and as
@@ -242,6 +243,8 @@ class AutoController:
     period: int = 0  # steps from this trial to the next periodic one
     #: whether the last window drifted (a second one running starts a trial)
     suspect: bool = False
+    #: whether the next trial follows a jump (the choice then runs last)
+    jumped: bool = False
     #: what deciding cost, in ms: ``agree`` (the collectives, added by the caller),
     #: ``trials`` (steps run on a losing candidate, over the choice's cost) and
     #: ``steps`` (every accounted step's time)
@@ -285,11 +288,17 @@ class AutoController:
         self.step += 1
 
     def _start_trial(self) -> None:
-        """The current choice first (the figure a cut compares with), then the others."""
+        """The current choice first (the figure a cut compares with), then the others;
+        after a jump the others first and the choice last: what it costs now is what
+        moved, and when a dropped link made it several times slower it is cut after
+        one measured step instead of running a whole slot. (After a drift, which on a
+        busy host is often noise, the choice stays first: it usually still wins, and a
+        loser after it is cut.)"""
         n = len(self.options.candidates)
+        others = [i for i in range(n) if i != self.choice]
         self.trial_start = self.slot_start = self.step
-        self.order = [self.choice, *(i for i in range(n) if i != self.choice)]
-        self.slot, self.samples, self.ran = 0, {}, {}
+        self.order = [*others, self.choice] if self.jumped else [self.choice, *others]
+        self.slot, self.samples, self.ran, self.jumped = 0, {}, {}, False
 
     def _advance_trial(self) -> None:
         """Move to the next candidate when this one has run its steps or is cut short;
@@ -305,12 +314,14 @@ class AutoController:
 
     def _cut_short(self, candidate: int) -> bool:
         """Whether ``candidate``'s first measured step (agreed: the slowest rank's) costs
-        more than ``cut`` above the current choice's trial median (agreed too; a rank
-        without a figure sends -inf, so the decision is the same on every rank)."""
+        more than ``cut`` above the cheapest trial median of the candidates before it
+        (agreed too; a rank without a figure sends -inf, so the decision is the same on
+        every rank)."""
         mine = self.samples.get(candidate, [])
-        ref = self.samples.get(self.order[0], [])
+        medians = [statistics.median(self.samples[i]) for i in self.order[:self.slot]
+                   if self.samples.get(i)]
         first, base = self.agree([mine[0] if mine else -math.inf,
-                                  statistics.median(ref) if ref else -math.inf])
+                                  min(medians) if medians else -math.inf])
         return math.isfinite(first) and math.isfinite(base) and base > 0 and \
             first > (1.0 + self.options.cut) * base
 
@@ -348,7 +359,8 @@ class AutoController:
         jumped = agreed >= o.jump * cost or agreed * o.jump <= cost
         if jumped or (drifted and self.suspect):
             self.next_trial = self.step + 1  # the step that begins now
-            self.period = self.options.every  # the link changed: what lost may win now
+            self.jumped = jumped  # the interval goes back to ``every`` only if the
+            # trial switches: a drift that keeps the choice was noise or did not matter
             drifted = False
         self.suspect = drifted
 
@@ -395,7 +407,7 @@ class AutoController:
                 "decisions": [d.__dict__ for d in self.decisions],
                 "candidates": list(self.options.candidates),
                 "period": self.period, "overhead_ms": dict(self.overhead_ms),
-                "suspect": self.suspect}
+                "suspect": self.suspect, "jumped": self.jumped}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("candidates") != list(self.options.candidates):
@@ -417,6 +429,7 @@ class AutoController:
         self.decisions = [Decision(**d) for d in sd["decisions"]]
         self.period = int(sd.get("period", self.options.every))
         self.suspect = bool(sd.get("suspect", False))
+        self.jumped = bool(sd.get("jumped", False))
         self.overhead_ms.update(sd.get("overhead_ms", {}))
 
     def overhead(self) -> dict[str, float]:
