@@ -148,7 +148,8 @@ def test_after_a_jump_the_choice_runs_last_and_is_cut_when_far_behind() -> None:
 
 def test_a_first_choice_is_checked_again_within_fifty_steps() -> None:
     """The default schedule: trials at step 3 and 50 steps after, the interval doubling
-    while they keep the choice; a switch brings the next trial back to 50 steps."""
+    while they keep the choice; a close switch (less than ``cut`` cheaper) brings the
+    next trial back to 50 steps, a clear one does not."""
     c = AutoController(AutoOptions(), lambda v: v)
     _run(c, {0: 10.0, 1: 9.0}, 800)  # int8 10% cheaper: chosen at the first trial
     starts = [d.from_step - 2 * 6 for d in c.decisions]
@@ -161,6 +162,9 @@ def test_a_first_choice_is_checked_again_within_fifty_steps() -> None:
     _run(settling, costs, 50)
     assert [(d.from_step, d.method) for d in settling.decisions] == [(15, "int8"),
                                                                      (65, "fp16")]
+    clear = AutoController(AutoOptions(), lambda v: v)
+    _run(clear, {0: 10.0, 1: 5.0}, 200)  # int8 half fp16's cost: no early re-check
+    assert [d.from_step for d in clear.decisions] == [15, 111]  # trials at 3 and 103
 
 
 def test_a_candidate_far_behind_is_cut_short() -> None:

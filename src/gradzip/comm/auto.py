@@ -11,18 +11,21 @@ reduces every DDP bucket through one of its candidates, whole codecs tried in pl
   left out (its caches and state warm up). A candidate whose first measured step costs
   more than ``cut`` (25%) above the cheapest median measured before it in the trial is
   cut short there: it would need to be 5% cheaper, and a loser's steps are what a trial
-  costs. A trial that a jump started runs the current choice last instead (after a
-  link drop, six 16-bit steps at 25 Mbit/s were most of what deciding cost). Trials repeat ``every``
-  (50) steps after the first, the interval doubling (up to ``max_every``) each time a
-  trial keeps the choice: a choice made while the run settles is checked again within
-  50 steps, and a candidate that keeps losing is not paid for again and again; and as
-  soon as the chosen candidate's step time drifts by more than ``drift`` from what its
-  trial measured (the median of each ``window`` steps) in two windows running, as when
-  a link slows down; one window alone is noise on a busy host, unless it moved by a
-  factor of ``jump`` (2x), which no busy host does and a dropped link does. Every trial
-  measures the current choice again beside the others: the window that drifted is no
-  unbiased estimate of its cost (it was picked for being far off). A drop is acted on
-  within one or two windows and a trial (``window=10``: some 20 to 35 steps).
+  costs. A trial that a jump (below) started runs the current choice last instead, so
+  a choice a dropped link slowed is the one cut (six 16-bit steps at 25 Mbit/s were most
+  of what deciding cost after a drop).
+- **When.** The second trial comes ``every`` (50) steps after the first, and the interval
+  doubles (up to ``max_every``) after each trial, except after a close switch (the
+  winner less than ``cut`` cheaper), when it goes back to ``every``: a choice a settling
+  run's noise got wrong is checked again within 50 steps, and a candidate that keeps
+  losing is not paid for again and again. And as soon as the chosen candidate's step
+  time drifts by more than ``drift`` from what its trial measured (the median of each
+  ``window`` steps) in two windows running, as when a link slows down; one window alone
+  is noise on a busy host, unless it moved by a factor of ``jump`` (2x), which no busy
+  host does and a dropped link (or one that comes back) does. Every trial measures the
+  current choice again beside the others: the window that drifted is no unbiased
+  estimate of its cost (it was picked for being far off). A drop is acted on within one
+  or two windows and a trial (``window=10``: some 20 to 35 steps).
 - **Agreed on every rank.** The schedule is a function of the step count, and every
   figure a decision reads is first all-reduced with MAX over the ranks (one small
   collective per trial, per candidate checked for a cut and per window, on a gloo group
@@ -388,7 +391,10 @@ class AutoController:
             self.overhead_ms["trials"] += sum(
                 self.ran.get(i, o.trial_steps) * max(0.0, c - measured[choice])
                 for i, c in measured.items() if i != choice)
-        self.period = o.every if choice != current else min(2 * self.period, o.max_every)
+        # a close switch is checked again soon (``every``); a clear one, or a kept
+        # choice, lets the interval double (a link that changes back is a jump)
+        close = choice != current and measured[choice] >= (1.0 - o.cut) * measured[current]
+        self.period = o.every if close else min(2 * self.period, o.max_every)
         self.next_trial = (self.trial_start or self.step) + self.period
         self.choice, self.trial_start, self.suspect = choice, None, False
         self.chosen_cost, self.window_ms = measured.get(choice), []
