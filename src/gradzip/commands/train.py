@@ -44,7 +44,8 @@ def add_config_args(p: argparse.ArgumentParser, sections: list[str] | None = Non
             elif typing.get_origin(typ) is list:
                 kwargs.update(nargs="+", metavar="SOURCE")
             else:
-                kwargs.update(type=typ, metavar=typ.__name__.upper())
+                kwargs.update(type=typ, metavar=f.metadata.get("metavar",
+                                                               typ.__name__.upper()))
             group.add_argument(flag_of(f), **kwargs)
 
 
@@ -246,13 +247,16 @@ def _check_inputs(d: Any) -> None:
 
 
 def _check_run_dir(cfg: Any) -> None:
-    """A fresh run must not mix with an old one; a resume needs a checkpoint it can use."""
+    """A fresh run must not mix with an old one; a resume (``--resume``, or torchrun's
+    restart of a run that saved a checkpoint: ``gradzip.train.restart``) needs a
+    checkpoint it can use."""
     from gradzip.train.checkpoint import read_meta, step_dirs
+    from gradzip.train.restart import resumes
 
     run_dir, r = Path(cfg.run.out), cfg.run
     _check_writable(run_dir)
     found = step_dirs(run_dir)
-    if not r.resume:
+    if not resumes(r.resume, bool(found)):
         if found:
             raise ValueError(f"{run_dir} already holds checkpoints: pass --resume to continue "
                              f"that run, or choose another --out")

@@ -21,6 +21,7 @@ from gradzip.train.config import (
     RunConfig,
     TrainConfig,
 )
+from gradzip.train.restart import Every
 
 
 def validate(cfg: JobConfig) -> None:
@@ -111,10 +112,11 @@ def _check_train(t: TrainConfig, r: RunConfig) -> None:
                   ("--log-every", r.log_every), ("--keep-ckpts", r.keep_ckpts)])
     _at_least(0, [("--node-size", t.node_size)])
     _at_least(0, [("--max-time", t.max_time), ("--eval-every", t.eval_every),
-                  ("--ckpt-every", r.ckpt_every), ("--threads", t.threads),
+                  ("--threads", t.threads),
                   ("--target-loss", t.target_loss), ("--timing-warmup", r.timing_warmup),
                   ("--codec-start-step", t.codec_start_step),
                   ("--ppl-budget-s", t.ppl_budget_s)])
+    Every.parse(r.ckpt_every)  # steps or a time, else a clear error
     if not 0 <= t.seed < 2**32:  # NumPy's seed range
         raise ValueError(f"--seed must be in [0, 2**32), got {t.seed}")
     if t.bucket_cap_mb <= 0:

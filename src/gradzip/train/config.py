@@ -227,8 +227,9 @@ class RunConfig:
     """Let --resume move the end of the lr schedule (decay_steps, else max_steps): the lr
     then jumps to where the new cosine is at that step. Without it such a resume is refused;
     a later resume must ask again (it is not taken from the saved config)."""
-    ckpt_every: int = 0
-    """Save a checkpoint every N steps (always at the end); 0 = only at the end."""
+    ckpt_every: str = field(default="0", metadata={"int_ok": True, "metavar": "N|TIME"})
+    """Save a checkpoint every N steps, or every span of training time (30s, 10m, 1h;
+    checked at each logged step), and always at the end; 0 = only at the end."""
     keep_ckpts: int = 2
     """Keep the last K checkpoints; older ones are deleted."""
     log_every: int = 10

@@ -24,9 +24,12 @@ from gradzip.train.config import SECTIONS, JobConfig, fields_of
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
-def _coerce(section: str, name: str, value: Any, typ: Any) -> Any:
-    """Check a value from a file against the field type (ints may stand for floats)."""
+def _coerce(section: str, name: str, value: Any, typ: Any, int_ok: bool = False) -> Any:
+    """Check a value from a file against the field type (ints may stand for floats, and
+    for the text of a field that was once an int: ``int_ok``)."""
     where = f"{section}.{name}"
+    if int_ok and typ is str and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
     if typing.get_origin(typ) is list:
         if isinstance(value, str):
             value = [value]
@@ -52,11 +55,13 @@ def apply_overrides(cfg: JobConfig, overrides: dict[str, Any], origin: str) -> N
             raise ValueError(f"{origin}: section {section!r} must be a table/object")
         target = getattr(cfg, section)
         known = {f.name: t for f, t in fields_of(SECTIONS[section])}
+        int_ok = {f.name for f, _ in fields_of(SECTIONS[section]) if f.metadata.get("int_ok")}
         for name, value in values.items():
             if name not in known:
                 raise ValueError(f"{origin}: unknown option {section}.{name}; "
                                  f"known: {', '.join(known)}")
-            setattr(target, name, _coerce(section, name, value, known[name]))
+            setattr(target, name, _coerce(section, name, value, known[name],
+                                          name in int_ok))
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

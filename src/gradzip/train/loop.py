@@ -30,6 +30,7 @@ import torch
 
 from gradzip.comm.method import LocalUpdateMethod, Method, SnooMethod, every_codec
 from gradzip.train import checkpoint as ckpt
+from gradzip.train import restart
 from gradzip.train.checks import capture_schedule, method_of, nonfinite_policy, parse_profile_steps
 from gradzip.train.components import Components
 from gradzip.train.config import JobConfig, OptimConfig
@@ -155,6 +156,9 @@ class Trainer:
             torch.set_num_threads(t.threads)
         self.run_dir = Path(r.out)
         self.skipped_checkpoints: list[str] = []
+        #: which start of the workers this is (torchrun restarts them after a failure)
+        self.attempt = restart.Attempt.from_env()
+        self.kill_step = self._planned_kill()
         self.resume_from = self._find_resume()
         _set_seeds(t.seed)
         self.data = parts.data if parts.data is not None else load_data(cfg, info)
@@ -190,6 +194,10 @@ class Trainer:
                                          "ppl_at_fixed_time": None, "history": []}
         self.start_step = (self._resume(self.resume_from) if self.resume_from is not None
                            else 0)
+        #: what the failure before this attempt cost (measured before this attempt logs)
+        self.restart = (restart.measure(self.run_dir, self.attempt, self.start_step,
+                                        self.progress["train_time_s"])
+                        if self.attempt.restarted else None)
         if self.start_step >= t.max_steps:
             raise ValueError(f"checkpoint is at step {self.start_step}, not before "
                              f"--max-steps {t.max_steps}: raise --max-steps to train further")
@@ -201,17 +209,37 @@ class Trainer:
                                   o.grad_clip)
         self.timer = PhaseTimer(self.device)
         self._announce()
+        self._note_restart()
 
     # ------------------------------------------------------------ setup helpers
     def _find_resume(self) -> Path | None:
-        """The checkpoint to resume from; a fresh run must not mix with an old one."""
-        if self.cfg.run.resume:  # the newest that verifies (a collective: rank 0 decides)
+        """The checkpoint to resume from (``--resume``, or a restart by torchrun of a run
+        that saved one); a fresh run must not mix with an old one."""
+        has_checkpoint = bool(ckpt.step_dirs(self.run_dir))
+        if restart.resumes(self.cfg.run.resume, has_checkpoint, self.attempt):
+            # the newest that verifies (a collective: rank 0 decides)
             path, self.skipped_checkpoints = ckpt.select_checkpoint(self.run_dir)
             return path
-        if ckpt.step_dirs(self.run_dir):
+        if has_checkpoint:
             raise ValueError(f"{self.run_dir} already holds checkpoints: pass --resume to "
                              "continue that run, or choose another --out")
         return None
+
+    def _planned_kill(self) -> int | None:
+        """The step after which ``GRADZIP_KILL_AT`` kills this rank in this attempt."""
+        planned = restart.kills()
+        if self.attempt.number < len(planned):
+            rank, step = planned[self.attempt.number]
+            return step if rank == self.info.rank else None
+        return None
+
+    def _note_restart(self) -> None:
+        """Say what the failure before this attempt cost, and keep it (rank 0)."""
+        if self.restart is None:
+            return
+        if self.info.is_main:
+            restart.append(self.run_dir, self.restart)
+        self.log.info(restart.describe(self.restart, self.attempt))
 
     def _make_capture(self, cleanup: contextlib.ExitStack) -> Any:
         """The gradient capture of --capture (closed however the run ends: what was
@@ -316,7 +344,8 @@ class Trainer:
         t, r = self.cfg.train, self.cfg.run
         self.model.train()
         step, train_loss, val = self.start_step, math.nan, {}
-        clock0 = time.perf_counter()
+        clock0 = saved_at = time.perf_counter()
+        every = restart.Every.parse(r.ckpt_every)
         several = self.info.world_size > 1
         stop = StopRequest(announce=self.info.is_main, when=(
             f"up to the next logged step (--log-every {r.log_every})" if several
@@ -341,19 +370,26 @@ class Trainer:
                 self.progress["train_time_s"] += step_ms / 1e3
                 profiler.step(step, phases, step_ms)
                 last = step == t.max_steps or self._out_of_time(clock0)
-                interrupted = False
+                interrupted = save_due = False
                 if step % r.log_every == 0 or last or (stop.requested and not several):
                     # every rank learns here whether any was signalled (see interrupt.py)
-                    train_loss, interrupted = self._log_interval(
-                        step, loss_sum, lr, step_ms, phases, grad_norm, stop.requested)
+                    # and whether a timed checkpoint is due (rank 0's clock decides)
+                    timed = bool(every.seconds) and self.info.is_main and \
+                        time.perf_counter() - saved_at >= every.seconds
+                    train_loss, interrupted, save_due = self._log_interval(
+                        step, loss_sum, lr, step_ms, phases, grad_norm, stop.requested,
+                        timed)
                     interrupted = interrupted and step < t.max_steps  # else it finished
                     last = last or interrupted
                 if self._evaluation_due(step, last and not interrupted):  # stop promptly
                     val = self._evaluate(step, train_loss)
                     self.par.not_a_step()
-                if r.ckpt_every and step % r.ckpt_every == 0 or last:
+                if every.steps and step % every.steps == 0 or save_due or last:
                     self._save_checkpoint(step)
                     self.par.not_a_step()
+                    saved_at = time.perf_counter()
+                if step == self.kill_step:
+                    restart.kill_if_due(self.info.rank, step, self.attempt)
                 self.log.advance()
                 if last:
                     break
@@ -370,11 +406,13 @@ class Trainer:
 
     def _log_interval(self, step: int, loss_sum: torch.Tensor, lr: float, step_ms: float,
                       phases: dict[str, float], grad_norm: float | None,
-                      stop_requested: bool = False) -> tuple[float, bool]:
-        """Log the interval that ends at ``step``; returns the mean train loss and whether
-        any rank was asked to stop (one all-reduce carries both; .item() syncs)."""
-        train_loss, stops = all_reduce_mean([loss_sum.item(), float(stop_requested)],
-                                            self.device)
+                      stop_requested: bool = False,
+                      save_requested: bool = False) -> tuple[float, bool, bool]:
+        """Log the interval that ends at ``step``; returns the mean train loss, whether
+        any rank was asked to stop and whether any asked for a checkpoint (one all-reduce
+        carries all three; .item() syncs)."""
+        train_loss, stops, saves = all_reduce_mean(
+            [loss_sum.item(), float(stop_requested), float(save_requested)], self.device)
         if not math.isfinite(train_loss):
             raise RuntimeError(f"training loss is {train_loss} at step {step}; "
                                f"try a lower --lr or --dtype fp32")
@@ -383,10 +421,11 @@ class Trainer:
         self.progress["history"].append({"step": step, "train_time_s":
                                          self.progress["train_time_s"],
                                          "train_loss": train_loss})
-        self.log.scalars(step, self._interval)
+        self.log.scalars(step, {**self._interval,
+                                restart.TRAIN_TIME_KEY: self.progress["train_time_s"]})
         if not self._evaluation_due(step, step == self.cfg.train.max_steps):
             self.log.info(format_line(step, self.cfg.train.max_steps, self._interval))
-        return train_loss, stops > 0
+        return train_loss, stops > 0, saves > 0
 
     def _evaluation_due(self, step: int, last: bool) -> bool:
         t = self.cfg.train
@@ -491,6 +530,8 @@ class Trainer:
             "seed": t.seed,
             "steps": step,
             "resumed_from_step": self.start_step or None,
+            # torchrun's restarts of this run's workers: how many, what they cost
+            "restarts": restart.summary(self.run_dir),
             "train_loss": train_loss,
             "val_loss": val.get("val_loss"),
             "val_ppl": val.get("val_ppl"),
