@@ -24,11 +24,15 @@ echo not listed
 ```
 ```
 torchrun --nproc_per_node 2 -m gradzip train --max-steps 5
+GRADZIP_KILL_AT=1@7 OMP_NUM_THREADS=1 torchrun -m gradzip train
+lower=case echo not listed
 ```
 """
     assert page_commands(text) == ["gradzip compare --preset full --out runs/full",
                                    "make demo",
-                                   "torchrun --nproc_per_node 2 -m gradzip train --max-steps 5"]
+                                   "torchrun --nproc_per_node 2 -m gradzip train --max-steps 5",
+                                   "GRADZIP_KILL_AT=1@7 OMP_NUM_THREADS=1 torchrun -m gradzip "
+                                   "train"]
 
 
 def test_the_index_links_every_page_and_every_page_has_commands() -> None:

@@ -2,7 +2,8 @@
 
 A page (``docs/benchmarks/NAME.md``) gives the commands its figures came from in fenced
 code blocks. This lists them in order (lines that start with ``gradzip``, ``make``,
-``torchrun``, ``python`` or ``find``; a trailing backslash continues a line; ``#``
+``torchrun``, ``python`` or ``find``, after any ``NAME=value`` environment settings; a
+trailing backslash continues a line; ``#``
 comments dropped) and, with ``--run``, runs each in a shell from the repository root,
 stopping at the first that fails. Reruns are how a page's figures are refreshed when the
 code they describe changes; paste the new tables into the page with the date, machine
@@ -19,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: how a command line of a page starts
-_COMMAND = re.compile(r"^(gradzip|make|torchrun|python3?|find)\b")
+#: how a command line of a page starts (after environment settings: ``NAME=value``)
+_COMMAND = re.compile(r"^(?:[A-Z][A-Z0-9_]*=\S*\s+)*(gradzip|make|torchrun|python3?|find)\b")
 _FENCE = re.compile(r"```[A-Za-z]*\n(.*?)```", re.S)
 
 
