@@ -45,6 +45,7 @@ from gradzip.comm.method import (
 )
 from gradzip.comm.native import NativeCollectives
 from gradzip.train.model import GPT
+from gradzip.train.restart import attempt_store
 
 
 @dataclass
@@ -84,8 +85,11 @@ def init_distributed(parallel: str, device: str) -> DistInfo:
         dev = torch.device("cpu")
     if parallel != "none" and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        if "MASTER_ADDR" in os.environ:  # under torchrun: env:// rendezvous
-            dist.init_process_group(backend, device_id=dev if dev.type == "cuda" else None)
+        if "MASTER_ADDR" in os.environ:  # under torchrun: env:// rendezvous, or the
+            store = attempt_store()      # agent's store with a prefix per restart
+            dist.init_process_group(backend, device_id=dev if dev.type == "cuda" else None,
+                                    **({} if store is None else {"store": store, "rank": rank,
+                                                                 "world_size": world_size}))
         else:  # a single process asked for ddp/fsdp: a private 1-rank group
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
                                     rank=0, world_size=1)

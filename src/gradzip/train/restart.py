@@ -88,6 +88,22 @@ class Attempt:
         return self.number > 0
 
 
+def attempt_store(environ: Mapping[str, str] | None = None) -> Any:
+    """A store of this attempt's own under torchrun's agent store, else None (then
+    ``env://`` as usual). torchrun --standalone keeps one TCPStore, on one port, across
+    restarts, and gloo's rendezvous keys carry no attempt: a restarted worker read the
+    failed attempt's addresses and could not connect (or hung). A prefix per attempt
+    keeps each attempt's keys apart."""
+    import torch.distributed as dist
+
+    env = os.environ if environ is None else environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in env:
+        return None
+    base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+                         int(env.get("WORLD_SIZE", "1")), is_master=False)
+    return dist.PrefixStore(f"gradzip/attempt_{Attempt.from_env(env).number}", base)
+
+
 def resumes(resume_flag: bool, has_checkpoint: bool, attempt: Attempt | None = None) -> bool:
     """Whether the run continues from a checkpoint: ``--resume``, or a restart of a run
     that saved one (a restart before the first save starts again from step 0)."""
@@ -167,7 +183,7 @@ def describe(r: Restart, attempt: Attempt) -> str:
     of = f" of at most {attempt.max_restarts}" if attempt.max_restarts else ""
     return (f"restart {r.attempt}{of} (torchrun restarted the workers): resuming from step "
             f"{r.from_step}; {r.lost_steps} step(s) lost since that checkpoint "
-            f"({r.lost_train_s:.1f} s of training), {r.down_s:.1f} s down")
+            f"({r.lost_train_s:.2f} s of training), {r.down_s:.1f} s down")
 
 
 def kills(environ: Mapping[str, str] | None = None) -> list[tuple[int, int]]:
