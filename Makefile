@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned, so the package's torch>=2.9 range never pulls a CUDA build.
 	$(PY) -m pip install --quiet $(PIP_EXTRA) "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet $(PIP_EXTRA) -e ".[dev,lab,compare,hf,parquet]" || \
+	$(PY) -m pip install --quiet $(PIP_EXTRA) -e ".[dev,lab,compare,hf,parquet,ft]" || \
 	  $(PY) -m pip install --quiet $(PIP_EXTRA) -e ".[dev,lab]"
 	# compile every numba kernel once, now, so that no first run pays for it (~1 min)
 	$(VENV)/bin/gradzip codecs warm

@@ -87,3 +87,16 @@ def test_the_checker_sees_lazy_and_attribute_uses() -> None:
                      "    import torch\n    return torch.distributed.get_rank()\n")
     assert (2, "gradzip.train.loop") in imported_modules(tree)
     assert distributed_attributes(tree) == [4]
+
+
+def test_torchft_stays_behind_its_seam() -> None:
+    """Only ``gradzip.comm.ft`` imports torchft (issue 42): without the ft extra,
+    everything else works as before."""
+    seam = PACKAGE / "comm" / "ft.py"
+    problems = [f"{f.relative_to(PACKAGE.parent)}:{line} imports {mod}"
+                for f in sorted(PACKAGE.rglob("*.py")) if f != seam
+                for line, mod in imported_modules(ast.parse(f.read_text(encoding="utf-8")))
+                if _breaks(mod, ("torchft",))]
+    assert not problems, "\n".join(problems)
+    assert any(_breaks(mod, ("torchft",))
+               for _, mod in imported_modules(ast.parse(seam.read_text(encoding="utf-8"))))

@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "gradzip.commands.report",  # gradzip report RESULTS.jsonl --out DIR
     "gradzip.commands.archive",  # gradzip archive ls|verify|export|pack
     "gradzip.commands.analyze",  # gradzip analyze ARCHIVE|DIR|FILE
+    "gradzip.commands.lighthouse",  # gradzip lighthouse (torchft, several machines)
 ]
 
 

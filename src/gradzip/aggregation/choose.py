@@ -62,6 +62,14 @@ def choose(codec: Codec, x: torch.Tensor, world: int, shapes: Shapes | None,
     return "two_phase" if two < gather else "gather"
 
 
+def forget_paths(codec: Codec) -> None:
+    """Forget the paths chosen for ``codec``: the next reduction of each size agrees
+    again. For ranks that come and go (torchft): a rank that starts afresh agrees on
+    its first reduction while its peers, who remember, would not, and their
+    collectives would no longer match."""
+    _CHOSEN.pop(codec, None)
+
+
 def path_for(codec: Codec, x: torch.Tensor, world: int, shapes: Shapes | None = None,
              backend: str = "ideal", comm: Communicator | None = None) -> str:
     """How ``x`` is reduced over ``world`` ranks: all_reduce, multi_round, gather or

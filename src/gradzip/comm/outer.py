@@ -35,6 +35,16 @@ SparseLoCo (Sarfi et al., 2025) is this loop with ``outer_lr=1, outer_momentum=0
 codec of error feedback with decay, chunked top-k and 2-bit values: its error feedback
 replaces the outer momentum, so the outer step applies the decoded mean as it is.
 
+``replicas`` (``gradzip.comm.ft.Replicas``, torchft; ``gradzip train --ft``): the ranks are
+replica groups that may die and rejoin. Each synchronization is then a round of its own
+quorum (``_ft_round``): the live groups agree on the fragment, exchange, and vote; a
+round that failed anywhere here (a peer died mid-exchange) rolls back on this group: the
+anchor and outer momentum stay, the error-feedback residual returns to its value before
+the round, and the local weights return to the anchor. A group that comes back heals
+from a live peer (anchor, outer optimizers, inner optimizer, step counts; its own
+residual starts at zero) and sends a zero pseudo-gradient in that round, which the mean
+leaves out. Overlap is not supported there (a round must commit before training goes on).
+
 Use: ``outer = DiLoCo(model, opt, sync_every=32, codec="int8")`` after building the model
 and its inner optimizer ``opt`` (optional: given, its state is in ``state_dict``);
 call ``outer.step()`` after every inner optimizer step; evaluate inside
@@ -44,7 +54,10 @@ call ``outer.step()`` after every inner optimizer step; evaluate inside
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import re
+import sys
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,6 +68,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradzip.aggregation.choose import forget_paths
 from gradzip.codecs.chain import Codec
 from gradzip.comm.communicator import HostCommunicator, TorchCommunicator
 from gradzip.comm.ddp import build_codec
@@ -78,7 +92,11 @@ class DiLoCo:
                  outer: str = "diloco",
                  process_group: dist.ProcessGroup | None = None, seed: int = 0,
                  nonfinite: str = "error", fragments: int = 1,
-                 overlap_steps: int = 0, alpha: float | None = None) -> None:
+                 overlap_steps: int = 0, alpha: float | None = None,
+                 replicas: Any = None) -> None:
+        if replicas is not None and overlap_steps:
+            raise ValueError("--ft runs each synchronization as a round that commits or rolls "
+                             "back before training goes on: drop --overlap-steps")
         check_options(sync_every, outer_lr, outer_momentum, outer, fragments, overlap_steps,
                       alpha)
         self.alpha = alpha
@@ -117,6 +135,14 @@ class DiLoCo:
                       if overlap_steps else None)
         self._streams = SideStreams()
         self._pending: list[_Exchange] = []  # started, not yet applied (start order)
+        #: torchft's replica groups (``gradzip.comm.ft.Replicas``), or None
+        self.replicas = replicas
+        #: one entry per torchft round: step, committed, digests (``_ft_round``)
+        self.rounds: list[dict[str, Any]] = []
+        if replicas is not None:
+            self.comm = replicas.communicator
+            self._fresh_codecs = [c.state_dict() for c in self.codecs]
+            replicas.register(self._heal_state, self._heal)
 
     def _exchange_communicator(self, process_group: dist.ProcessGroup | None,
                                overlap_steps: int) -> TorchCommunicator:
@@ -153,6 +179,9 @@ class DiLoCo:
         while self._pending and self._pending[0].apply_at == self.inner_steps:
             self._apply(self._pending.pop(0))
             applied = True
+        if self.replicas is not None:
+            due = self.due(self.inner_steps)
+            return bool(due) and self._ft_round(due)
         for f in self.due(self.inner_steps):
             if self._pool is None:
                 self.synchronize(f)
@@ -218,6 +247,115 @@ class DiLoCo:
     def _apply(self, ex: _Exchange) -> None:
         # the mean was allocated on gradzip's stream by the exchange thread
         self._outer_step(ex.fragment, self._streams.adopt(ex.future.result()), ex.since)
+
+    # ------------------------------------------------------------ torchft rounds
+    def join(self) -> None:
+        """Under ``replicas``: a round that syncs nothing of this group's own, once at
+        the start: the groups that start together align, and a group that comes back
+        heals from a peer and takes part in the round its peers are in."""
+        if self.replicas is not None:
+            self._ft_round([])
+
+    @torch.no_grad()
+    def _ft_round(self, due: list[int]) -> bool:
+        """One torchft round syncing ``due`` (this group's due fragment, or none): join
+        the quorum, agree on the fragment, exchange, vote; outer step if the round
+        commits, else roll back. Returns whether it committed a fragment."""
+        from gradzip.comm.ft import RoundFailed
+
+        before = [c.state_dict() for c in self.codecs]  # copies (CodecState.state_dict)
+        t0, fragment, ok, means, healed = time.perf_counter(), -1, True, [], False
+        try:
+            info = self.replicas.begin_round()
+            healed = info.healed
+            fragment, contributors = self._agree(due, healed=healed)
+            if fragment >= 0:
+                for c in self.codecs:  # members may be new: every one agrees afresh
+                    forget_paths(c)
+                pseudo = self._pseudo(fragment)
+                mean = self._exchange(fragment, pseudo)
+                means = [mean * (info.size / contributors) if contributors < info.size
+                         else mean]
+        except RoundFailed as e:
+            ok = False
+            print(f"gradzip --ft: round {self.replicas.step + 1} failed on this replica "
+                  f"group ({e}); rolling it back", file=sys.stderr, flush=True)
+        committed = self.replicas.commit(ok)
+        if committed:
+            for mean in means:
+                self._outer_step(fragment, mean, None)
+        else:
+            self._roll_back(before)
+        meant = fragment if fragment >= 0 or not due else due[0]  # not agreed: its own
+        self._log_round(meant, committed, before, time.perf_counter() - t0, healed)
+        return committed and fragment >= 0
+
+    def _agree(self, due: list[int], *, healed: bool) -> tuple[int, int]:
+        """The round's fragment (-1: none) and how many groups contribute a
+        pseudo-gradient (a group just healed has none; it sends zeros): one all-gather of
+        (contributes, fragment, inner steps). A group that came back takes its peers'
+        step count."""
+        mine = torch.tensor([0.0 if healed else 1.0, float(due[0]) if due else -1.0,
+                             float(self.inner_steps)], dtype=torch.float64)
+        rows = torch.stack(self.comm.all_gather(mine))
+        fragments = {int(f) for f in rows[:, 1].tolist() if f >= 0}
+        if len(fragments) > 1:
+            raise RuntimeError(f"replica groups disagree on the fragment to synchronize "
+                               f"({sorted(fragments)}): their schedules differ (same "
+                               "--sync-every and --fragments everywhere?)")
+        self.inner_steps = int(rows[:, 2].max())
+        return (fragments.pop() if fragments else -1), max(1, int(rows[:, 0].sum()))
+
+    def _roll_back(self, before: list[dict[str, Any]]) -> None:
+        """A failed round: the codec state (error-feedback residual) as it was before
+        the round; the local weights back to the anchor (the round's local progress is
+        lost, as in torchft's DiLoCo); the anchor and outer optimizers never moved."""
+        for c, state in zip(self.codecs, before, strict=True):
+            c.load_state_dict(state)
+        with torch.no_grad():
+            for a, p in zip(self.anchor, self.params, strict=True):
+                p.copy_(a)
+
+    def _log_round(self, fragment: int, committed: bool, before: list[dict[str, Any]],
+                   seconds: float, healed: bool) -> None:
+        """What the round did here, with digests every group can compare: of the anchor
+        and outer optimizers (equal on every group that committed the round) and of the
+        codec state before and after (equal when the round rolled back)."""
+        self.rounds.append({
+            "round": self.replicas.step, "inner_steps": self.inner_steps, "time": time.time(),
+            "fragment": fragment, "committed": committed, "healed": healed,
+            "seconds": round(seconds, 4),
+            "anchor_digest": self.outer_digest(),
+            "codec_before": _digest(before),
+            "codec_after": _digest([c.state_dict() for c in self.codecs])})
+
+    def outer_digest(self) -> str:
+        """A digest of the anchor and the outer optimizers' state (bit for bit)."""
+        return _digest([self.anchor, [o.state_dict()["state"] for o in self.optimizers]])
+
+    def _heal_state(self) -> dict[str, Any]:
+        """What a group that comes back takes from this one (torchft sends it)."""
+        inner = {} if self.inner_optimizer is None else {
+            "inner_optimizer": self.inner_optimizer.state_dict()}
+        return {"anchor": [a.clone() for a in self.anchor], "inner_steps": self.inner_steps,
+                "syncs": self.syncs, "optimizers": [o.state_dict() for o in self.optimizers],
+                **inner}
+
+    def _heal(self, sd: dict[str, Any]) -> None:
+        """Become a live peer's copy: its anchor (also as the local weights), outer and
+        inner optimizers and step counts; this group's codec state starts afresh (its
+        residual was lost with it)."""
+        with torch.no_grad():
+            for a, p, saved in zip(self.anchor, self.params, sd["anchor"], strict=True):
+                a.copy_(saved)
+                p.copy_(saved)
+        for opt, state in zip(self.optimizers, sd["optimizers"], strict=True):
+            opt.load_state_dict(state)
+        if self.inner_optimizer is not None and "inner_optimizer" in sd:
+            self.inner_optimizer.load_state_dict(sd["inner_optimizer"])
+        for c, state in zip(self.codecs, self._fresh_codecs, strict=True):
+            c.load_state_dict(state)
+        self.inner_steps, self.syncs = int(sd["inner_steps"]), int(sd["syncs"])
 
     @contextlib.contextmanager
     def synchronized_weights(self) -> Iterator[None]:
@@ -296,6 +434,8 @@ class DiLoCo:
             ex.future.result()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self.replicas is not None:
+            self.replicas.close()
 
 
 @dataclass
@@ -306,6 +446,26 @@ class _Exchange:
     apply_at: int
     future: Future[torch.Tensor]
     since: list[torch.Tensor]  # the fragment's weights when it began
+
+
+def _digest(obj: Any) -> str:
+    """sha256 of every tensor's bytes in ``obj`` (nested lists and dicts, in order)."""
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            h.update(x.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):
+                h.update(str(k).encode())
+                walk(x[k])
+        elif isinstance(x, list | tuple):
+            for v in x:
+                walk(v)
+        else:
+            h.update(repr(x).encode())
+    walk(obj)
+    return h.hexdigest()[:16]
 
 
 def _done(mean: torch.Tensor) -> Future[torch.Tensor]:

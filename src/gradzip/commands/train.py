@@ -78,6 +78,29 @@ def register(sub: Any) -> None:
                    help="check every option here, then start N ranks on this machine "
                         "(torchrun --standalone --nproc_per_node N -m gradzip train ...): a "
                         "bad flag or spec fails once, before any rank starts")
+    ft = p.add_argument_group(
+        "fault tolerance (torchft)",
+        "Replica groups that may die and rejoin, for --outer diloco, average or sparseloco: "
+        "needs torchft (pip install torchft; the ft extra).")
+    ft.add_argument("--ft", type=int, default=None, metavar="N",
+                    help="run N replica groups on this machine under torchft: a Lighthouse "
+                         "on localhost, one process per group (run directories "
+                         "OUT/replica_K), a group that dies started again and healed from a "
+                         "live peer while the others go on; OUT/ft.json says what failed "
+                         "and what it cost")
+    ft.add_argument("--ft-lighthouse", default="", metavar="URL",
+                    help="with --ft: use this Lighthouse (http://host:port, from `gradzip "
+                         "lighthouse`) instead of starting one; with --ft-replica: the job "
+                         "to join")
+    ft.add_argument("--ft-replica", type=int, default=None, metavar="K",
+                    help="run only replica group K of the --ft N groups, joining "
+                         "--ft-lighthouse (several machines: one group each)")
+    ft.add_argument("--ft-timeout", type=float, default=60.0, metavar="S",
+                    help="seconds a round's collective or commit vote may take before the "
+                         "round fails and rolls back (default 60)")
+    ft.add_argument("--ft-max-restarts", type=int, default=10, metavar="N",
+                    help="with --ft: restarts per replica group before the job stops "
+                         "(default 10)")
     add_config_args(p)
     p.set_defaults(func=run)
 
@@ -301,6 +324,77 @@ def _check_resumable(cfg: Any, ckpt: Path, meta: dict[str, Any]) -> None:
                          f"from an FSDP (DCP) checkpoint")
 
 
+def check_ft(args: argparse.Namespace, cfg: Any) -> None:
+    """--ft fits this run: torchft installed, a local-update method, one process per
+    replica group, no overlap."""
+    if args.ft is None:
+        if args.ft_replica is not None or args.ft_lighthouse:
+            raise ValueError("--ft-replica and --ft-lighthouse go with --ft N (how many "
+                             "replica groups the job has)")
+        return
+    from gradzip.comm.ft import require_torchft
+
+    require_torchft()
+    t = cfg.train
+    if args.ft < 1:
+        raise ValueError(f"--ft must be >= 1 replica group, got {args.ft}")
+    if t.outer not in ("diloco", "average", "sparseloco"):
+        raise ValueError(f"--ft runs local-update methods (their rounds commit or roll back "
+                         f"as a whole): add --outer diloco, average or sparseloco (got "
+                         f"--outer {t.outer})")
+    if t.overlap_steps:
+        raise ValueError("--ft runs each synchronization as a round that commits or rolls "
+                         "back before training goes on: drop --overlap-steps")
+    if t.parallel != "ddp":
+        raise ValueError("--ft needs --parallel ddp (each replica group is one process)")
+    if args.nproc is not None or "WORLD_SIZE" in os.environ:
+        raise ValueError("--ft starts one process per replica group itself: drop --nproc "
+                         "and torchrun")
+    if args.ft_replica is not None and not (0 <= args.ft_replica < args.ft):
+        raise ValueError(f"--ft-replica must be in [0, {args.ft}), got {args.ft_replica}")
+    if args.ft_replica is not None and not args.ft_lighthouse:
+        raise ValueError("--ft-replica joins a job: give its --ft-lighthouse URL (start one "
+                         "with `gradzip lighthouse`)")
+
+
+def without_ft(argv: list[str]) -> list[str]:
+    """The command line less the launcher's own flags (a group finds the Lighthouse in
+    its environment)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--ft-max-restarts", "--ft-lighthouse"):
+            skip = True
+        elif not a.startswith(("--ft-max-restarts=", "--ft-lighthouse=")):
+            out.append(a)
+    return out
+
+
+def run_ft(args: argparse.Namespace, cfg: Any) -> int | None:
+    """Under --ft: launch the job's groups (None when this process is a group itself,
+    which then trains as usual)."""
+    from gradzip.comm.ft import ENV_LIGHTHOUSE, FtJob
+
+    if ENV_LIGHTHOUSE in os.environ:
+        return None  # started by the launcher below: a replica group
+    if args.ft_replica is not None:  # one group of a job on several machines
+        job = FtJob.from_env({ENV_LIGHTHOUSE: args.ft_lighthouse,
+                              "GRADZIP_FT_REPLICA": str(args.ft_replica),
+                              "GRADZIP_FT_REPLICAS": str(args.ft),
+                              "GRADZIP_FT_TIMEOUT": str(args.ft_timeout),
+                              **({"GRADZIP_FT_HOST": os.environ["GRADZIP_FT_HOST"]}
+                                 if "GRADZIP_FT_HOST" in os.environ else {})})
+        assert job is not None
+        os.environ.update(job.environ())
+        return None
+    from gradzip.train.ft_launch import FtLaunch
+
+    argv = without_ft(getattr(args, "argv", None) or sys.argv[1:])
+    return FtLaunch(args.ft, argv, Path(cfg.run.out), lighthouse=args.ft_lighthouse,
+                    timeout_s=args.ft_timeout, max_restarts=args.ft_max_restarts).run()
+
+
 def run(args: argparse.Namespace) -> int:
     """Resolve and check everything, then print the config or train."""
     if args.nproc is not None and args.nproc < 1:
@@ -309,6 +403,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--nproc starts torchrun itself: drop it when launching with "
                          "torchrun")
     cfg = checked_config(args)
+    try:
+        check_ft(args, cfg)
+    except (ValueError, RuntimeError) as e:
+        from gradzip.cli import UsageError
+
+        raise UsageError(str(e)) from e
     if args.nproc is not None and args.nproc > 1 and cfg.train.parallel == "none":
         raise ValueError(f"--nproc {args.nproc} starts {args.nproc} ranks: choose --parallel "
                          "ddp, fsdp or hsdp")
@@ -317,7 +417,12 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    _say_if_one_rank(cfg.train.parallel)
+    if args.ft is not None:
+        launched = run_ft(args, cfg)
+        if launched is not None:
+            return launched
+    else:
+        _say_if_one_rank(cfg.train.parallel)
     from gradzip.train.interrupt import EXIT_INTERRUPTED
     from gradzip.train.loop import train
 

@@ -185,8 +185,9 @@ class Trainer:
         self.optimizer = parts.optimizer(self.model, o)
         self.par.bind_optimizer(self.optimizer, cleanup)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.dtype == "fp16")
+        shard, shards = train_shard(info)
         self.loader = make_loader(self.data.train, batch_size=d.batch_size, seq_len=d.seq_len,
-                                  rank=info.rank, world_size=info.world_size, seed=t.seed,
+                                  rank=shard, world_size=shards, seed=t.seed,
                                   prefetch=d.prefetch)
         cleanup.callback(self.loader.close)
         #: what a checkpoint carries beyond weights: training time, history
@@ -350,6 +351,9 @@ class Trainer:
         stop = StopRequest(announce=self.info.is_main, when=(
             f"up to the next logged step (--log-every {r.log_every})" if several
             else "this step")).install()
+        self.par.join()  # torchft: align with the other replica groups, or heal
+        step = self.par.current_step(step)
+        self._log_rounds()
         with contextlib.ExitStack() as scope:
             scope.callback(stop.restore)
             profiler = scope.enter_context(maybe_enable_profiling(
@@ -362,6 +366,8 @@ class Trainer:
                     self.capture.begin_step(step, epoch=getattr(self.loader, "epoch", 0))
                 loss_sum, lr, grad_norm = self.train_step(step)
                 self.par.after_optimizer_step()
+                step = self.par.current_step(step)  # torchft: a healed group jumps ahead
+                self._log_rounds()
                 if self.capture is not None:
                     self.capture.end_step()
                 phases = self.timer.end_step()
@@ -388,8 +394,9 @@ class Trainer:
                     self._save_checkpoint(step)
                     self.par.not_a_step()
                     saved_at = time.perf_counter()
-                if step == self.kill_step:
-                    restart.kill_if_due(self.info.rank, step, self.attempt)
+                if self.kill_step is not None and step >= self.kill_step:
+                    # (>=: a torchft group that healed may have jumped past it)
+                    restart.kill_if_due(self.info.rank, self.kill_step, self.attempt)
                 self.log.advance()
                 if last:
                     break
@@ -397,6 +404,15 @@ class Trainer:
                             interrupted=stop.signal_name if interrupted else None)
 
     # ------------------------------------------------------------ loop helpers
+    def _log_rounds(self) -> None:
+        """Append torchft's new rounds to ``ft_rounds.jsonl`` (--ft): each round's step,
+        outcome and digests, which the replica groups' files must agree on."""
+        rounds = self.par.new_rounds()
+        if rounds:
+            with open(self.run_dir / "ft_rounds.jsonl", "a") as f:
+                f.writelines(json.dumps({"train_step": self.par.current_step(0), **r}) + "\n"
+                             for r in rounds)
+
     def _out_of_time(self, clock0: float) -> bool:
         """--max-time reached (all ranks stop at the same step)."""
         if self.cfg.train.max_time <= 0:
@@ -546,6 +562,8 @@ class Trainer:
             "compile_s": round(self.compile_s, 3),
             "capture": _capture_summary(self.capture),
             "outer": _outer_summary(self.par, self.method),
+            # torchft's rounds on this replica group (--ft)
+            "ft": self.par.ft_report(),
             **peak_memory(info.device),
             "target_loss": t.target_loss or None,
             "time_to_target_s": p["time_to_target_s"],
@@ -574,6 +592,17 @@ def warm_codecs(method: Method) -> float:
     from gradzip.aggregation.warm import warm
 
     return warm(every_codec([method]))
+
+
+def train_shard(info: DistInfo) -> tuple[int, int]:
+    """Which shard of the training data this process reads, of how many: its rank's, or
+    under torchft (``gradzip train --ft``) its replica group's."""
+    from gradzip.comm.ft import FtJob
+
+    job = FtJob.from_env()
+    if job is None:
+        return info.rank, info.world_size
+    return job.replica * info.world_size + info.rank, job.replicas * info.world_size
 
 
 def resume_command(run_dir: Path, info: DistInfo) -> str:

@@ -228,6 +228,23 @@ class Parallelism:
         """The weights validation runs on (``LocalUpdates``: the synchronized ones)."""
         return contextlib.nullcontext()
 
+    def join(self) -> None:
+        """Before the first step: a torchft replica group joins its peers (healing from
+        one when it comes back; ``LocalUpdates``)."""
+
+    def current_step(self, step: int) -> int:
+        """The step this process is at after ``step``: a torchft replica group that
+        healed from a peer takes the peer's step."""
+        return step
+
+    def ft_report(self) -> dict[str, Any] | None:
+        """What torchft's rounds did on this replica group; None without --ft."""
+        return None
+
+    def new_rounds(self) -> list[dict[str, Any]]:
+        """torchft's rounds since the last call (each with its digests), to log."""
+        return []
+
     def not_a_step(self) -> None:
         """The time from now to the next step (an evaluation, a checkpoint) is no
         step's: ``auto`` leaves it out of what it measures."""
@@ -282,6 +299,7 @@ class LocalUpdates(Parallelism):
     def bind_optimizer(self, optimizer: torch.optim.Optimizer,
                        cleanup: contextlib.ExitStack) -> None:
         self.inner_optimizer = optimizer  # per-rank inner state in checkpoints
+        self.handle.inner_optimizer = optimizer  # a healing peer's copy includes it
         cleanup.callback(self.handle.close)  # exchanges in flight end first
 
     def codec_state(self) -> Any:
@@ -301,6 +319,29 @@ class LocalUpdates(Parallelism):
     def evaluation_weights(self) -> contextlib.AbstractContextManager[None]:
         return cast(contextlib.AbstractContextManager[None],
                     self.handle.synchronized_weights())
+
+    def join(self) -> None:
+        self.handle.join()
+
+    def current_step(self, step: int) -> int:
+        return int(self.handle.inner_steps) if self.handle.replicas is not None else step
+
+    def new_rounds(self) -> list[dict[str, Any]]:
+        rounds = self.handle.rounds
+        start, self._logged_rounds = getattr(self, "_logged_rounds", 0), len(rounds)
+        return list(rounds[start:])
+
+    def ft_report(self) -> dict[str, Any] | None:
+        outer = self.handle
+        if outer.replicas is None:
+            return None
+        rounds = outer.rounds
+        failed = [r for r in rounds if not r["committed"]]
+        return {"replica": outer.replicas.job.replica, "replicas": outer.replicas.job.replicas,
+                "rounds": len(rounds), "committed": len(rounds) - len(failed),
+                "failed": len(failed), "failed_s": round(sum(r["seconds"] for r in failed), 3),
+                "quorum_s": round(outer.replicas.quorum_s, 3),
+                "heals": sum(1 for r in rounds if r.get("healed"))}
 
 
 class DataParallel(Parallelism):
@@ -390,9 +431,11 @@ def parallelize(raw: nn.Module, info: DistInfo, *, parallel: str, method: Method
     if parallel == "none":
         return Parallelism(raw, raw)
     if isinstance(method, LocalUpdateMethod):
+        from gradzip.comm.ft import replicas_from_env
         from gradzip.comm.outer import DiLoCo
 
         return LocalUpdates(raw, raw, DiLoCo(raw, seed=seed, nonfinite=nonfinite,
+                                             replicas=replicas_from_env(),
                                              **method.options()))
     if isinstance(method, TorchHookMethod):
         return _torch_hook_ddp(raw, info, method, bucket_cap_mb)

@@ -181,7 +181,9 @@ def summary(run_dir: Path) -> dict[str, Any]:
 def describe(r: Restart, attempt: Attempt) -> str:
     """The line a restarted run prints."""
     of = f" of at most {attempt.max_restarts}" if attempt.max_restarts else ""
-    return (f"restart {r.attempt}{of} (torchrun restarted the workers): resuming from step "
+    who = ("the --ft launcher restarted this replica group" if "GRADZIP_FT_LIGHTHOUSE"
+           in os.environ else "torchrun restarted the workers")
+    return (f"restart {r.attempt}{of} ({who}): resuming from step "
             f"{r.from_step}; {r.lost_steps} step(s) lost since that checkpoint "
             f"({r.lost_train_s:.2f} s of training), {r.down_s:.1f} s down")
 
