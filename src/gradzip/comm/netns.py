@@ -60,7 +60,11 @@ if [ -n "$GRADZIP_NETNS_CHANGES" ]; then
   ( set -- $GRADZIP_NETNS_CHANGES
     while [ $# -ge 3 ]; do
       sleep "$1"
-      tc qdisc change dev lo root tbf rate "$2" burst "$3" latency "$GRADZIP_NETNS_LATENCY"
+      if [ "$2" = down ]; then  # the link is down: every packet dropped (TCP retransmits)
+        tc qdisc replace dev lo root pfifo limit 0
+      else
+        tc qdisc replace dev lo root tbf rate "$2" burst "$3" latency "$GRADZIP_NETNS_LATENCY"
+      fi
       # when it changed (Unix seconds), for the record to place the change at a step
       [ -n "$GRADZIP_NETNS_CHANGE_LOG" ] && echo "$(date +%s.%N) $2" >> "$GRADZIP_NETNS_CHANGE_LOG"
       shift 3
@@ -161,17 +165,28 @@ def rate_bits_per_second(rate: str) -> float:
     return value
 
 
+#: a "rate" of a schedule: the link is down (every packet dropped) for that span
+DOWN = "down"
+
+
 def rate_schedule(text: str) -> list[tuple[float, str]]:
     """A link rate that changes during the run: ``"1gbit@60>25mbit"`` is 1 Gbit/s for
     the first 60 seconds, then 25 Mbit/s (``"1gbit@60>25mbit@120>100mbit"``: and 100
-    Mbit/s from 120 s on). Returns ``[(from_second, rate), ...]``, the first from 0;
-    a plain rate is a schedule of one. ValueError says what is wrong."""
+    Mbit/s from 120 s on). ``down`` is a link that drops every packet:
+    ``"100mbit@30>down@40>100mbit"`` goes down for 10 s at 30 s. Returns
+    ``[(from_second, rate), ...]``, the first from 0; a plain rate is a schedule of
+    one. ValueError says what is wrong."""
     out: list[tuple[float, str]] = []
     parts = [p.strip() for p in text.split(">")]
     start = 0.0
     for k, part in enumerate(parts):
         rate, at, until = part.partition("@")
-        rate_bits_per_second(rate)  # ValueError for a bad rate
+        if rate.strip() == DOWN:
+            if k in (0, len(parts) - 1):
+                raise ValueError(f"rate schedule {text!r}: a link can go down only between "
+                                 f"two rates, e.g. '100mbit@30>down@40>100mbit'")
+        else:
+            rate_bits_per_second(rate)  # ValueError for a bad rate
         out.append((start, rate.strip()))
         if k + 1 < len(parts):
             try:
@@ -227,7 +242,7 @@ def netns_command(argv: Sequence[str], *, rate: str | None = None,
         first = schedule[0][1]
         extra.update(GRADZIP_NETNS_RATE=first, GRADZIP_NETNS_BURST=tbf_burst(first),
                      GRADZIP_NETNS_LATENCY=latency)
-        steps = [f"{t - t0:g} {r} {tbf_burst(r)}"
+        steps = [f"{t - t0:g} {r} {'0' if r == DOWN else tbf_burst(r)}"
                  for (t0, _), (t, r) in zip(schedule, schedule[1:], strict=False)]
         extra["GRADZIP_NETNS_CHANGES"] = " ".join(steps)
     return [*_UNSHARE, "sh", "-c", _SETUP, "gradzip-netns", *map(str, argv)], extra

@@ -427,4 +427,10 @@ def run(args: argparse.Namespace) -> int:
     from gradzip.train.loop import train
 
     record = train(cfg)
+    if record.get("failed"):
+        return EXIT_COLLECTIVE_FAILED
     return EXIT_INTERRUPTED if record.get("interrupted") else 0
+
+
+#: the exit status of a run a failed collective ended (a checkpoint and a record written)
+EXIT_COLLECTIVE_FAILED = 3

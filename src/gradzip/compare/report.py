@@ -9,6 +9,7 @@ so the terminal shows exactly what the report says.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -255,6 +256,8 @@ def setting_section(summary: SettingSummary, plots: dict[str, Path]) -> str:
         parts.append("\n".join(per_link))
     if auto := auto_table(summary):
         parts.append(auto)
+    if faults := fault_lines(summary):
+        parts.append("\n".join(faults))
     if summary.trials:
         parts.append("\n".join(tuning_lines(summary)))
     parts += [f"![{_PLOT_TITLES[name]}]({path.name})" for name, path in plots.items()]
@@ -320,6 +323,51 @@ def auto_table(summary: SettingSummary) -> str:
             "rank's median)\n\n| method | seed | from step | chose | costs | why |\n"
             "|---|---:|---:|---|---|---|")
     return "\n".join([head, *rows, *foot])
+
+
+def fault_lines(summary: SettingSummary) -> list[str]:
+    """The link faults of the setting's runs (a ``down`` span of ``--rate``): how many,
+    at which step each began, and what each cost the run: the time from the last step
+    that ended before it to the first that ended after the link came back, less that
+    many of the run's median steps."""
+    lines = []
+    for m in summary.methods:
+        for r in m.runs:
+            lines += [f"- `{m.method}` seed {r.seed}: {text}" for text in _faults(r.record)]
+    if not lines:
+        return []
+    return ["**Link faults** (the link down: every packet dropped, placed at a step by "
+            "the namespace's log and the run's step clock; cost = the stall beyond the "
+            "run's median step):", *lines]
+
+
+def _faults(record: dict[str, Any]) -> list[str]:
+    changes = (record.get("compare") or {}).get("rate_changes") or []
+    clock = record.get("step_clock") or {}
+    ends, every = clock.get("end_unix") or [], int(clock.get("every") or 1)
+    median_s = (record.get("step_time_ms_p50") or 0.0) / 1e3
+    out = []
+    for i, change in enumerate(changes):
+        if change.get("rate") != "down":
+            continue
+        up = changes[i + 1] if i + 1 < len(changes) else None
+        span = (up["after_s"] - change["after_s"]) if up else None
+        text = f"down for {span:g} s" if span is not None else "down"
+        at, back = change.get("at_unix"), (up or {}).get("at_unix")
+        if change.get("at_step") is None or at is None:
+            out.append(f"{text}, after the run's last step (no cost)")
+            continue
+        before = bisect.bisect_left(ends, at) - 1
+        after = bisect.bisect_left(ends, back) if back is not None else len(ends)
+        if before < 0 or after >= len(ends):
+            out.append(f"{text} from step {change['at_step']}: the run ended in it "
+                       f"({record.get('failed') or 'see its log'})")
+            continue
+        steps = (after - before) * every
+        cost = ends[after] - ends[before] - steps * median_s
+        out.append(f"{text} from step {change['at_step']}: {steps} step(s) took "
+                   f"{ends[after] - ends[before]:.1f} s, {cost:.1f} s more than usual")
+    return out
 
 
 def _reactions(method: str, run: Any) -> list[str]:

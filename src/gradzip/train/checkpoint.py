@@ -38,6 +38,7 @@ import json
 import os
 import random
 import shutil
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -322,6 +323,49 @@ def save(
         _prune(run_dir, keep, final)
     _barrier()
     return final
+
+
+def rescue(run_dir: Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+           rank_state: dict[str, Any], meta: dict[str, Any], rank: int, world_size: int,
+           wait_s: float = 30.0) -> Path | None:
+    """Write the checkpoint of ``step`` with no collective, after the process group
+    failed (a link down, a peer gone): every rank writes its own file, and rank 0, once
+    every rank's file is there (it polls the directory for ``wait_s`` seconds), its
+    manifest. Returns the checkpoint on rank 0 when it is complete, else None.
+
+    The weights and optimizer are those after ``step`` (the step that failed never
+    reached the optimizer), but each rank's state is as the failure left it (its
+    loader past the failed step's batch, a codec's residual possibly updated by it), so
+    ``meta`` should say the checkpoint is not exact. Needs a directory every rank can
+    see (one machine, or a shared file system).
+    """
+    root = Path(run_dir) / CKPT_DIR
+    final = root / f"{PREFIX}{step:07d}"
+    tmp = root / f".rescue-{final.name}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    _write_then_rename(lambda p: torch.save(rank_state, p), tmp / f"rank{rank}.pt")
+    if rank != 0:
+        return None
+    torch.save(model.state_dict(), tmp / "model.pt")
+    torch.save(optimizer.state_dict(), tmp / "optim.pt")
+    deadline = time.monotonic() + wait_s
+    while not all((tmp / f"rank{r}.pt").is_file() for r in range(world_size)):
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.2)
+    info = {"step": step, "world_size": world_size, "format": "torch", **meta,
+            "files": file_checksums(tmp)}
+    (tmp / META).write_text(json.dumps(info, indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def _write_then_rename(write: Any, path: Path) -> None:
+    part = path.with_name(path.name + ".part")
+    write(part)
+    os.replace(part, path)
 
 
 def _prune(run_dir: Path, keep: int, newest: Path) -> None:

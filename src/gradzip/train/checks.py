@@ -121,6 +121,8 @@ def _check_train(t: TrainConfig, r: RunConfig) -> None:
         raise ValueError(f"--seed must be in [0, 2**32), got {t.seed}")
     if t.bucket_cap_mb <= 0:
         raise ValueError(f"--bucket-cap-mb must be > 0, got {t.bucket_cap_mb}")
+    if t.comm_timeout <= 0:
+        raise ValueError(f"--comm-timeout must be > 0 seconds, got {t.comm_timeout}")
     if t.dtype == "fp16" and t.device == "cpu":
         raise ValueError("--dtype fp16 needs CUDA (its grad scaler); use bf16 on CPU")
     first, _ = parse_profile_steps(r.profile_steps)

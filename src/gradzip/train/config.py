@@ -210,6 +210,10 @@ class TrainConfig:
     perplexity as ppl_at_fixed_time (compare codecs at equal time); 0 = off."""
     threads: int = 0
     """torch CPU threads per process; 0 = torch's default."""
+    comm_timeout: float = 600.0
+    """Seconds a collective may take (the process group's timeout): past it every rank
+    stops with a one-line error, a checkpoint of the last completed step and a record,
+    instead of hanging (a link that is down, a peer that is gone)."""
 
 
 @dataclass

@@ -20,6 +20,8 @@ import json
 import math
 import os
 import random
+import re
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -94,7 +96,7 @@ def train(cfg: JobConfig, *, components: Components | None = None, data: Any = N
                                 **({"make_loader": make_loader}
                                    if make_loader is not None else {}))
     was_initialized = torch.distributed.is_initialized()
-    info = init_distributed(cfg.train.parallel, cfg.train.device)
+    info = init_distributed(cfg.train.parallel, cfg.train.device, cfg.train.comm_timeout)
     try:
         # ``cleanup`` stops the loader's prefetch thread and closes the log files and
         # TensorBoard writer however the run ends (an error included).
@@ -354,56 +356,98 @@ class Trainer:
         self.par.join()  # torchft: align with the other replica groups, or heal
         step = self.par.current_step(step)
         self._log_rounds()
-        with contextlib.ExitStack() as scope:
-            scope.callback(stop.restore)
-            profiler = scope.enter_context(maybe_enable_profiling(
-                r.profile, parse_profile_steps(r.profile_steps), self.run_dir,
-                self.info.rank, self.start_step, self.log.info))
-            while step < t.max_steps:
-                step += 1
-                t0 = time.perf_counter()
-                if self.capture is not None:
-                    self.capture.begin_step(step, epoch=getattr(self.loader, "epoch", 0))
-                loss_sum, lr, grad_norm = self.train_step(step)
-                self.par.after_optimizer_step()
-                step = self.par.current_step(step)  # torchft: a healed group jumps ahead
-                self._log_rounds()
-                if self.capture is not None:
-                    self.capture.end_step()
-                phases = self.timer.end_step()
-                step_ms = (time.perf_counter() - t0) * 1e3
-                self.metrics.end_step(step_ms, phases, grad_norm)
-                self.progress["train_time_s"] += step_ms / 1e3
-                profiler.step(step, phases, step_ms)
-                last = step == t.max_steps or self._out_of_time(clock0)
-                interrupted = save_due = False
-                if step % r.log_every == 0 or last or (stop.requested and not several):
-                    # every rank learns here whether any was signalled (see interrupt.py)
-                    # and whether a timed checkpoint is due (rank 0's clock decides)
-                    timed = bool(every.seconds) and self.info.is_main and \
-                        time.perf_counter() - saved_at >= every.seconds
-                    train_loss, interrupted, save_due = self._log_interval(
-                        step, loss_sum, lr, step_ms, phases, grad_norm, stop.requested,
-                        timed)
-                    interrupted = interrupted and step < t.max_steps  # else it finished
-                    last = last or interrupted
-                if self._evaluation_due(step, last and not interrupted):  # stop promptly
-                    val = self._evaluate(step, train_loss)
-                    self.par.not_a_step()
-                if every.steps and step % every.steps == 0 or save_due or last:
-                    self._save_checkpoint(step)
-                    self.par.not_a_step()
-                    saved_at = time.perf_counter()
-                if self.kill_step is not None and step >= self.kill_step:
-                    # (>=: a torchft group that healed may have jumped past it)
-                    restart.kill_if_due(self.info.rank, self.kill_step, self.attempt)
-                self.log.advance()
-                if last:
-                    break
+        self.completed_step = step  # the last step whose optimizer step was taken
+        try:
+            with contextlib.ExitStack() as scope:
+                scope.callback(stop.restore)
+                profiler = scope.enter_context(maybe_enable_profiling(
+                    r.profile, parse_profile_steps(r.profile_steps), self.run_dir,
+                    self.info.rank, self.start_step, self.log.info))
+                while step < t.max_steps:
+                    step += 1
+                    t0 = time.perf_counter()
+                    if self.capture is not None:
+                        self.capture.begin_step(step, epoch=getattr(self.loader, "epoch", 0))
+                    loss_sum, lr, grad_norm = self.train_step(step)
+                    self.completed_step = step
+                    self.par.after_optimizer_step()
+                    step = self.par.current_step(step)  # torchft: a healed group jumps ahead
+                    self._log_rounds()
+                    if self.capture is not None:
+                        self.capture.end_step()
+                    phases = self.timer.end_step()
+                    step_ms = (time.perf_counter() - t0) * 1e3
+                    self.metrics.end_step(step_ms, phases, grad_norm)
+                    self.progress["train_time_s"] += step_ms / 1e3
+                    profiler.step(step, phases, step_ms)
+                    last = step == t.max_steps or self._out_of_time(clock0)
+                    interrupted = save_due = False
+                    if step % r.log_every == 0 or last or (stop.requested and not several):
+                        # every rank learns here whether any was signalled (see interrupt.py)
+                        # and whether a timed checkpoint is due (rank 0's clock decides)
+                        timed = bool(every.seconds) and self.info.is_main and \
+                            time.perf_counter() - saved_at >= every.seconds
+                        train_loss, interrupted, save_due = self._log_interval(
+                            step, loss_sum, lr, step_ms, phases, grad_norm, stop.requested,
+                            timed)
+                        interrupted = interrupted and step < t.max_steps  # else it finished
+                        last = last or interrupted
+                    if self._evaluation_due(step, last and not interrupted):  # stop promptly
+                        val = self._evaluate(step, train_loss)
+                        self.par.not_a_step()
+                    if every.steps and step % every.steps == 0 or save_due or last:
+                        self._save_checkpoint(step)
+                        self.par.not_a_step()
+                        saved_at = time.perf_counter()
+                    if self.kill_step is not None and step >= self.kill_step:
+                        # (>=: a torchft group that healed may have jumped past it)
+                        restart.kill_if_due(self.info.rank, self.kill_step, self.attempt)
+                    self.log.advance()
+                    if last:
+                        break
+        except RuntimeError as e:
+            if not collective_failure(e):
+                raise
+            return self._end_on_failure(step, e)
         return self._finish(step, train_loss, val,
                             interrupted=stop.signal_name if interrupted else None)
 
     # ------------------------------------------------------------ loop helpers
+    def _end_on_failure(self, step: int, error: RuntimeError) -> dict[str, Any]:
+        """A collective failed in ``step`` (past --comm-timeout, or a peer gone): on
+        every rank one line says so; a checkpoint of the last completed step is written
+        with no collective (``checkpoint.rescue``; not exact: each rank's loader and
+        codec state are as the failure left them), and rank 0 writes the record."""
+        done, info = self.completed_step, self.info
+        reason = one_line(error)
+        path = None
+        if not self.par.sharded and done > 0:
+            rank_state = {"rng": ckpt.rng_state(), "loader": self.loader.state_dict(),
+                          "scaler": self.scaler.state_dict(), "codec": self.par.codec_state()}
+            path = ckpt.rescue(self.run_dir, done, model=self.par.checkpoint_model,
+                               optimizer=self.optimizer, rank_state=rank_state,
+                               meta={"codec": self.cfg.train.codec, "trainer": self.progress,
+                                     "exact": False,
+                                     "rescued": f"a collective failed in step {step}: "
+                                                f"{reason}"},
+                               rank=info.rank, world_size=info.world_size)
+        failed = {"step": step, "error": reason, "rank": info.rank,
+                  "comm_timeout_s": self.cfg.train.comm_timeout,
+                  "checkpoint": None if path is None else str(path)}
+        saved = (f"checkpoint of step {done} (not exact: the failed step's batch is "
+                 f"skipped) in {path}; go on with: {resume_command(self.run_dir, info)}"
+                 if path is not None else "checkpoint: written by rank 0" if info.rank else
+                 "no checkpoint could be completed (see the other ranks' lines)")
+        print(f"gradzip train: rank {info.rank}: a collective failed in step {step} "
+              f"({reason}); stopping. {saved}", file=sys.stderr, flush=True)
+        record = {**self.results_record(done, math.nan, {}, collective=False),
+                  "interrupted": None, "failed": failed}
+        if info.is_main:
+            r = self.cfg.run
+            append_results(record, [self.run_dir / "results.jsonl"]
+                           + ([Path(r.results_file)] if r.results_file else []))
+        return record
+
     def _log_rounds(self) -> None:
         """Append torchft's new rounds to ``ft_rounds.jsonl`` (--ft): each round's step,
         outcome and digests, which the replica groups' files must agree on."""
@@ -512,8 +556,8 @@ class Trainer:
                               f"go on with: {resume_command(self.run_dir, self.info)}")
         return record
 
-    def results_record(self, step: int, train_loss: float,
-                       val: dict[str, float]) -> dict[str, Any]:
+    def results_record(self, step: int, train_loss: float, val: dict[str, float],
+                       collective: bool = True) -> dict[str, Any]:
         """The one JSON line this run appends to results.jsonl (docs/results.md).
 
         Timing and communication totals cover the steps this process ran (after a
@@ -522,7 +566,8 @@ class Trainer:
         the one uncompressed synchronization that rebuilds DDP's buckets
         (``settle_ddp_buckets``), as an uninterrupted run counts its uncompressed first
         step. FSDP without a codec keeps FSDP2's own collectives, counted from outside
-        (``gradzip.comm.native``).
+        (``gradzip.comm.native``). Without ``collective`` (the process group failed) it
+        asks the other ranks nothing: ``replicas_identical`` is then null.
         """
         cfg, info, t, d = self.cfg, self.info, self.cfg.train, self.cfg.data
         p = self.progress
@@ -558,7 +603,10 @@ class Trainer:
             "ef_memory_bytes": _state_bytes(self.par.codec_state()),
             "auto": self.par.auto_report(),
             # collective: every rank's weights digest (the synchronized weights)
-            "replicas_identical": replicas_identical(self.par.replica_digest()),
+            "replicas_identical": (replicas_identical(self.par.replica_digest())
+                                   if collective else None),
+            # a collective that failed and ended the run (``_end_on_failure``)
+            "failed": None,
             "compile_s": round(self.compile_s, 3),
             "capture": _capture_summary(self.capture),
             "outer": _outer_summary(self.par, self.method),
@@ -592,6 +640,23 @@ def warm_codecs(method: Method) -> float:
     from gradzip.aggregation.warm import warm
 
     return warm(every_codec([method]))
+
+
+def collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that failed (a timeout, a peer gone), not a
+    bug: torch's DistError, or gloo's RuntimeError (its messages name gloo's sources)."""
+    import torch.distributed as dist
+
+    text = str(error)
+    return isinstance(error, dist.DistError) or "/gloo/" in text or "Connection closed by " \
+        "peer" in text or "Connection reset by peer" in text
+
+
+def one_line(error: BaseException) -> str:
+    """The first line of ``error``, without gloo's source path."""
+    line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    line = re.sub(r"\[[^\]]*gloo[^\]]*\]\s*", "", line)  # gloo's source file and line
+    return line.split(" This is typically caused")[0][:300]
 
 
 def train_shard(info: DistInfo) -> tuple[int, int]:

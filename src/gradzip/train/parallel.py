@@ -29,6 +29,7 @@ import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, cast
 
 import torch
@@ -66,8 +67,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(parallel: str, device: str) -> DistInfo:
-    """Join the torchrun group (or make a 1-rank one for ddp/fsdp) and pick the device."""
+def init_distributed(parallel: str, device: str, timeout_s: float = 600.0) -> DistInfo:
+    """Join the torchrun group (or make a 1-rank one for ddp/fsdp) and pick the device;
+    a collective that takes longer than ``timeout_s`` fails on its rank."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -88,11 +90,12 @@ def init_distributed(parallel: str, device: str) -> DistInfo:
         if "MASTER_ADDR" in os.environ:  # under torchrun: env:// rendezvous, or the
             store = attempt_store()      # agent's store with a prefix per restart
             dist.init_process_group(backend, device_id=dev if dev.type == "cuda" else None,
+                                    timeout=timedelta(seconds=timeout_s),
                                     **({} if store is None else {"store": store, "rank": rank,
                                                                  "world_size": world_size}))
         else:  # a single process asked for ddp/fsdp: a private 1-rank group
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                    rank=0, world_size=1)
+                                    rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
     return DistInfo(rank, world_size, local_rank, dev)
 
 

@@ -1,0 +1,108 @@
+"""A link that goes down for 10 s in the middle of a 2-rank DDP run (issue 42, item 3):
+with the default --comm-timeout the run waits and recovers (TCP retransmits once the
+link is back); with a shorter one every rank stops within it, with a one-line error, a
+checkpoint of the last completed step and a record, never an endless hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from train_helpers import flags, launch
+
+from gradzip.comm.netns import netns_available, netns_command, rate_schedule
+
+shaped, why = netns_available(shaping=True)
+needs_netns = pytest.mark.skipif(not shaped, reason=f"no shaped namespaces here: {why}")
+
+#: 100 Mbit/s, down from 12 s to 22 s after the namespace starts (the ranks train by then)
+DOWN_10S = "100mbit@12>down@22>100mbit"
+#: down for 3 s: TCP's retransmissions carry the run over it
+DOWN_3S = "100mbit@12>down@15>100mbit"
+
+
+def test_a_link_goes_down_only_between_two_rates() -> None:
+    assert rate_schedule(DOWN_10S) == [(0.0, "100mbit"), (12.0, "down"), (22.0, "100mbit")]
+    for bad in ("down@5>100mbit", "100mbit@5>down"):
+        with pytest.raises(ValueError, match="only between"):
+            rate_schedule(bad)
+
+
+def test_the_report_says_where_each_fault_fell_and_what_it_cost() -> None:
+    from gradzip.compare.report import _faults
+
+    ends = [100.0 + 0.1 * i for i in range(50)] + [115.0 + 0.1 * i for i in range(50)]
+    record = {"step_clock": {"first_step": 1, "every": 1, "end_unix": ends},
+              "step_time_ms_p50": 100.0,
+              "compare": {"rate_changes": [
+                  {"after_s": 12.0, "rate": "down", "at_unix": 104.95, "at_step": 51},
+                  {"after_s": 22.0, "rate": "100mbit", "at_unix": 114.95, "at_step": 51}]}}
+    (line,) = _faults(record)
+    assert line.startswith("down for 10 s from step 51: 1 step(s) took 10.1 s")
+    assert "10.0 s more than usual" in line
+
+
+#: the two ranks started directly (torchrun's agent would itself lose its store while
+#: the link is down, and stop the job: its own timeout, not the run's)
+TWO_RANKS = """
+import os, subprocess, sys
+env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": sys.argv[1],
+       "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+ranks = [subprocess.Popen(sys.argv[2:], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+         for r in range(2)]
+sys.exit(max(abs(p.wait()) for p in ranks))
+"""
+
+
+def _run(tmp_path: Path, *extra: str, rate: str = DOWN_10S
+         ) -> tuple[subprocess.CompletedProcess[str], float, Path]:
+    out = tmp_path / "run"
+    argv = [sys.executable, "-c", TWO_RANKS, "29517", sys.executable, "-m", "gradzip",
+            "train", "--parallel", "ddp", "--codec", "ef | int8",
+            *flags(tmp_path / "cache", out, "--max-steps", "3000", "--max-time", "30",
+                   "--eval-every", "0"), *extra]
+    cmd, env = netns_command(argv, rate=rate)
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", **env},
+                          capture_output=True, text=True, timeout=300)
+    return proc, time.monotonic() - t0, out
+
+
+@pytest.mark.dist
+@needs_netns
+def test_a_run_waits_out_a_short_link_down(tmp_path: Path) -> None:
+    proc, _, out = _run(tmp_path, rate=DOWN_3S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((out / "results.jsonl").read_text().splitlines()[-1])
+    assert record["failed"] is None and record["replicas_identical"]
+    ends = record["step_clock"]["end_unix"]
+    assert max(b - a for a, b in zip(ends, ends[1:], strict=False)) > 2  # it stalled
+
+
+@pytest.mark.dist
+@needs_netns
+def test_past_its_timeout_every_rank_stops_with_a_checkpoint_and_a_record(
+        tmp_path: Path) -> None:
+    proc, seconds, out = _run(tmp_path, "--comm-timeout", "3")
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if "a collective failed in step" in ln]
+    assert sorted(ln.split(":")[1].strip() for ln in lines) == ["rank 0", "rank 1"], \
+        proc.stderr[-3000:]
+    assert seconds < 22 + 10, "it waited for the link to come back (or hung)"
+    record = json.loads((out / "results.jsonl").read_text().splitlines()[-1])
+    failed = record["failed"]
+    assert failed["comm_timeout_s"] == 3 and failed["checkpoint"]
+    meta = json.loads((Path(failed["checkpoint"]) / "meta.json").read_text())
+    assert meta["exact"] is False and meta["step"] == record["steps"]
+    assert "go on with: " in next(ln for ln in lines if "rank 0:" in ln)
+    resumed = subprocess.run(
+        [*launch(2), "-m", "gradzip", "train", "--parallel", "ddp", "--codec", "ef | int8",
+         *flags(tmp_path / "cache", out, "--max-steps", "3000", "--max-time", "2",
+                "--eval-every", "0"), "--resume"],
+        capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
