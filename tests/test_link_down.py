@@ -106,3 +106,37 @@ def test_past_its_timeout_every_rank_stops_with_a_checkpoint_and_a_record(
                 "--eval-every", "0"), "--resume"],
         capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+
+def test_a_race_whose_link_goes_down_starts_its_ranks_without_torchrun() -> None:
+    from gradzip.compare.matrix import Run
+
+    down = Run("int8", 0, 2, DOWN_10S).argv(Path("out"), Path("cache"))
+    assert down[1:6] == ["-m", "gradzip.comm.local_ranks", "--ranks", "2", "--"]
+    assert "torch.distributed.run" in Run("int8", 0, 2, "1gbit@10>25mbit").argv(
+        Path("out"), Path("cache"))
+
+
+def test_local_ranks_set_what_torchrun_sets_and_pass_on_the_first_failure() -> None:
+    show = ("import os, sys; print(os.environ['RANK'], os.environ['WORLD_SIZE'], "
+            "os.environ['MASTER_ADDR'], flush=True); sys.exit(3 if os.environ['RANK'] == "
+            "'1' else 0)")
+    proc = subprocess.run([sys.executable, "-m", "gradzip.comm.local_ranks", "--ranks", "2",
+                           "--grace", "5", "--", sys.executable, "-c", show],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3
+    assert sorted(proc.stdout.split("\n")[:2]) == ["0 2 127.0.0.1", "1 2 127.0.0.1"]
+
+
+def test_the_report_says_a_run_ended_in_a_fault() -> None:
+    from gradzip.compare.report import _faults
+
+    record = {"step_clock": {"first_step": 1, "every": 1, "end_unix": [100.0, 100.1]},
+              "step_time_ms_p50": 100.0, "steps": 2,
+              "failed": {"step": 3, "error": "Timed out waiting 3000ms"},
+              "compare": {"rate_changes": [
+                  {"after_s": 12.0, "rate": "down", "at_unix": 100.15, "at_step": None},
+                  {"after_s": 22.0, "rate": "100mbit", "at_unix": 110.15, "at_step": None}]}}
+    assert _faults(record) == ["down for 10 s in step 3: the run ended in it (a collective "
+                               "failed in step 3: Timed out waiting 3000ms; checkpoint of "
+                               "step 2)"]

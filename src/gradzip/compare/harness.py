@@ -157,7 +157,7 @@ def execute(run: Run, link: Link, out: Path, cache: Path,
         flat = replace(run, link="shared")
         proc = subprocess.run(flat.argv(run_dir, cache), capture_output=True, text=True,
                               timeout=timeout, env={**os.environ, **flat.env(run_dir)})
-    if proc.returncode != 0:
+    if proc.returncode != 0 and not _ended_by_a_fault(proc.returncode, run_dir):
         raise RunFailed(f"{run.method} (seed {run.seed}, {run.ranks} ranks, "
                         f"{run.rate or 'unlimited'}) failed with exit status "
                         f"{proc.returncode}:\n{proc.stderr[-3000:]}")
@@ -180,6 +180,16 @@ def execute(run: Run, link: Link, out: Path, cache: Path,
             change_log.read_text() if change_log.is_file() else "",
             record.get("step_clock"))
     return record
+
+
+def _ended_by_a_fault(code: int, run_dir: Path) -> bool:
+    """Whether a run's non-zero exit is a collective that failed on a link that went
+    down (``gradzip train`` exits 3 after writing its checkpoint and its record, whose
+    ``failed`` says where): the race keeps that record and its report says so."""
+    results = run_dir / "results.jsonl"
+    if code != 3 or not results.is_file():
+        return False
+    return bool(json.loads(results.read_text().splitlines()[-1]).get("failed"))
 
 
 def place_rate_changes(changes: list[dict[str, Any]], log: str,

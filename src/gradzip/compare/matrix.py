@@ -168,11 +168,20 @@ class Run:
         trial = re.sub(r"[^A-Za-z0-9.=-]+", "_", trial)
         return f"{self.rate or 'unlimited'}-w{self.ranks}{kind}/{method}{trial}/seed{self.seed}"
 
+    def link_goes_down(self) -> bool:
+        """Whether this run's rate schedule takes the link down (``down``): its ranks
+        then start without torchrun's agent (``gradzip.comm.local_ranks``)."""
+        return any(part.partition("@")[0].strip() == "down"
+                   for part in (self.rate or "").split(">"))
+
     def argv(self, out: Path, cache: Path) -> list[str]:
         """``torchrun ... gradzip train`` for this run (DDP over gloo), or ``torchrun
         ... SCRIPT ARGS``; on per-rank links the rank launcher of ``comm.rank_links``
         starts each rank instead of torchrun."""
         torchrun = ([] if self.link != "shared" else
+                    ["-m", "gradzip.comm.local_ranks", "--ranks", str(self.ranks), "--",
+                     sys.executable]
+                    if self.link_goes_down() else
                     ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                      str(self.ranks)])
         from gradzip.compare.trials import trial_flags

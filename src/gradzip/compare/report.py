@@ -354,14 +354,21 @@ def _faults(record: dict[str, Any]) -> list[str]:
         span = (up["after_s"] - change["after_s"]) if up else None
         text = f"down for {span:g} s" if span is not None else "down"
         at, back = change.get("at_unix"), (up or {}).get("at_unix")
-        if change.get("at_step") is None or at is None:
+        ended = at is not None and record.get("failed") and (not ends or ends[-1] < (
+            back if back is not None else float("inf")))
+        if not ended and (change.get("at_step") is None or at is None):
             out.append(f"{text}, after the run's last step (no cost)")
             continue
         before = bisect.bisect_left(ends, at) - 1
         after = bisect.bisect_left(ends, back) if back is not None else len(ends)
-        if before < 0 or after >= len(ends):
-            out.append(f"{text} from step {change['at_step']}: the run ended in it "
-                       f"({record.get('failed') or 'see its log'})")
+        if ended or before < 0 or after >= len(ends):
+            failed = record.get("failed") or {}
+            where = (f"from step {change['at_step']}" if change.get("at_step") is not None
+                     else f"in step {failed['step']}" if failed else "after its last step")
+            out.append(f"{text} {where}: the run ended in it"
+                       + (f" (a collective failed in step {failed['step']}: "
+                          f"{failed['error']}; checkpoint of step {record.get('steps')})"
+                          if failed else " (see its log)"))
             continue
         steps = (after - before) * every
         cost = ends[after] - ends[before] - steps * median_s
