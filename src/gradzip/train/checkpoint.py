@@ -327,29 +327,38 @@ def save(
 
 def rescue(run_dir: Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
            rank_state: dict[str, Any], meta: dict[str, Any], rank: int, world_size: int,
-           wait_s: float = 30.0) -> Path | None:
-    """Write the checkpoint of ``step`` with no collective, after the process group
-    failed (a link down, a peer gone): every rank writes its own file, and rank 0, once
-    every rank's file is there (it polls the directory for ``wait_s`` seconds), its
-    manifest. Returns the checkpoint on rank 0 when it is complete, else None.
+           since: int = 0, skew_s: float = 60.0, wait_s: float = 30.0) -> Path | None:
+    """Write a checkpoint with no collective, after the process group failed (a link
+    down, a peer gone): every rank writes its own state, and rank 0, once every rank's
+    is there (it polls the directory for ``wait_s`` seconds), the weights, the
+    optimizer and the manifest, as the checkpoint of ``step``, its own last completed
+    step. Returns it on rank 0 when it is complete, else None.
 
-    The weights and optimizer are those after ``step`` (the step that failed never
-    reached the optimizer), but each rank's state is as the failure left it (its
-    loader past the failed step's batch, a codec's residual possibly updated by it), so
-    ``meta`` should say the checkpoint is not exact. Needs a directory every rank can
-    see (one machine, or a shared file system).
+    The ranks may have stopped a step apart (a collective can finish on one rank and
+    not on its peer), so the checkpoint is not exact: the weights and optimizer are rank
+    0's after ``step``, each rank's loader and codec state as the failure left it;
+    ``meta`` should say so. The ranks meet in a directory named after the step this
+    process started from (``since``); files older than ``skew_s`` before this rank's
+    failure (an earlier failure's) are not taken. Needs a directory every rank can see
+    (one machine, or a shared file system).
     """
     root = Path(run_dir) / CKPT_DIR
     final = root / f"{PREFIX}{step:07d}"
-    tmp = root / f".rescue-{final.name}"
+    tmp = root / f".rescue-from-{since:07d}"
     tmp.mkdir(parents=True, exist_ok=True)
+    failed_at = time.time()
     _write_then_rename(lambda p: torch.save(rank_state, p), tmp / f"rank{rank}.pt")
     if rank != 0:
         return None
     torch.save(model.state_dict(), tmp / "model.pt")
     torch.save(optimizer.state_dict(), tmp / "optim.pt")
     deadline = time.monotonic() + wait_s
-    while not all((tmp / f"rank{r}.pt").is_file() for r in range(world_size)):
+
+    def fresh(r: int) -> bool:
+        f = tmp / f"rank{r}.pt"
+        return f.is_file() and f.stat().st_mtime >= failed_at - skew_s
+
+    while not all(fresh(r) for r in range(world_size)):
         if time.monotonic() > deadline:
             return None
         time.sleep(0.2)

@@ -64,6 +64,8 @@ class FtLaunch:
     timeout_s: float = 60.0
     max_restarts: int = 10
     failures: list[Failure] = field(default_factory=list)
+    #: the groups that finished the run, in the order they did
+    finished: list[int] = field(default_factory=list)
 
     def run(self) -> int:
         """Start everything, restart what dies, summarize; the exit status."""
@@ -114,6 +116,7 @@ class FtLaunch:
                 if code == 0:
                     r.done = True
                     finished_at = finished_at or time.perf_counter()
+                    self.finished.append(r.index)
                     continue
                 failure = Failure(r.index, r.attempt, code, time.perf_counter() - t0)
                 self.failures.append(failure)
@@ -138,8 +141,9 @@ class FtLaunch:
         return 0
 
     def _stop_late(self, group: list[Replica]) -> None:
-        """Groups still running long after another finished the run (a group started
-        again just as the others ended waits for a quorum that never comes): stopped."""
+        """Groups still running long after another finished the run (a group that fell
+        a round behind, or was started again just as the others ended, waits for a
+        quorum that never comes): stopped. The run's model is the finished groups'."""
         for r in group:
             if not r.done and r.proc.poll() is None:
                 print(f"gradzip train --ft: replica {r.index} is still waiting after the "
@@ -158,9 +162,13 @@ class FtLaunch:
         summary = {"replicas": self.replicas, "seconds": round(seconds, 2),
                    "failures": [asdict(f) for f in self.failures],
                    "restarts": sum(f.restarted for f in self.failures),
+                   "finished": self.finished,
                    "rounds_agree": rounds_agree(rounds)}
+        # replica 0's record, or (when it was stopped, late) the first finisher's
+        source = 0 if 0 in self.finished or not self.finished else self.finished[0]
+        record = last_record(self.out / f"replica_{source}" / "results.jsonl")
+        summary["record_of"] = source
         write_json(self.out / "ft.json", summary)
-        record = last_record(self.out / "replica_0" / "results.jsonl")
         if record is not None:
             record["ft_job"] = summary
             with open(self.out / "results.jsonl", "a") as fh:
@@ -188,7 +196,8 @@ def cost(f: Failure, rounds: dict[int, list[dict[str, Any]]], launch_epoch: floa
         if i == f.replica or not rs:
             continue
         usual = statistics.median(r["seconds"] for r in rs)
-        window = [r for r in rs if died <= r["time"] <= end + 1.0]
+        # a round logs when it ends: one the death broke ends just after it
+        window = [r for r in rs if died - 2.0 <= r["time"] <= end + 1.0]
         failed += sum(not r["committed"] for r in window)
         lost.append(sum(r["seconds"] if not r["committed"] else max(0.0, r["seconds"] - usual)
                         for r in window))

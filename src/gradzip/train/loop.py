@@ -421,7 +421,7 @@ class Trainer:
         done, info = self.completed_step, self.info
         reason = one_line(error)
         path = None
-        if not self.par.sharded and done > 0:
+        if not self.par.sharded and (done > 0 or info.world_size > 1):
             rank_state = {"rng": ckpt.rng_state(), "loader": self.loader.state_dict(),
                           "scaler": self.scaler.state_dict(), "codec": self.par.codec_state()}
             path = ckpt.rescue(self.run_dir, done, model=self.par.checkpoint_model,
@@ -430,7 +430,9 @@ class Trainer:
                                      "exact": False,
                                      "rescued": f"a collective failed in step {step}: "
                                                 f"{reason}"},
-                               rank=info.rank, world_size=info.world_size)
+                               rank=info.rank, world_size=info.world_size,
+                               since=self.start_step,
+                               skew_s=max(60.0, 2 * self.cfg.train.comm_timeout))
         failed = {"step": step, "error": reason, "rank": info.rank,
                   "comm_timeout_s": self.cfg.train.comm_timeout,
                   "checkpoint": None if path is None else str(path)}
