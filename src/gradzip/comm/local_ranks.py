@@ -21,13 +21,26 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def stop_on_signal(procs: Sequence[subprocess.Popen[bytes]]) -> Callable[..., None]:
+    """Pass SIGTERM and SIGINT on to the ranks still running; returns the function that
+    does it (to end them for other reasons too)."""
+    def end_all(*_: object) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+
+    signal.signal(signal.SIGTERM, end_all)
+    signal.signal(signal.SIGINT, end_all)
+    return end_all
 
 
 def launch(argv: Sequence[str], ranks: int, grace_s: float = 60.0) -> int:
@@ -39,13 +52,7 @@ def launch(argv: Sequence[str], ranks: int, grace_s: float = 60.0) -> int:
         "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": port}) for r in range(ranks)]
 
-    def end_all(*_: object) -> None:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-
-    signal.signal(signal.SIGTERM, end_all)
-    signal.signal(signal.SIGINT, end_all)
+    end_all = stop_on_signal(procs)
     status, deadline = 0, float("inf")
     while True:
         codes = [p.poll() for p in procs]

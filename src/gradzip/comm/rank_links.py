@@ -38,13 +38,13 @@ import functools
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from gradzip.comm.local_ranks import stop_on_signal
 from gradzip.comm.netns import SETUP_FAILED, SETUP_MARK, rate_bits_per_second, tbf_burst
 
 #: the switch namespace also needs its own mounts: ``ip netns`` keeps namespaces on
@@ -180,13 +180,7 @@ def launch(argv: Sequence[str], ranks: int, per_node: int = 0) -> int:
     procs = [subprocess.Popen(["ip", "netns", "exec", f"rank{i}", *argv],
                               env=rank_env(i, ranks, per_node)) for i in range(ranks)]
 
-    def end_all(*_: object) -> None:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-
-    signal.signal(signal.SIGTERM, end_all)
-    signal.signal(signal.SIGINT, end_all)
+    end_all = stop_on_signal(procs)
     status = 0
     while True:
         codes = [p.poll() for p in procs]  # every rank, each time
