@@ -122,7 +122,7 @@ def test_local_ranks_set_what_torchrun_sets_and_pass_on_the_first_failure() -> N
             "os.environ['MASTER_ADDR'], flush=True); sys.exit(3 if os.environ['RANK'] == "
             "'1' else 0)")
     proc = subprocess.run([sys.executable, "-m", "gradzip.comm.local_ranks", "--ranks", "2",
-                           "--grace", "5", "--", sys.executable, "-c", show],
+                           "--grace", "60", "--", sys.executable, "-c", show],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3
     assert sorted(proc.stdout.split("\n")[:2]) == ["0 2 127.0.0.1", "1 2 127.0.0.1"]
