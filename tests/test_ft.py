@@ -265,3 +265,10 @@ def test_sparseloco_survivors_keep_their_residual_when_a_round_fails(tmp_path: P
         assert failed[0]["codec_before"] == failed[0]["codec_after"]
         assert failed[0]["fragment"] == 0
     assert json.loads((out / "ft.json").read_text())["rounds_agree"]["identical"]
+
+
+def test_the_lighthouse_refuses_a_quorum_of_none(capsys: Any) -> None:
+    from gradzip.cli import main
+
+    assert main(["lighthouse", "--min-replicas", "0"]) != 0
+    assert "--min-replicas must be >= 1" in capsys.readouterr().err

@@ -140,3 +140,29 @@ def test_the_report_says_a_run_ended_in_a_fault() -> None:
     assert _faults(record) == ["down for 10 s in step 3: the run ended in it (a collective "
                                "failed in step 3: Timed out waiting 3000ms; checkpoint of "
                                "step 2)"]
+
+
+def _rescue(run: Path, rank: int, step: int, **kw: float) -> Path | None:
+    from torch import nn, optim
+
+    from gradzip.train import checkpoint as ckpt
+
+    model = nn.Linear(2, 2)
+    return ckpt.rescue(run, step, model=model, optimizer=optim.SGD(model.parameters(), lr=0.1),
+                       rank_state={"rank": rank, "step": step}, meta={"exact": False},
+                       rank=rank, world_size=2, **kw)
+
+
+def test_a_rescue_completes_when_the_ranks_stopped_a_step_apart(tmp_path: Path) -> None:
+    assert _rescue(tmp_path, rank=1, step=8) is None  # rank 1 finished one step more
+    path = _rescue(tmp_path, rank=0, step=7, wait_s=5.0)
+    assert path is not None and path.name == "step_0000007"
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["exact"] is False and {"rank0.pt", "rank1.pt"} <= set(meta["files"])
+
+
+def test_a_rescue_takes_no_rank_file_of_an_earlier_failure(tmp_path: Path) -> None:
+    assert _rescue(tmp_path, rank=1, step=8) is None
+    stale = tmp_path / "checkpoints" / ".rescue-from-0000000" / "rank1.pt"
+    os.utime(stale, (1.0, 1.0))  # written long before this failure
+    assert _rescue(tmp_path, rank=0, step=7, skew_s=60.0, wait_s=0.5) is None

@@ -85,6 +85,7 @@ def test_bad_config_files_are_clear_errors(tmp_path: Path, content: str, match: 
     (["--seq-len", "1000"], "exceeds the model's --max-seq-len"),
     (["--dim", "30"], "divisible"),
     (["--profile-steps", "7-9"], "--profile-steps"),
+    (["--comm-timeout", "0"], "--comm-timeout must be > 0"),
     (["--dtype", "fp16", "--device", "cpu"], "fp16 needs CUDA"),
 ])
 def test_bad_values_are_clear_errors(argv: list[str], match: str) -> None:

@@ -94,9 +94,8 @@ class DiLoCo:
                  nonfinite: str = "error", fragments: int = 1,
                  overlap_steps: int = 0, alpha: float | None = None,
                  replicas: Any = None) -> None:
-        if replicas is not None and overlap_steps:
-            raise ValueError("--ft runs each synchronization as a round that commits or rolls "
-                             "back before training goes on: drop --overlap-steps")
+        if replicas is not None:
+            check_replica_options(overlap_steps)
         check_options(sync_every, outer_lr, outer_momentum, outer, fragments, overlap_steps,
                       alpha)
         self.alpha = alpha
@@ -264,7 +263,8 @@ class DiLoCo:
         from gradzip.comm.ft import RoundFailed
 
         before = [c.state_dict() for c in self.codecs]  # copies (CodecState.state_dict)
-        t0, fragment, ok, means, healed = time.perf_counter(), -1, True, [], False
+        t0, fragment, ok, healed = time.perf_counter(), -1, True, False
+        mean: torch.Tensor | None = None
         try:
             info = self.replicas.begin_round()
             healed = info.healed
@@ -273,18 +273,16 @@ class DiLoCo:
                 for c in self.codecs:  # members may be new: every one agrees afresh
                     forget_paths(c)
                 pseudo = self._pseudo(fragment)
-                mean = self._exchange(fragment, pseudo)
-                means = [mean * (info.size / contributors) if contributors < info.size
-                         else mean]
+                # the mean over the groups that sent a pseudo-gradient (not the healed)
+                mean = self._exchange(fragment, pseudo) * (info.size / contributors)
         except RoundFailed as e:
             ok = False
             print(f"gradzip --ft: round {self.replicas.step + 1} failed on this replica "
                   f"group ({e}); rolling it back", file=sys.stderr, flush=True)
         committed = self.replicas.commit(ok)
-        if committed:
-            for mean in means:
-                self._outer_step(fragment, mean, None)
-        else:
+        if committed and mean is not None:
+            self._outer_step(fragment, mean, None)
+        elif not committed:
             self._roll_back(before)
         meant = fragment if fragment >= 0 or not due else due[0]  # not agreed: its own
         self._log_round(meant, committed, before, time.perf_counter() - t0, healed)
@@ -326,12 +324,12 @@ class DiLoCo:
             "fragment": fragment, "committed": committed, "healed": healed,
             "seconds": round(seconds, 4),
             "anchor_digest": self.outer_digest(),
-            "codec_before": _digest(before),
-            "codec_after": _digest([c.state_dict() for c in self.codecs])})
+            "codec_before": tensor_digest(before),
+            "codec_after": tensor_digest([c.state_dict() for c in self.codecs])})
 
     def outer_digest(self) -> str:
         """A digest of the anchor and the outer optimizers' state (bit for bit)."""
-        return _digest([self.anchor, [o.state_dict()["state"] for o in self.optimizers]])
+        return tensor_digest([self.anchor, [o.state_dict()["state"] for o in self.optimizers]])
 
     def _heal_state(self) -> dict[str, Any]:
         """What a group that comes back takes from this one (torchft sends it)."""
@@ -448,8 +446,9 @@ class _Exchange:
     since: list[torch.Tensor]  # the fragment's weights when it began
 
 
-def _digest(obj: Any) -> str:
-    """sha256 of every tensor's bytes in ``obj`` (nested lists and dicts, in order)."""
+def tensor_digest(obj: Any) -> str:
+    """sha256 of every tensor's bytes in ``obj`` (nested lists and dicts, in order): equal
+    on two ranks exactly when they hold the same bits."""
     h = hashlib.sha256()
 
     def walk(x: Any) -> None:
@@ -486,6 +485,13 @@ def exchange_backend(backend: str, overlap: bool = True) -> str:
     """The backend DiLoCo's exchanges run on, for a group on ``backend``: gloo when they
     overlap training beside NCCL (see ``DiLoCo._exchange_communicator``)."""
     return "gloo" if overlap and backend == "nccl" else backend
+
+
+def check_replica_options(overlap_steps: int) -> None:
+    """Clear errors for what DiLoCo cannot run over torchft's replica groups."""
+    if overlap_steps:
+        raise ValueError("--ft runs each synchronization as a round that commits or rolls "
+                         "back before training goes on: drop --overlap-steps")
 
 
 def check_options(sync_every: int, outer_lr: float, outer_momentum: float, outer: str,

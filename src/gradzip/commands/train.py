@@ -342,9 +342,9 @@ def check_ft(args: argparse.Namespace, cfg: Any) -> None:
         raise ValueError(f"--ft runs local-update methods (their rounds commit or roll back "
                          f"as a whole): add --outer diloco, average or sparseloco (got "
                          f"--outer {t.outer})")
-    if t.overlap_steps:
-        raise ValueError("--ft runs each synchronization as a round that commits or rolls "
-                         "back before training goes on: drop --overlap-steps")
+    from gradzip.comm.outer import check_replica_options
+
+    check_replica_options(t.overlap_steps)
     if t.parallel != "ddp":
         raise ValueError("--ft needs --parallel ddp (each replica group is one process)")
     if args.nproc is not None or "WORLD_SIZE" in os.environ:

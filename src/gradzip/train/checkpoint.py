@@ -313,13 +313,8 @@ def save(
     torch.save(rank_state, tmp / f"rank{rank}.pt")
     _barrier()  # every rank's files are complete: rank 0 can hash them all
     if rank == 0:
-        info = {"step": step, "world_size": world_size,
-                "format": "dcp" if sharded else "torch", **meta,
-                "files": file_checksums(tmp)}
-        (tmp / META).write_text(json.dumps(info, indent=2))
-        if final.exists():  # saving the same step again (e.g. a re-run): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)  # atomic on POSIX: the checkpoint appears complete or not at all
+        _publish(tmp, final, {"step": step, "world_size": world_size,
+                              "format": "dcp" if sharded else "torch", **meta})
         _prune(run_dir, keep, final)
     _barrier()
     return final
@@ -362,13 +357,18 @@ def rescue(run_dir: Path, step: int, *, model: nn.Module, optimizer: torch.optim
         if time.monotonic() > deadline:
             return None
         time.sleep(0.2)
-    info = {"step": step, "world_size": world_size, "format": "torch", **meta,
-            "files": file_checksums(tmp)}
-    (tmp / META).write_text(json.dumps(info, indent=2))
+    _publish(tmp, final, {"step": step, "world_size": world_size, "format": "torch", **meta})
+    return final
+
+
+def _publish(tmp: Path, final: Path, info: dict[str, Any]) -> None:
+    """The manifest (``info`` and every file's checksum), then ``tmp`` renamed to
+    ``final``: atomic on POSIX, so the checkpoint appears complete or not at all (saving
+    the same step again, e.g. a re-run, replaces it)."""
+    (tmp / META).write_text(json.dumps({**info, "files": file_checksums(tmp)}, indent=2))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    return final
 
 
 def _write_then_rename(write: Any, path: Path) -> None:

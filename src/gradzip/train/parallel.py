@@ -23,7 +23,6 @@ is handy for checking a codec end to end.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
 import os
 import socket
@@ -270,11 +269,10 @@ class Parallelism:
 
 
 def weights_digest(module: nn.Module) -> str:
-    """BLAKE2b of every parameter's bytes, in order (one host copy of the weights)."""
-    h = hashlib.blake2b(digest_size=16)
-    for p in module.parameters():
-        h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
-    return h.hexdigest()
+    """A digest of every parameter's bytes, in order (one host copy of the weights)."""
+    from gradzip.comm.outer import tensor_digest
+
+    return tensor_digest(list(module.parameters()))
 
 
 def replicas_identical(digest: str | None) -> bool | None:
