@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from train_helpers import flags
+from train_helpers import flags, last_result, launch
 
 from gradzip.collectives.communicator import Communicator
 from gradzip.comm.ft import FtJob, RoundFailed, RoundInfo, die_in_round, torchft_available
@@ -272,3 +272,25 @@ def test_the_lighthouse_refuses_a_quorum_of_none(capsys: Any) -> None:
 
     assert main(["lighthouse", "--min-replicas", "0"]) != 0
     assert "--min-replicas must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.dist
+@needs_torchft
+def test_without_faults_replica_groups_train_and_evaluate_as_ranks_do(tmp_path: Path) -> None:
+    """Two torchft groups of DiLoCo equal two torchrun ranks of the same seed: the same
+    shards of data, the same synchronized model and the same validation batches (a
+    race of ``--ft`` runs measures what one without does)."""
+    args = ["--parallel", "ddp", "--outer", "diloco", "--outer-codec", "int8",
+            "--sync-every", "5", "--max-steps", "20", "--eval-every", "10"]
+    ranks, groups = tmp_path / "ranks", tmp_path / "groups"
+    for cmd, out in (([*launch(2), "-m", "gradzip", "train"], ranks),
+                     ([sys.executable, "-m", "gradzip", "train", "--ft", "2"], groups)):
+        proc = subprocess.run([*cmd, *flags(tmp_path / "cache", out, *args)],
+                              env={**os.environ, "RUST_LOG": "warn"}, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = last_result(ranks), last_result(groups)
+    assert [h["val_loss"] for h in a["eval_history"]] == \
+        [h["val_loss"] for h in b["eval_history"]]
+    assert a["global_batch_tokens"] == b["global_batch_tokens"]
+    assert a["bytes_wire_total"] == b["bytes_wire_total"]

@@ -32,7 +32,7 @@ HELP = "race methods to a target loss over a rate-limited link; report"  # shown
 
 
 def register(sub: Any) -> None:
-    from gradzip.compare.matrix import PRESETS
+    from gradzip.compare.matrix import KILL_CKPT_EVERY, PRESETS
 
     p = sub.add_parser(
         "compare", help=HELP,
@@ -87,6 +87,18 @@ def register(sub: Any) -> None:
     p.add_argument("--start-step", type=int, default=0, metavar="N",
                    help="gradzip codecs send plain until step N, compressing after that "
                         "warm-up (as the PowerSGD and DGC papers do); stated in each record")
+    p.add_argument("--ft", action="store_true",
+                   help="run local-update methods (diloco, average, sparseloco) as torchft "
+                        "replica groups, one process each, with a Lighthouse on localhost: "
+                        "a group that dies is started again and heals from a live peer "
+                        "while the others go on (the 'ft' extra); other methods run under "
+                        "torchrun as usual")
+    p.add_argument("--kill", default="", metavar="R@S[,R@S]",
+                   help="faults: rank (under --ft: replica group) R dies after step S, "
+                        "in order, e.g. 1@100,0@220. Runs under torchrun get --max-restarts "
+                        "and --ckpt-every " + KILL_CKPT_EVERY + " (unless --train-args sets "
+                        "it) and resume from the newest checkpoint; the report says where "
+                        "each fault fell and what it cost")
     p.add_argument("--ranks", default=None, metavar="W[,W]", help="ranks per run, e.g. 2,4")
     p.add_argument("--seeds", type=int, default=None, help="seeds per method")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
@@ -156,7 +168,9 @@ def runs_of(args: argparse.Namespace) -> list[Any]:
         check_trials(trials, _train_flags(args, preset)[len(preset.train):])
     runs = plan(methods, rates, ranks, args.seeds or preset.seeds, _train_flags(args, preset),
                 links, args.parallel, script, trials)
-    runs = [replace(r, start_step=args.start_step) for r in runs]
+    runs = [replace(r, start_step=args.start_step, ft=args.ft, kill=args.kill.strip())
+            for r in runs]
+    check_faults(runs, args)
     if script:
         check_script_runs(runs)
     else:
@@ -197,6 +211,41 @@ def _script(args: argparse.Namespace) -> tuple[str, ...]:
     return (str(path.resolve()), *shlex.split(args.script_args))
 
 
+def check_faults(runs: list[Any], args: argparse.Namespace) -> None:
+    """``--ft`` and ``--kill`` fit the matrix: a valid kill list whose ranks exist, on
+    the shared link with torchrun or ``--ft`` to restart what dies, the built-in trainer
+    (it is what dies on cue and resumes)."""
+    if not (args.ft or args.kill.strip()):
+        return
+    what = "--ft" if args.ft else "--kill"
+    if args.script:
+        raise ValueError(f"{what} needs the built-in trainer (it dies on cue, resumes and "
+                         "heals): race your script without it")
+    if any(r.link != "shared" for r in runs):
+        raise ValueError(f"{what} runs on the shared link for now: drop --link or use "
+                         "--link shared")
+    if args.kill.strip():
+        if any(r.link_goes_down() for r in runs):
+            raise ValueError("--kill with a link that goes down: race one fault at a time "
+                             "(a run whose link goes down has no torchrun agent to restart "
+                             "its ranks)")
+        for r in runs:
+            try:
+                kills = r.kills()
+            except ValueError as e:
+                raise ValueError(f"--kill {args.kill!r}: {str(e).split(': ', 1)[-1]}") \
+                    from None
+            if not kills:
+                raise ValueError(f"--kill {args.kill!r}: give RANK@STEP, e.g. 1@100")
+            bad = [k for k, _ in kills if k >= r.ranks]
+            if bad:
+                raise ValueError(f"--kill {args.kill!r}: rank {bad[0]} does not exist in a "
+                                 f"run of {r.ranks} ranks")
+    if args.ft and not any(r.uses_ft() for r in runs):
+        raise ValueError("--ft runs local-update methods (diloco(...), average(...), "
+                         "sparseloco) as torchft replica groups: none of the methods is one")
+
+
 def check_script_runs(runs: list[Any]) -> None:
     """Every method of a ``--script`` race parses and can run in a script (a codec spec
     or ``torch:...``; local-update methods need the built-in trainer)."""
@@ -217,13 +266,17 @@ def check_runs(runs: list[Any], out: Path) -> None:
     ``gradzip train`` will (a bad spec, a torch: method on the wrong path, a bad
     option): ValueError naming the method, before any training starts."""
     from gradzip.cli import build_parser
-    from gradzip.commands.train import resolve_args
+    from gradzip.commands.train import check_ft, resolve_args
 
     parser = build_parser()
     for run in {(r.method, r.trial): r for r in runs}.values():
         try:
             argv = run.argv(out / "check", out / "cache")  # parses the method
-            resolve_args(parser.parse_args(argv[argv.index("train"):])).validate()
+            args = parser.parse_args(argv[argv.index("train"):])
+            cfg = resolve_args(args)
+            cfg.validate()
+            if run.uses_ft():
+                check_ft(args, cfg)
         except (ValueError, SystemExit) as e:
             raise ValueError(f"method {run.method!r}: {e}") from None
 
@@ -239,8 +292,10 @@ def run(args: argparse.Namespace) -> int:
 
         for r in runs:
             trial = f"  [{trial_label(r.trial)}]" if r.trial else ""
+            faults = f"  [kill {r.kill}; {r.survival()}]" if r.kill else (
+                "  [torchft replica groups]" if r.uses_ft() else "")
             print(f"{r.rate or 'unlimited'}  {r.link} link  {r.ranks} ranks  seed {r.seed}  "
-                  f"{r.method}{trial}")
+                  f"{r.method}{trial}{faults}")
         return 0
     if not args.latency_us >= 0:
         print("gradzip compare: error: --latency-us must be >= 0", file=sys.stderr)

@@ -172,6 +172,9 @@ def execute(run: Run, link: Link, out: Path, cache: Path,
                          **link.describe(), "link_kind": run.link, "train": list(run.what),
                          "parallel": run.parallel, "start_step": run.compressed_from(),
                          "trial": dict(run.trial) or None,
+                         "faults": ({"kill": run.kill or None, "ft": run.uses_ft(),
+                                     "survival": run.survival()}
+                                    if run.kill or run.uses_ft() else None),
                          "device": SHAPED_DEVICE if link.shaped else "default",
                          "uplink_bytes": _uplinks(run, link, proc.stderr or "")}
     if record["compare"]["rate_changes"]:

@@ -29,6 +29,9 @@ def method_flags(method: str) -> list[str]:
 #: all ranks (``gradzip.comm.netns``), a shaped link per rank (``comm.rank_links``), or
 #: ``nodes=NxL``: N nodes of L ranks, unshaped inside a node, a shaped uplink per node
 LINK_KINDS = ("shared", "per-rank", "nodes=NxL")
+#: ``--ckpt-every`` of a run that torchrun restarts after a kill, unless its train flags
+#: set one (the steps since the last checkpoint are trained again)
+KILL_CKPT_EVERY = "25"
 _NODES = re.compile(r"^nodes=(\d+)x(\d+)$")
 
 
@@ -136,6 +139,10 @@ class Run:
     start_step: int = 0
     #: one trial of ``--tune``: (option, value) pairs given to the trainer or the script
     trial: tuple[tuple[str, str], ...] = ()
+    #: ``--ft``: local-update methods run as ``ranks`` torchft replica groups
+    ft: bool = False
+    #: ``--kill R@S,...``: rank (or replica group) R dies after step S, in order
+    kill: str = ""
 
     @property
     def what(self) -> tuple[str, ...]:
@@ -144,7 +151,8 @@ class Run:
         from gradzip.compare.trials import trial_flags
 
         trains = ("--script", *self.script) if self.script else self.train
-        return (*trains, *trial_flags(self.trial), *self._start_flags())
+        faults = (*(["--ft"] if self.ft else []), *(["--kill", self.kill] if self.kill else []))
+        return (*trains, *trial_flags(self.trial), *self._start_flags(), *faults)
 
     def compressed_from(self) -> int:
         """The step compression starts at for this run's method: ``start_step`` for
@@ -174,22 +182,68 @@ class Run:
         return any(part.partition("@")[0].strip() == "down"
                    for part in (self.rate or "").split(">"))
 
+    def uses_ft(self) -> bool:
+        """Whether this run's replicas are torchft replica groups (``--ft`` and a
+        local-update method whose rounds can commit or roll back)."""
+        from gradzip.comm.method import LocalUpdateMethod, parse_method
+
+        return self.ft and isinstance(parse_method(self.method), LocalUpdateMethod)
+
+    def kills(self) -> list[tuple[int, int]]:
+        """``kill`` as (rank, step) pairs, in the order they happen."""
+        from gradzip.train.restart import kills
+
+        return kills({"GRADZIP_KILL_AT": self.kill})
+
+    def survival(self) -> str | None:
+        """How this run survives a dead rank, in words (None: it does not try)."""
+        if self.uses_ft():
+            return (f"torchft: {self.ranks} replica groups of one process; a dead group "
+                    "is started again and heals from a live peer while the others go on")
+        if self.kill:
+            return (f"torchrun --max-restarts {len(self.kills())}: every worker starts "
+                    f"again from the newest checkpoint (--ckpt-every {self._ckpt_every()})")
+        return None
+
+    def _ckpt_every(self) -> str:
+        """The checkpoint interval of a run restarted by torchrun: the train flags' own
+        ``--ckpt-every``, else ``KILL_CKPT_EVERY``."""
+        at = [i for i, f in enumerate(self.train[:-1]) if f == "--ckpt-every"]
+        return self.train[at[-1] + 1] if at else KILL_CKPT_EVERY
+
+    def _launcher(self) -> list[str]:
+        """What starts the ranks: torchrun (with restarts when ranks are killed), the
+        rank launcher of a link that goes down, nothing on per-rank links (their own
+        launcher) or under ``--ft`` (``gradzip train --ft`` starts its groups)."""
+        if self.link != "shared" or self.uses_ft():
+            return []
+        if self.link_goes_down():
+            return ["-m", "gradzip.comm.local_ranks", "--ranks", str(self.ranks), "--",
+                    sys.executable]
+        restarts = ["--max-restarts", str(len(self.kills()))] if self.kill else []
+        return ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                str(self.ranks), *restarts]
+
+    def _survival_flags(self) -> list[str]:
+        if self.uses_ft():
+            return ["--ft", str(self.ranks), "--ft-max-restarts",
+                    str(max(3, len(self.kills())))]
+        if self.kill and "--ckpt-every" not in self.train:
+            return ["--ckpt-every", KILL_CKPT_EVERY]
+        return []
+
     def argv(self, out: Path, cache: Path) -> list[str]:
         """``torchrun ... gradzip train`` for this run (DDP over gloo), or ``torchrun
         ... SCRIPT ARGS``; on per-rank links the rank launcher of ``comm.rank_links``
-        starts each rank instead of torchrun."""
-        torchrun = ([] if self.link != "shared" else
-                    ["-m", "gradzip.comm.local_ranks", "--ranks", str(self.ranks), "--",
-                     sys.executable]
-                    if self.link_goes_down() else
-                    ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                     str(self.ranks)])
+        starts each rank instead of torchrun; under ``--ft`` ``gradzip train --ft W``
+        starts the replica groups."""
+        torchrun = self._launcher()
         from gradzip.compare.trials import trial_flags
 
         if self.script:
             return [sys.executable, *torchrun, *self.script, *trial_flags(self.trial)]
         return [sys.executable, *torchrun, "-m", "gradzip", "train", *self.train,
-                *trial_flags(self.trial),
+                *trial_flags(self.trial), *self._survival_flags(),
                 "--parallel", self.parallel, *self._node_flags(),
                 *method_flags(self.method), *self._start_flags(), "--seed", str(self.seed),
                 "--cache-dir", str(cache), "--out", str(out), "--no-progress",
@@ -197,10 +251,11 @@ class Run:
 
 
     def env(self, out: Path) -> dict[str, str]:
-        """The environment of a ``--script`` run (``gradzip.integrations.script``):
-        method, seed, run directory and, on ``nodes=NxL`` links, ranks per node."""
+        """The environment of a run: ``GRADZIP_KILL_AT`` when ranks are killed; of a
+        ``--script`` run (``gradzip.integrations.script``) also method, seed, run
+        directory and, on ``nodes=NxL`` links, ranks per node."""
         if not self.script:
-            return {}
+            return {"GRADZIP_KILL_AT": self.kill} if self.kill else {}
         from gradzip.integrations import script
 
         nodes = nodes_of(self.link)

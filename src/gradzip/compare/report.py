@@ -326,19 +326,48 @@ def auto_table(summary: SettingSummary) -> str:
 
 
 def fault_lines(summary: SettingSummary) -> list[str]:
-    """The link faults of the setting's runs (a ``down`` span of ``--rate``): how many,
-    at which step each began, and what each cost the run: the time from the last step
+    """The faults of the setting's runs: how many, where, and what each cost.
+
+    A ``down`` span of ``--rate``: the step it began in and the time from the last step
     that ended before it to the first that ended after the link came back, less that
-    many of the run's median steps."""
+    many of the run's median steps. A rank that died (``--kill``) under torchrun: the
+    steps trained again and the time down, both on the race's clock
+    (``Run.charged_s``). A replica group that died under ``--ft``: when, when it healed,
+    and what the groups that went on lost."""
     lines = []
     for m in summary.methods:
         for r in m.runs:
-            lines += [f"- `{m.method}` seed {r.seed}: {text}" for text in _faults(r.record)]
+            lines += [f"- `{m.method}` seed {r.seed}: {text}"
+                      for text in _faults(r.record) + _deaths(r.record)]
     if not lines:
         return []
-    return ["**Link faults** (the link down: every packet dropped, placed at a step by "
-            "the namespace's log and the run's step clock; cost = the stall beyond the "
-            "run's median step):", *lines]
+    return ["**Faults** (a link down: every packet dropped, placed at a step by the "
+            "namespace's log and the run's step clock, its cost the stall beyond the run's "
+            "median step; a rank or replica group that died: what the restart or the heal "
+            "cost):", *lines]
+
+
+def _deaths(record: dict[str, Any]) -> list[str]:
+    """A line per death: a torchrun restart (``restarts``) or a torchft replica group
+    that died and healed (``ft_job``)."""
+    out = []
+    for r in (record.get("restarts") or {}).get("each") or []:
+        lost = float(r.get("lost_train_s") or 0.0) + float(r.get("down_s") or 0.0)
+        out.append(f"a rank died after step {r['from_step'] + r['lost_steps']} (its last "
+                   f"logged step): torchrun restarted every worker from the checkpoint of "
+                   f"step {r['from_step']}; {r['lost_steps']} logged step(s) trained again "
+                   f"({r['lost_train_s']:.1f} s) and {r['down_s']:.1f} s from the last log "
+                   f"line to the restart: {lost:.1f} s on the race's clock")
+    for f in (record.get("ft_job") or {}).get("failures") or []:
+        back = ("never healed" if f.get("back_s") is None else
+                f"it was back {f['back_s']:.1f} s later, healed from a live peer")
+        step = f" (after step {f['last_step']}, its last logged)" if f.get("last_step") \
+            else ""
+        out.append(f"replica group {f['replica']} died {f['died_s']:.1f} s into the job"
+                   f"{step}: {back}; the other groups went on and lost "
+                   f"{f['survivor_lost_s']:.1f} s each ({f['failed_rounds']} round(s) "
+                   "rolled back)")
+    return out
 
 
 def _faults(record: dict[str, Any]) -> list[str]:

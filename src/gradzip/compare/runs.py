@@ -173,13 +173,27 @@ class Run:
         return total / steps if total is not None and steps else None
 
     def history(self) -> list[tuple[float, float, float]]:
-        """(step, train_time_s, val_loss) of every evaluation with a finite loss, in order."""
+        """(step, time, val_loss) of every evaluation with a finite loss, in order; the
+        time is the record's ``train_time_s`` plus what restarts before it cost
+        (``charged_s``)."""
         out = []
         for h in self.record.get("eval_history") or []:
             loss = h.get("val_loss")
             if isinstance(loss, int | float) and math.isfinite(loss):
-                out.append((float(h["step"]), float(h["train_time_s"]), float(loss)))
+                step = float(h["step"])
+                out.append((step, float(h["train_time_s"]) + self.charged_s(step),
+                            float(loss)))
         return out
+
+    def charged_s(self, step: float) -> float:
+        """Seconds the race adds to the clock of an evaluation at ``step``: for every
+        restart by torchrun that resumed from a checkpoint before ``step``, the training
+        trained again and the time the run was down. The trainer's own clock resumes at
+        the checkpoint's time: without this a run that dies would race for free."""
+        each = (self.record.get("restarts") or {}).get("each") or []
+        return sum(float(r.get("lost_train_s") or 0.0) + float(r.get("down_s") or 0.0)
+                   for r in each if isinstance(r, dict)
+                   and step > float(r.get("from_step") or 0))
 
     def unmeasured(self) -> str | None:
         """Why the run's time to target cannot be known, or None when it can: a run with

@@ -7,7 +7,8 @@ one rank with its own run directory ``OUT/replica_K`` and its own shard of the d
 again (up to ``--ft-max-restarts`` times each): it resumes from its own checkpoint if it
 has one, then heals from a live peer at the next round and goes on; the others never
 stop. When every group has finished, ``OUT/ft.json`` says what failed, when, and what
-each failure cost, and ``OUT/results.jsonl`` holds replica 0's record with that summary.
+each failure cost, and ``OUT/results.jsonl`` holds the record of a group that never
+died (``record_source``) with that summary.
 
 ``GRADZIP_KILL_AT=R@S,...`` (tests, the faults page) kills replica R after step S: R's
 i-th entry in its i-th start.
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gradzip.comm.ft import ENV_TIMEOUT, FtJob, Lighthouse
-from gradzip.train.restart import kills
+from gradzip.train.restart import kills, last_logged
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Failure:
     attempt: int  # the start that failed (0: the first)
     exit_code: int
     died_s: float  # seconds since the launch
+    last_step: int = 0  # the last step its log recorded before it died
     restarted: bool = False
     #: filled from the run files once the job is over (``cost``)
     back_s: float | None = None  # seconds from its death until it healed from a peer
@@ -118,7 +120,8 @@ class FtLaunch:
                     finished_at = finished_at or time.perf_counter()
                     self.finished.append(r.index)
                     continue
-                failure = Failure(r.index, r.attempt, code, time.perf_counter() - t0)
+                failure = Failure(r.index, r.attempt, code, time.perf_counter() - t0,
+                                  last_logged(self.out / f"replica_{r.index}")[0])
                 self.failures.append(failure)
                 if finished_at is not None:  # nothing left to rejoin
                     r.done = True
@@ -164,8 +167,7 @@ class FtLaunch:
                    "restarts": sum(f.restarted for f in self.failures),
                    "finished": self.finished,
                    "rounds_agree": rounds_agree(rounds)}
-        # replica 0's record, or (when it was stopped, late) the first finisher's
-        source = 0 if 0 in self.finished or not self.finished else self.finished[0]
+        source = record_source(self.finished, {f.replica for f in self.failures})
         record = last_record(self.out / f"replica_{source}" / "results.jsonl")
         summary["record_of"] = source
         write_json(self.out / "ft.json", summary)
@@ -174,6 +176,14 @@ class FtLaunch:
             with open(self.out / "results.jsonl", "a") as fh:
                 fh.write(json.dumps(record) + "\n")
         print(describe(summary), file=sys.stderr)
+
+
+def record_source(finished: list[int], failed: set[int]) -> int:
+    """Whose record stands for the job: the lowest-numbered group that finished and never
+    died (its clock holds every failure's cost to the groups that went on: waits for
+    quorums, failed rounds), else the first that finished, else replica 0."""
+    clean = sorted(i for i in finished if i not in failed)
+    return clean[0] if clean else finished[0] if finished else 0
 
 
 def read_rounds(path: Path) -> list[dict[str, Any]]:

@@ -36,7 +36,7 @@ from gradzip.train import restart
 from gradzip.train.checks import capture_schedule, method_of, nonfinite_policy, parse_profile_steps
 from gradzip.train.components import Components
 from gradzip.train.config import JobConfig, OptimConfig
-from gradzip.train.evaluate import autocast_for, evaluate
+from gradzip.train.evaluate import autocast_for, evaluate, evaluate_as_ranks
 from gradzip.train.interrupt import StopRequest
 from gradzip.train.metrics import (
     MetricLogger,
@@ -207,7 +207,8 @@ class Trainer:
         self.log = MetricLogger(self.run_dir, info.rank, cfg, total_steps=t.max_steps,
                                 start_step=self.start_step)
         cleanup.callback(self.log.close)
-        self.tokens_per_step = d.batch_size * d.seq_len * o.grad_accum * info.world_size
+        # the job's: every rank, and under torchft every replica group (each has a shard)
+        self.tokens_per_step = d.batch_size * d.seq_len * o.grad_accum * train_shard(info)[1]
         self.metrics = RunMetrics(r.timing_warmup, self.tokens_per_step, self.par.comm_stats,
                                   o.grad_clip)
         self.timer = PhaseTimer(self.device)
@@ -499,11 +500,18 @@ class Trainer:
 
     def _evaluate(self, step: int, train_loss: float) -> dict[str, float]:
         t, d, info = self.cfg.train, self.cfg.data, self.info
+        kw: dict[str, Any] = {"make_loader": self.make_loader, "batch_size": d.batch_size,
+              "seq_len": d.seq_len, "steps": t.eval_steps, "device": self.device,
+              "dtype": t.dtype}
+        shards = train_shard(info)[1]
         with self.par.evaluation_weights():  # DiLoCo: the synchronized model only
-            val = evaluate(self.model, self.data.val, make_loader=self.make_loader,
-                           batch_size=d.batch_size, seq_len=d.seq_len, steps=t.eval_steps,
-                           rank=info.rank, world_size=info.world_size, device=self.device,
-                           dtype=t.dtype)
+            if shards != info.world_size:
+                # torchft: the batches of every rank of the job, as a run of that many
+                # ranks evaluates them (the groups' synchronized models are equal)
+                val = evaluate_as_ranks(self.model, self.data.val, world_size=shards, **kw)
+            else:
+                val = evaluate(self.model, self.data.val, rank=info.rank,
+                               world_size=info.world_size, **kw)
         p = self.progress
         if t.target_loss and p["time_to_target_s"] is None and val["val_loss"] <= t.target_loss:
             p["time_to_target_s"] = p["train_time_s"]
