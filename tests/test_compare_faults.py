@@ -6,6 +6,7 @@ and what it cost, and the race's clock charges it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,9 @@ def test_the_race_clock_charges_what_each_restart_cost() -> None:
     run = parse_run(_record(restarts), "record 1")
     assert [t for _, t, _ in run.history()] == [2.5, 10.0, 12.5, 17.5]
     assert [t for _, t, _ in parse_run(_record([]), "r").history()] == [2.5, 5.0, 7.5, 10.0]
+    # a torchft group's clock is the job's: a group that healed took its peer's
+    group = parse_run(_record(restarts, ft={"replica": 0}), "r")
+    assert [t for _, t, _ in group.history()] == [2.5, 5.0, 7.5, 10.0]
 
 
 def test_the_report_says_where_each_death_fell_and_what_it_cost() -> None:
@@ -106,6 +110,8 @@ def test_the_report_says_where_each_death_fell_and_what_it_cost() -> None:
     (line,) = _deaths(_record([], ft_job={"failures": [failure]}))
     assert line.startswith("replica group 1 died 6.6 s into the job (after step 50")
     assert "back 5.1 s later" in line and "lost 4.2 s each (1 round(s) rolled back)" in line
+    both = _record([restart], ft={"replica": 0}, ft_job={"failures": [failure]})
+    assert len(_deaths(both)) == 1  # the group's own restart is that failure
 
 
 def test_the_ft_job_record_is_a_group_that_never_died() -> None:
@@ -144,3 +150,27 @@ def test_a_race_goes_on_through_killed_ranks(tmp_path: Path) -> None:
     charged = parse_run(ddp, "ddp").history()[-1][1] - ddp["eval_history"][-1]["train_time_s"]
     assert charged == pytest.approx(ddp["restarts"]["down_s"]
                                     + ddp["restarts"]["lost_train_s"], abs=1e-6)
+
+
+@pytest.mark.dist
+@needs_torchft
+def test_a_group_that_heals_takes_the_jobs_clock(tmp_path: Path) -> None:
+    """Every group dies once, so the job's record is one that came back: its clock and
+    evaluations are the job's (taken from its peer when it healed), not restarted."""
+    from train_helpers import flags
+
+    out = tmp_path / "job"
+    cmd = [sys.executable, "-m", "gradzip", "train", "--ft", "2", "--parallel", "ddp",
+           "--outer", "diloco", "--outer-codec", "int8", "--sync-every", "5",
+           *flags(tmp_path / "cache", out, "--max-steps", "120", "--eval-every", "10",
+                  "--ft-timeout", "10")]
+    proc = subprocess.run(cmd, env={**os.environ, "RUST_LOG": "warn",
+                                    "GRADZIP_KILL_AT": "1@30,0@70"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job = json.loads((out / "results.jsonl").read_text().splitlines()[-1])
+    assert len(job["ft_job"]["failures"]) == 2
+    steps = [h["step"] for h in job["eval_history"]]
+    assert steps[0] == 10 and steps[-1] == 120  # the evaluations before its death too
+    times = [h["train_time_s"] for h in job["eval_history"]]
+    assert times == sorted(times) and times[-1] == pytest.approx(job["train_time_s"])

@@ -58,7 +58,7 @@ import hashlib
 import re
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -138,6 +138,9 @@ class DiLoCo:
         self.replicas = replicas
         #: one entry per torchft round: step, committed, digests (``_ft_round``)
         self.rounds: list[dict[str, Any]] = []
+        #: the job's progress beyond the model (the trainer's clock and evaluations): what
+        #: to send a healing peer, and how to take a peer's (``share_job_progress``)
+        self.job_progress: tuple[Callable[[], Any], Callable[[Any], None]] | None = None
         if replicas is not None:
             self.comm = replicas.communicator
             self._fresh_codecs = [c.state_dict() for c in self.codecs]
@@ -335,14 +338,15 @@ class DiLoCo:
         """What a group that comes back takes from this one (torchft sends it)."""
         inner = {} if self.inner_optimizer is None else {
             "inner_optimizer": self.inner_optimizer.state_dict()}
+        job = {} if self.job_progress is None else {"job": self.job_progress[0]()}
         return {"anchor": [a.clone() for a in self.anchor], "inner_steps": self.inner_steps,
                 "syncs": self.syncs, "optimizers": [o.state_dict() for o in self.optimizers],
-                **inner}
+                **inner, **job}
 
     def _heal(self, sd: dict[str, Any]) -> None:
         """Become a live peer's copy: its anchor (also as the local weights), outer and
-        inner optimizers and step counts; this group's codec state starts afresh (its
-        residual was lost with it)."""
+        inner optimizers, step counts and the job's progress; this group's codec state
+        starts afresh (its residual was lost with it)."""
         with torch.no_grad():
             for a, p, saved in zip(self.anchor, self.params, sd["anchor"], strict=True):
                 a.copy_(saved)
@@ -354,6 +358,8 @@ class DiLoCo:
         for c, state in zip(self.codecs, self._fresh_codecs, strict=True):
             c.load_state_dict(state)
         self.inner_steps, self.syncs = int(sd["inner_steps"]), int(sd["syncs"])
+        if self.job_progress is not None and "job" in sd:
+            self.job_progress[1](sd["job"])
 
     @contextlib.contextmanager
     def synchronized_weights(self) -> Iterator[None]:

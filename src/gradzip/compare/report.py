@@ -351,7 +351,8 @@ def _deaths(record: dict[str, Any]) -> list[str]:
     """A line per death: a torchrun restart (``restarts``) or a torchft replica group
     that died and healed (``ft_job``)."""
     out = []
-    for r in (record.get("restarts") or {}).get("each") or []:
+    own = [] if record.get("ft") else (record.get("restarts") or {}).get("each") or []
+    for r in own:  # a torchft group's own restarts are its failures in ft_job
         lost = float(r.get("lost_train_s") or 0.0) + float(r.get("down_s") or 0.0)
         out.append(f"a rank died after step {r['from_step'] + r['lost_steps']} (its last "
                    f"logged step): torchrun restarted every worker from the checkpoint of "

@@ -189,7 +189,11 @@ class Run:
         """Seconds the race adds to the clock of an evaluation at ``step``: for every
         restart by torchrun that resumed from a checkpoint before ``step``, the training
         trained again and the time the run was down. The trainer's own clock resumes at
-        the checkpoint's time: without this a run that dies would race for free."""
+        the checkpoint's time: without this a run that dies would race for free. A
+        torchft replica group's clock needs none: it is the job's (a group that comes back
+        takes its live peer's clock and evaluations when it heals)."""
+        if self.record.get("ft"):
+            return 0.0
         each = (self.record.get("restarts") or {}).get("each") or []
         return sum(float(r.get("lost_train_s") or 0.0) + float(r.get("down_s") or 0.0)
                    for r in each if isinstance(r, dict)

@@ -15,6 +15,7 @@ codec's ``CommStats``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -195,6 +196,9 @@ class Trainer:
         #: what a checkpoint carries beyond weights: training time, history
         self.progress: dict[str, Any] = {"train_time_s": 0.0, "time_to_target_s": None,
                                          "ppl_at_fixed_time": None, "history": []}
+        # torchft: a group that heals takes its peer's clock and evaluations (the job's)
+        self.par.share_job_progress(lambda: copy.deepcopy(self.progress),
+                                    self.progress.update)
         self.start_step = (self._resume(self.resume_from) if self.resume_from is not None
                            else 0)
         #: what the failure before this attempt cost (measured before this attempt logs)

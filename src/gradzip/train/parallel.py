@@ -26,7 +26,7 @@ import contextlib
 import inspect
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
@@ -234,6 +234,11 @@ class Parallelism:
         """Before the first step: a torchft replica group joins its peers (healing from
         one when it comes back; ``LocalUpdates``)."""
 
+    def share_job_progress(self, get: Callable[[], Any], put: Callable[[Any], None]) -> None:
+        """Under torchft: what a healing replica group takes from its peer beyond the
+        model (``get`` there, ``put`` here): the trainer's clock and evaluations, so a
+        group that comes back carries the job's, not a clock restarted at zero."""
+
     def current_step(self, step: int) -> int:
         """The step this process is at after ``step``: a torchft replica group that
         healed from a peer takes the peer's step."""
@@ -323,6 +328,9 @@ class LocalUpdates(Parallelism):
 
     def join(self) -> None:
         self.handle.join()
+
+    def share_job_progress(self, get: Callable[[], Any], put: Callable[[Any], None]) -> None:
+        self.handle.job_progress = (get, put)
 
     def current_step(self, step: int) -> int:
         return int(self.handle.inner_steps) if self.handle.replicas is not None else step
