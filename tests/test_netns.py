@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gradzip.comm.netns import (
     NetnsError,
     loopback_bytes,
+    netem_available,
     netns_available,
     rate_bits_per_second,
     run_in_netns,
@@ -113,3 +116,47 @@ def test_each_change_is_logged_with_its_time_and_placed_at_a_step(tmp_path: Path
     assert ends[step - 12] < float(at) <= ends[step - 11]  # the step it fell in
     assert place_rate_changes([{"after_s": 0.5, "rate": "10mbit"}], "",
                               None)[0]["at_step"] is None
+
+
+def test_a_rate_may_lose_or_delay_packets() -> None:
+    from gradzip.comm.netns import netem_options, rate_schedule, split_rate
+
+    assert split_rate("100mbit+loss=2%+delay=300ms") == ("100mbit",
+                                                        {"loss": "2%", "delay": "300ms"})
+    assert netem_options({"loss": "2%", "delay": "300ms"}) == \
+        "limit,10000,delay,300ms,loss,2%"
+    assert netem_options({}) == "-"
+    assert rate_schedule("100mbit@5>100mbit+loss=1.5%@9>100mbit")[1] == \
+        (5.0, "100mbit+loss=1.5%")
+    for bad, message in (("100mbit+loss=2", "+loss=P%"), ("100mbit+jitter=5ms", "+delay"),
+                         ("100mbit+loss=100%", "between 0% and 100%"),
+                         ("100mbit+delay=5", "+delay=D")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            split_rate(bad)
+
+
+def test_the_namespace_is_told_which_qdisc_each_change_needs() -> None:
+    from gradzip.comm.netns import netns_command
+
+    _, env = netns_command(["true"], rate="100mbit+delay=50ms@5>down@7>100mbit")
+    assert env["GRADZIP_NETNS_RATE"] == "100mbit"
+    assert env["GRADZIP_NETNS_NETEM"] == "limit,10000,delay,50ms"
+    assert env["GRADZIP_NETNS_CHANGES"] == "5 down 0 - 2 100mbit 256kb -"
+
+
+def test_loss_and_delay_are_refused_where_the_kernel_has_no_netem(monkeypatch: Any) -> None:
+    from gradzip.comm import netns
+
+    monkeypatch.setattr(netns, "netem_available", lambda: (False, "no sch_netem here"))
+    with pytest.raises(ValueError, match="no sch_netem here"):
+        netns.check_impairments("100mbit@5>100mbit+loss=1%@9>100mbit")
+    netns.check_impairments("100mbit@5>down@9>100mbit")  # needs no netem
+
+
+@pytest.mark.skipif(not netns_available(shaping=True)[0] or not netem_available()[0],
+                    reason=f"no tc netem here: {netem_available()[1]}")
+def test_the_link_loses_packets_on_schedule() -> None:
+    show = "tc qdisc show dev lo; sleep 1.5; tc qdisc show dev lo"
+    proc = run_in_netns(["sh", "-c", show], rate="100mbit@0.5>100mbit+loss=5%", timeout=60)
+    before, after = proc.stdout.strip().splitlines()
+    assert "tbf" in before and "netem" in after and "loss 5%" in after

@@ -49,25 +49,31 @@ _UNSHARE = ["unshare", "--user", "--map-root-user", "--net", "--"]
 # the namespace's: a signal to the process group reaches it directly)
 _SETUP = r"""
 ip link set lo up || { echo "gradzip.netns setup failed: ip link set lo up" >&2; exit 97; }
+# the link's qdisc: RATE BURST IMPAIRMENTS ("-": none; else netem's options, ','
+# between words) or "down": every packet dropped (TCP retransmits)
+shape() {
+  if [ "$1" = down ]; then
+    tc qdisc replace dev lo root pfifo limit 0
+  elif [ "$3" = - ]; then
+    tc qdisc replace dev lo root tbf rate "$1" burst "$2" latency "$GRADZIP_NETNS_LATENCY"
+  else
+    tc qdisc replace dev lo root netem rate "$1" $(echo "$3" | tr , ' ')
+  fi
+}
 if [ -n "$GRADZIP_NETNS_RATE" ]; then
-  tc qdisc add dev lo root tbf rate "$GRADZIP_NETNS_RATE" burst "$GRADZIP_NETNS_BURST" \
-     latency "$GRADZIP_NETNS_LATENCY" || {
-    echo "gradzip.netns setup failed: tc qdisc add dev lo root tbf rate $GRADZIP_NETNS_RATE" >&2
+  shape "$GRADZIP_NETNS_RATE" "$GRADZIP_NETNS_BURST" "${GRADZIP_NETNS_NETEM:--}" || {
+    echo "gradzip.netns setup failed: tc qdisc on lo: $GRADZIP_NETNS_RATE $GRADZIP_NETNS_NETEM" >&2
     exit 97; }
 fi
 if [ -n "$GRADZIP_NETNS_CHANGES" ]; then
-  # a link whose rate changes: each "SECONDS RATE BURST" after the one before it
+  # a link whose rate changes: each "SECONDS RATE BURST IMPAIRMENTS" after the one before
   ( set -- $GRADZIP_NETNS_CHANGES
-    while [ $# -ge 3 ]; do
+    while [ $# -ge 4 ]; do
       sleep "$1"
-      if [ "$2" = down ]; then  # the link is down: every packet dropped (TCP retransmits)
-        tc qdisc replace dev lo root pfifo limit 0
-      else
-        tc qdisc replace dev lo root tbf rate "$2" burst "$3" latency "$GRADZIP_NETNS_LATENCY"
-      fi
+      shape "$2" "$3" "$4"
       # when it changed (Unix seconds), for the record to place the change at a step
       [ -n "$GRADZIP_NETNS_CHANGE_LOG" ] && echo "$(date +%s.%N) $2" >> "$GRADZIP_NETNS_CHANGE_LOG"
-      shift 3
+      shift 4
     done ) </dev/null >/dev/null 2>&1 &
   changes=$!
   "$@"
@@ -168,12 +174,78 @@ def rate_bits_per_second(rate: str) -> float:
 #: a "rate" of a schedule: the link is down (every packet dropped) for that span
 DOWN = "down"
 
+#: what a rate may add after ``+`` (tc netem's options): random packet loss in percent,
+#: and a delay added to every packet (a spike when it lasts a few seconds)
+_IMPAIRMENT = {"loss": re.compile(r"^(\d+(?:\.\d+)?)%$"),
+               "delay": re.compile(r"^(\d+(?:\.\d+)?)(ms|s)$")}
+
+
+def split_rate(element: str) -> tuple[str, dict[str, str]]:
+    """``"100mbit+loss=2%+delay=200ms"`` -> ``("100mbit", {"loss": "2%", "delay":
+    "200ms"})``: a schedule element's rate and its impairments (tc netem's ``loss`` and
+    ``delay``). ValueError says what is wrong."""
+    rate, *extras = (part.strip() for part in element.split("+"))
+    found: dict[str, str] = {}
+    for extra in extras:
+        name, _, value = extra.partition("=")
+        pattern = _IMPAIRMENT.get(name.strip())
+        if pattern is None or not pattern.match(value.strip()):
+            raise ValueError(f"{element!r}: after the rate, '+loss=P%' (random packet loss, "
+                             f"0 < P < 100) or '+delay=D' (ms or s added to every packet), "
+                             f"e.g. '100mbit+loss=1%'; got {extra!r}")
+        found[name.strip()] = value.strip()
+    loss = found.get("loss")
+    if loss is not None and not 0 < float(loss[:-1]) < 100:
+        raise ValueError(f"{element!r}: loss must be between 0% and 100%, got {loss}")
+    return rate, found
+
+
+def netem_options(impairments: dict[str, str]) -> str:
+    """netem's options for ``split_rate``'s impairments, ',' between words (the setup
+    script's word for them); ``-`` for none. The queue holds 10,000 packets, so a delay
+    on a fast link delays rather than drops."""
+    if not impairments:
+        return "-"
+    words = ["limit", "10000"]
+    for name in ("delay", "loss"):
+        if name in impairments:
+            words += [name, impairments[name]]
+    return ",".join(words)
+
+
+@functools.cache
+def netem_available() -> tuple[bool, str]:
+    """Whether this kernel can impair a link (``sch_netem``), and how to fix it if not;
+    tried for real once per process."""
+    ok, why = netns_available(shaping=True)
+    if not ok:
+        return False, why
+    proc = subprocess.run([*_UNSHARE, "sh", "-c", "ip link set lo up && tc qdisc add dev lo "
+                           "root netem rate 100mbit loss 1% delay 1ms"],
+                          capture_output=True, text=True, timeout=30)
+    if proc.returncode == 0:
+        return True, ""
+    return False, (f"tc netem failed ({proc.stderr.strip() or 'no message'}): packet loss "
+                   "and delay need the kernel's sch_netem module (`modprobe sch_netem` as "
+                   "root; some distributions ship it in linux-modules-extra)")
+
+
+def check_impairments(text: str) -> None:
+    """ValueError unless this machine can make every impairment of rate schedule
+    ``text`` (refused when a run is set up, not in the middle of it)."""
+    if any(split_rate(rate)[1] for _, rate in rate_schedule(text)):
+        ok, why = netem_available()
+        if not ok:
+            raise ValueError(f"--rate {text!r}: {why}")
+
 
 def rate_schedule(text: str) -> list[tuple[float, str]]:
     """A link rate that changes during the run: ``"1gbit@60>25mbit"`` is 1 Gbit/s for
     the first 60 seconds, then 25 Mbit/s (``"1gbit@60>25mbit@120>100mbit"``: and 100
     Mbit/s from 120 s on). ``down`` is a link that drops every packet:
-    ``"100mbit@30>down@40>100mbit"`` goes down for 10 s at 30 s. Returns
+    ``"100mbit@30>down@40>100mbit"`` goes down for 10 s at 30 s. A rate may carry
+    impairments (``split_rate``): ``"100mbit@30>100mbit+loss=2%@40>100mbit"`` loses 2%
+    of packets for 10 s, ``"...>100mbit+delay=300ms@33>..."`` is a delay spike. Returns
     ``[(from_second, rate), ...]``, the first from 0; a plain rate is a schedule of
     one. ValueError says what is wrong."""
     out: list[tuple[float, str]] = []
@@ -186,7 +258,7 @@ def rate_schedule(text: str) -> list[tuple[float, str]]:
                 raise ValueError(f"rate schedule {text!r}: a link can go down only between "
                                  f"two rates, e.g. '100mbit@30>down@40>100mbit'")
         else:
-            rate_bits_per_second(rate)  # ValueError for a bad rate
+            rate_bits_per_second(split_rate(rate)[0])  # ValueError for a bad rate
         out.append((start, rate.strip()))
         if k + 1 < len(parts):
             try:
@@ -212,6 +284,11 @@ def rate_changes(text: str) -> list[dict[str, Any]] | None:
     return [{"after_s": t, "rate": r} for t, r in schedule[1:]] or None
 
 
+def base_rate(element: str) -> str:
+    """The rate of a schedule element, its impairments left out (``100mbit``)."""
+    return split_rate(element)[0]
+
+
 def tbf_burst(rate: str) -> str:
     """The token bucket size for ``rate``: 10 ms of traffic, at least 256 KiB.
 
@@ -220,7 +297,7 @@ def tbf_burst(rate: str) -> str:
     worth of traffic or the link runs slower than ``rate``. 256 KiB covers 200 Mbit/s
     at a 10 ms tick; faster rates get 10 ms of traffic.
     """
-    nbytes = max(256 * 1024, int(rate_bits_per_second(rate) / 8 * 0.010))
+    nbytes = max(256 * 1024, int(rate_bits_per_second(base_rate(rate)) / 8 * 0.010))
     return f"{(nbytes + 1023) // 1024}kb"  # tc's "kb" is KiB
 
 
@@ -239,10 +316,12 @@ def netns_command(argv: Sequence[str], *, rate: str | None = None,
     extra = {"GRADZIP_NETNS_RATE": "", "GRADZIP_NETNS_CHANGES": ""}
     if rate is not None:
         schedule = rate_schedule(rate)
-        first = schedule[0][1]
+        first, impairments = split_rate(schedule[0][1])
         extra.update(GRADZIP_NETNS_RATE=first, GRADZIP_NETNS_BURST=tbf_burst(first),
-                     GRADZIP_NETNS_LATENCY=latency)
-        steps = [f"{t - t0:g} {r} {'0' if r == DOWN else tbf_burst(r)}"
+                     GRADZIP_NETNS_LATENCY=latency,
+                     GRADZIP_NETNS_NETEM=netem_options(impairments))
+        steps = [f"{t - t0:g} {r} 0 -" if r == DOWN else
+                 f"{t - t0:g} {base_rate(r)} {tbf_burst(r)} {netem_options(split_rate(r)[1])}"
                  for (t0, _), (t, r) in zip(schedule, schedule[1:], strict=False)]
         extra["GRADZIP_NETNS_CHANGES"] = " ".join(steps)
     return [*_UNSHARE, "sh", "-c", _SETUP, "gradzip-netns", *map(str, argv)], extra

@@ -53,7 +53,10 @@ def register(sub: Any) -> None:
     p.add_argument("--rate", default=None, metavar="RATE[,RATE]",
                    help="tc rates, e.g. 100mbit,1gbit; 'none' for unlimited loopback; a rate "
                         "that changes during each run: 1gbit@60>25mbit (1 Gbit/s for the "
-                        "first 60 s of the run, then 25 Mbit/s), on the shared link")
+                        "first 60 s of the run, then 25 Mbit/s), on the shared link. "
+                        "Faults: 'down' drops every packet (100mbit@30>down@40>100mbit); "
+                        "'+loss=P%%' loses packets at random and '+delay=D' delays each "
+                        "(100mbit@30>100mbit+loss=2%%@40>100mbit; needs tc netem)")
     p.add_argument("--link", default=None, metavar="KIND[,KIND]",
                    help="how ranks reach each other: 'shared' (one token bucket on a "
                         "loopback shared by all ranks; default), 'per-rank' (a "
@@ -122,7 +125,7 @@ def add_sweep_options(p: argparse.ArgumentParser) -> None:
 
 
 def runs_of(args: argparse.Namespace) -> list[Any]:
-    from gradzip.comm.netns import rate_schedule
+    from gradzip.comm.netns import check_impairments, rate_schedule
     from gradzip.compare.matrix import LINK_KINDS, PRESETS, check_link, plan
 
     preset = PRESETS[args.preset]
@@ -135,13 +138,15 @@ def runs_of(args: argparse.Namespace) -> list[Any]:
     for r in rates:
         if r is not None:
             try:
-                changing |= len(rate_schedule(r)) > 1
+                changing |= len(rate_schedule(r)) > 1 or "+" in r  # or impaired
             except ValueError as e:
                 raise ValueError(f"--rate {r!r}: {e}") from None
+            check_impairments(r)  # loss and delay need the kernel's sch_netem
     links = tuple(k.strip() for k in (args.link or "shared").split(",") if k.strip())
     if changing and links != ("shared",):
-        raise ValueError("a rate that changes (RATE@SECONDS>RATE) shapes the shared link "
-                         "for now: drop --link or use --link shared")
+        raise ValueError("a rate that changes (RATE@SECONDS>RATE) or loses or delays "
+                         "packets shapes the shared link for now: drop --link or use --link "
+                         "shared")
     if not links:
         raise ValueError(f"--link must be one or more of {', '.join(LINK_KINDS)} separated "
                          f"by ',', got {args.link!r}")

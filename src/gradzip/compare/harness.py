@@ -113,14 +113,20 @@ def _links_available(kind: str) -> tuple[bool, str]:
 
 def open_link(rate: str | None, kind: str = "shared") -> Link:
     """The link for ``rate``: shaped in namespaces and measured, or why it cannot be."""
-    from gradzip.comm.netns import NetnsError, rate_bits_per_second, rate_schedule, run_streaming
+    from gradzip.comm.netns import (
+        NetnsError,
+        base_rate,
+        rate_bits_per_second,
+        rate_schedule,
+        run_streaming,
+    )
 
     if rate is None:
         return Link(None, False, None, "unlimited loopback asked for", kind)
     ok, why = _links_available(kind)
     if not ok:
         return Link(rate, False, None, why, kind)
-    first = rate_schedule(rate)[0][1]  # a rate that changes is probed at its start
+    first = base_rate(rate_schedule(rate)[0][1])  # probed at its start, unimpaired
     argv = [sys.executable, "-m", "gradzip.compare.linkrate", "--nominal",
             str(rate_bits_per_second(first))]
     if kind == "per-rank" or nodes_of(kind):

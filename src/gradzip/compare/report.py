@@ -328,7 +328,8 @@ def auto_table(summary: SettingSummary) -> str:
 def fault_lines(summary: SettingSummary) -> list[str]:
     """The faults of the setting's runs: how many, where, and what each cost.
 
-    A ``down`` span of ``--rate``: the step it began in and the time from the last step
+    A ``down`` span of ``--rate`` (or one that loses or delays packets): the step it
+    began in and the time from the last step
     that ended before it to the first that ended after the link came back, less that
     many of the run's median steps. A rank that died (``--kill``) under torchrun: the
     steps trained again and the time down, both on the race's clock
@@ -371,6 +372,20 @@ def _deaths(record: dict[str, Any]) -> list[str]:
     return out
 
 
+def _fault_kind(rate: str) -> str | None:
+    """A schedule element's fault in words (``down``, ``loss 2%, delay 300ms``); None
+    for a plain rate."""
+    from gradzip.comm.netns import DOWN, split_rate
+
+    if rate == DOWN:
+        return "down"
+    try:
+        impairments = split_rate(rate)[1]
+    except ValueError:
+        return None
+    return ", ".join(f"{k} {v}" for k, v in impairments.items()) or None
+
+
 def _faults(record: dict[str, Any]) -> list[str]:
     changes = (record.get("compare") or {}).get("rate_changes") or []
     clock = record.get("step_clock") or {}
@@ -378,11 +393,12 @@ def _faults(record: dict[str, Any]) -> list[str]:
     median_s = (record.get("step_time_ms_p50") or 0.0) / 1e3
     out = []
     for i, change in enumerate(changes):
-        if change.get("rate") != "down":
+        fault = _fault_kind(str(change.get("rate")))
+        if fault is None:
             continue
         up = changes[i + 1] if i + 1 < len(changes) else None
         span = (up["after_s"] - change["after_s"]) if up else None
-        text = f"down for {span:g} s" if span is not None else "down"
+        text = f"{fault} for {span:g} s" if span is not None else fault
         at, back = change.get("at_unix"), (up or {}).get("at_unix")
         ended = at is not None and record.get("failed") and (not ends or ends[-1] < (
             back if back is not None else float("inf")))
