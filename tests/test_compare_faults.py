@@ -174,3 +174,8 @@ def test_a_group_that_heals_takes_the_jobs_clock(tmp_path: Path) -> None:
     assert steps[0] == 10 and steps[-1] == 120  # the evaluations before its death too
     times = [h["train_time_s"] for h in job["eval_history"]]
     assert times == sorted(times) and times[-1] == pytest.approx(job["train_time_s"])
+    # one clock for the job: both groups end on it, each wait for a dead peer included
+    ends = [json.loads((out / f"replica_{k}" / "results.jsonl").read_text().splitlines()[-1])
+            ["train_time_s"] for k in (0, 1)]
+    assert abs(ends[0] - ends[1]) < 1.0, ends
+    assert min(ends) > sum(f["survivor_lost_s"] for f in job["ft_job"]["failures"])

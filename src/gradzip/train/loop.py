@@ -197,8 +197,9 @@ class Trainer:
         self.progress: dict[str, Any] = {"train_time_s": 0.0, "time_to_target_s": None,
                                          "ppl_at_fixed_time": None, "history": []}
         # torchft: a group that heals takes its peer's clock and evaluations (the job's)
-        self.par.share_job_progress(lambda: copy.deepcopy(self.progress),
-                                    self.progress.update)
+        self.step_began: float | None = None  # when the step in progress began
+        self.healed_at: float | None = None  # when this group last took a peer's clock
+        self.par.share_job_progress(self._job_progress, self._take_job_progress)
         self.start_step = (self._resume(self.resume_from) if self.resume_from is not None
                            else 0)
         #: what the failure before this attempt cost (measured before this attempt logs)
@@ -232,6 +233,27 @@ class Trainer:
             raise ValueError(f"{self.run_dir} already holds checkpoints: pass --resume to "
                              "continue that run, or choose another --out")
         return None
+
+    def _job_progress(self) -> dict[str, Any]:
+        """What a healing peer takes: this group's progress, its clock read now (the
+        step in progress so far included: a peer that waited for the healing group in
+        this step waited on the job's clock)."""
+        progress = copy.deepcopy(self.progress)
+        if self.step_began is not None:
+            progress["train_time_s"] += time.perf_counter() - self.step_began
+        return progress
+
+    def _take_job_progress(self, progress: dict[str, Any]) -> None:
+        self.progress.update(progress)
+        self.healed_at = time.perf_counter()
+
+    def _step_seconds(self, t0: float, step_ms: float) -> float:
+        """The step's time on the clock: all of it, or since the heal in it (the peer's
+        clock taken then already counts the rest)."""
+        healed, self.healed_at = self.healed_at, None
+        if healed is not None and healed > t0:
+            return max(0.0, t0 + step_ms / 1e3 - healed)
+        return step_ms / 1e3
 
     def _planned_kill(self) -> int | None:
         """The step after which ``GRADZIP_KILL_AT`` kills this rank in this attempt."""
@@ -370,7 +392,7 @@ class Trainer:
                     self.info.rank, self.start_step, self.log.info))
                 while step < t.max_steps:
                     step += 1
-                    t0 = time.perf_counter()
+                    t0 = self.step_began = time.perf_counter()
                     if self.capture is not None:
                         self.capture.begin_step(step, epoch=getattr(self.loader, "epoch", 0))
                     loss_sum, lr, grad_norm = self.train_step(step)
@@ -383,7 +405,7 @@ class Trainer:
                     phases = self.timer.end_step()
                     step_ms = (time.perf_counter() - t0) * 1e3
                     self.metrics.end_step(step_ms, phases, grad_norm)
-                    self.progress["train_time_s"] += step_ms / 1e3
+                    self.progress["train_time_s"] += self._step_seconds(t0, step_ms)
                     profiler.step(step, phases, step_ms)
                     last = step == t.max_steps or self._out_of_time(clock0)
                     interrupted = save_due = False
