@@ -179,3 +179,11 @@ def test_a_group_that_heals_takes_the_jobs_clock(tmp_path: Path) -> None:
             ["train_time_s"] for k in (0, 1)]
     assert abs(ends[0] - ends[1]) < 1.0, ends
     assert min(ends) > sum(f["survivor_lost_s"] for f in job["ft_job"]["failures"])
+    # and one position in the data: a group that healed reads on from its peer's batch
+    # (not from where its own checkpoint, or the start, left it)
+    import torch
+
+    position = [{k: v for k, v in torch.load(
+        next((out / f"replica_{k}" / "checkpoints").glob("step_*120")) / "rank0.pt",
+        weights_only=False)["loader"].items() if k in ("epoch", "step")} for k in (0, 1)]
+    assert position[0] == position[1], position

@@ -237,14 +237,16 @@ class Trainer:
     def _job_progress(self) -> dict[str, Any]:
         """What a healing peer takes: this group's progress, its clock read now (the
         step in progress so far included: a peer that waited for the healing group in
-        this step waited on the job's clock)."""
+        this step waited on the job's clock), and the position in the data (every group
+        has read as many batches of its own shard)."""
         progress = copy.deepcopy(self.progress)
         if self.step_began is not None:
             progress["train_time_s"] += time.perf_counter() - self.step_began
-        return progress
+        return {"progress": progress, "loader": self.loader.state_dict()}
 
-    def _take_job_progress(self, progress: dict[str, Any]) -> None:
-        self.progress.update(progress)
+    def _take_job_progress(self, job: dict[str, Any]) -> None:
+        self.progress.update(job["progress"])
+        self.loader.load_state_dict(job["loader"])  # not the batches it read before dying
         self.healed_at = time.perf_counter()
 
     def _step_seconds(self, t0: float, step_ms: float) -> float:
