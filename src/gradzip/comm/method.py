@@ -53,7 +53,17 @@ LOCAL_KEYS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "fragments": ("fragments", int, "--fragments"),
     "overlap": ("overlap_steps", int, "--overlap-steps"),
     "alpha": ("alpha", float, "--outer-alpha"),
+    "inner": ("inner", lambda v: _inner_optimizer(v), "--optimizer"),
 }
+#: inner optimizers a local-update method may name (``inner=muon``: MuLoCo); unnamed,
+#: the trainer's --optimizer (AdamW)
+INNER_OPTIMIZERS = ("adamw", "muon")
+
+
+def _inner_optimizer(value: str) -> str:
+    if value not in INNER_OPTIMIZERS:
+        raise ValueError(f"inner must be one of {', '.join(INNER_OPTIMIZERS)}, got {value!r}")
+    return value
 #: separates the codecs of a method's fragments: ``diloco(fragments=2) | int8 / fp16``
 FRAGMENT_SEPARATOR = " / "
 #: ``sparseloco(...)`` keys that build its codec -> type (without an explicit ``| CODEC``)
@@ -219,6 +229,8 @@ class LocalUpdateMethod:
     #: alpha) * synchronized; None: the synchronized weights plus the local change since
     #: the exchange began (all of it: the same as alpha = 0 without overlap)
     alpha: float | None = None
+    #: the inner optimizer (``muon``: MuLoCo); None: the trainer's --optimizer (AdamW)
+    inner: str | None = None
     kind: ClassVar[str] = "local"
 
     def __post_init__(self) -> None:
@@ -246,6 +258,8 @@ class LocalUpdateMethod:
             params.append(f"overlap={self.overlap_steps}")
         if self.alpha is not None:
             params.append(f"alpha={self.alpha:g}")
+        if self.inner is not None and self.inner != "adamw":
+            params.append(f"inner={self.inner}")
         name = f"{self.outer}({', '.join(params)})"
         return name if self.codec_text == "none" else f"{name} | {self.codec_text}"
 
@@ -261,7 +275,8 @@ class LocalUpdateMethod:
         codec = [one(c) for c in self.per_fragment] if self.per_fragment else one(self.codec)
         return {"outer": self.outer, "sync_every": self.sync_every, "lr": self.lr,
                 "momentum": self.momentum, "fragments": self.fragments,
-                "overlap_steps": self.overlap_steps, "alpha": self.alpha, "codec": codec}
+                "overlap_steps": self.overlap_steps, "alpha": self.alpha,
+                "inner": self.inner, "codec": codec}
 
     def check(self, *, parallel: str, blocks: int | None = None, **_: Any) -> None:
         if parallel != "ddp":
@@ -416,9 +431,9 @@ def _local_params(text: str, outer: str, params: str) -> tuple[dict[str, Any], d
         kind = SPARSELOCO_KEYS[key] if key in SPARSELOCO_KEYS else LOCAL_KEYS[key][1]
         try:
             parsed = kind(value)
-        except ValueError:
-            raise ValueError(f"method {text!r}: {key} must be a number, got {value!r}") \
-                from None
+        except ValueError as e:
+            why = f"{key} must be a number, got {value!r}" if kind in (int, float) else e
+            raise ValueError(f"method {text!r}: {why}") from None
         if key in SPARSELOCO_KEYS:
             sparse[key] = parsed
         else:
@@ -432,11 +447,11 @@ def _local_params(text: str, outer: str, params: str) -> tuple[dict[str, Any], d
 
 def local_method(outer: str, *, sync_every: int, lr: float, momentum: float,
                  fragments: int, overlap_steps: int, codec: str,
-                 alpha: float | None = None) -> LocalUpdateMethod:
+                 alpha: float | None = None, inner: str | None = None) -> LocalUpdateMethod:
     """The local-update method of ``gradzip train``'s --outer flags."""
     pseudo, per_fragment = pseudo_codecs(codec)
     return LocalUpdateMethod(outer, sync_every, lr, momentum, fragments, overlap_steps,
-                             pseudo, per_fragment, alpha)
+                             pseudo, per_fragment, alpha, inner)
 
 
 def every_codec(methods: Iterable[Method]) -> list[Codec]:

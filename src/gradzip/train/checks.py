@@ -30,10 +30,13 @@ def validate(cfg: JobConfig) -> None:
     _check_data(cfg.data, cfg.model)
     _check_optim(cfg.optim)
     _check_train(cfg.train, cfg.run)
-    method = method_of(cfg.train)  # parsed here, once: its errors name the flag
+    method = method_of(cfg.train, cfg.optim.optimizer)  # parsed once: errors name the flag
     check_method(method, parallel=cfg.train.parallel, optimizer=cfg.optim.optimizer,
                  grad_clip=cfg.optim.grad_clip, model=cfg.model)
     _check_capture(cfg, method)
+    if cfg.optim.optimizer == "muon" and cfg.train.parallel in ("fsdp", "hsdp"):
+        raise ValueError("--optimizer muon runs on whole matrices: use --parallel ddp (FSDP2 "
+                         "shards them, and Muon's Newton-Schulz step needs each one whole)")
     if cfg.train.hierarchical and (cfg.train.parallel != "ddp"
                                    or method.kind not in ("codec", "auto")):
         raise ValueError("--hierarchical compresses DDP's buckets between nodes: it needs "
@@ -90,7 +93,11 @@ def _check_data(d: DataOptions, m: ModelConfig) -> None:
 
 def _check_optim(o: OptimConfig) -> None:
     """Optimizer values AdamW or the schedule would reject once the model is built."""
-    _choice("--optimizer", o.optimizer, ("adamw", "sgd"))
+    _choice("--optimizer", o.optimizer, ("adamw", "sgd", "muon"))
+    if o.optimizer == "muon":
+        from gradzip.train.muon import require_muon
+
+        require_muon()
     if o.lr <= 0 or not 0 <= o.min_lr_ratio <= 1:
         raise ValueError("--lr must be > 0 and --min-lr-ratio in [0, 1]")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
@@ -166,9 +173,10 @@ def capture_schedule(r: RunConfig) -> dict[str, Any]:
             "aggregated": r.capture_aggregated}
 
 
-def method_of(t: TrainConfig) -> Any:
+def method_of(t: TrainConfig, optimizer: str = "adamw") -> Any:
     """The run's ``gradzip.comm.method.Method`` from its flags (--codec, --codec-groups,
-    --codec-start-step, --outer and its options), parsed once; errors name the flag."""
+    --codec-start-step, --outer and its options; a local-update method names a Muon
+    ``--optimizer``, its inner one), parsed once; errors name the flag."""
     from gradzip.comm.method import local_method, parse_method
 
     if t.outer == "snoo":
@@ -183,7 +191,8 @@ def method_of(t: TrainConfig) -> Any:
         return local_method(t.outer, sync_every=t.sync_every, lr=t.outer_lr,
                             momentum=t.outer_momentum, fragments=t.fragments,
                             overlap_steps=t.overlap_steps, codec=t.outer_codec,
-                            alpha=t.outer_alpha if t.outer_alpha >= 0 else None)
+                            alpha=t.outer_alpha if t.outer_alpha >= 0 else None,
+                            inner="muon" if optimizer == "muon" else None)
     if t.codec == "none" and (t.codec_groups or t.codec_start_step):
         raise ValueError("--codec-groups and --codec-start-step need a --codec")
     return parse_method(t.codec, groups=codec_groups(t.codec_groups),

@@ -29,7 +29,8 @@ def build_model(m: ModelConfig) -> nn.Module:
 
 
 def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW (or plain SGD); weight decay on matrices (and embeddings) only, not on norms
+    """AdamW (or plain SGD, or Muon on the hidden matrices with AdamW on the rest:
+    ``gradzip.train.muon``); weight decay on matrices (and embeddings) only, not on norms
     and biases (decoupled in AdamW, an L2 term in SGD)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -38,6 +39,11 @@ def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
     ]
     if o.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=o.lr, momentum=0.0)
+    if o.optimizer == "muon":
+        from gradzip.train.muon import MuonAdamW
+
+        return MuonAdamW(model, lr=o.lr, weight_decay=o.weight_decay,
+                         betas=(o.beta1, o.beta2), eps=o.eps)
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 

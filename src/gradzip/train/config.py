@@ -99,8 +99,10 @@ class OptimConfig:
     """AdamW (or plain SGD) with a cosine schedule, warm-up and a floor."""
 
     optimizer: str = "adamw"
-    """adamw, or sgd: plain SGD without momentum (for codecs that step with their own
-    momentum, as DeMo does: --codec demo needs --optimizer sgd --grad-clip 0)."""
+    """adamw; sgd: plain SGD without momentum (for codecs that step with their own
+    momentum, as DeMo does: --codec demo needs --optimizer sgd --grad-clip 0); muon: Muon
+    on the hidden weight matrices, AdamW on embeddings and norms, one --lr (as MuLoCo
+    runs DiLoCo's inner steps; DDP and --outer only)."""
     lr: float = 1e-3
     """Peak learning rate, reached after warm-up."""
     min_lr_ratio: float = 0.1

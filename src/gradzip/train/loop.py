@@ -150,7 +150,7 @@ class Trainer:
         self.cfg, self.info, self.device = cfg, info, info.device
         t, o, r, d = cfg.train, cfg.optim, cfg.run, cfg.data
         #: how gradients cross the link, parsed once for the whole run
-        self.method = method_of(t)
+        self.method = method_of(t, cfg.optim.optimizer)
         _check_environment(cfg, info, self.method)
         if self.device.type == "cpu":
             # Denormal floats in backward made a small GPT 35x slower on CPU; flush to 0.
