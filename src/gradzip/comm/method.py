@@ -54,6 +54,7 @@ LOCAL_KEYS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "overlap": ("overlap_steps", int, "--overlap-steps"),
     "alpha": ("alpha", float, "--outer-alpha"),
     "inner": ("inner", lambda v: _inner_optimizer(v), "--optimizer"),
+    "ramp": ("ramp", int, "--sync-ramp"),
 }
 #: inner optimizers a local-update method may name (``inner=muon``: MuLoCo); unnamed,
 #: the trainer's --optimizer (AdamW)
@@ -231,11 +232,13 @@ class LocalUpdateMethod:
     alpha: float | None = None
     #: the inner optimizer (``muon``: MuLoCo); None: the trainer's --optimizer (AdamW)
     inner: str | None = None
+    #: inner steps over which H ramps up from 1 to ``sync_every`` (0: no ramp)
+    ramp: int = 0
     kind: ClassVar[str] = "local"
 
     def __post_init__(self) -> None:
         check_options(self.sync_every, self.lr, self.momentum, self.outer, self.fragments,
-                      self.overlap_steps, self.alpha)
+                      self.overlap_steps, self.alpha, self.ramp)
         if self.per_fragment and len(self.per_fragment) != self.fragments:
             raise ValueError(f"{len(self.per_fragment)} codecs separated by ' / ' for "
                              f"{self.fragments} fragment(s): give one per fragment")
@@ -260,6 +263,8 @@ class LocalUpdateMethod:
             params.append(f"alpha={self.alpha:g}")
         if self.inner is not None and self.inner != "adamw":
             params.append(f"inner={self.inner}")
+        if self.ramp:
+            params.append(f"ramp={self.ramp}")
         name = f"{self.outer}({', '.join(params)})"
         return name if self.codec_text == "none" else f"{name} | {self.codec_text}"
 
@@ -276,7 +281,7 @@ class LocalUpdateMethod:
         return {"outer": self.outer, "sync_every": self.sync_every, "lr": self.lr,
                 "momentum": self.momentum, "fragments": self.fragments,
                 "overlap_steps": self.overlap_steps, "alpha": self.alpha,
-                "inner": self.inner, "codec": codec}
+                "inner": self.inner, "ramp": self.ramp, "codec": codec}
 
     def check(self, *, parallel: str, blocks: int | None = None, **_: Any) -> None:
         if parallel != "ddp":
@@ -294,13 +299,13 @@ class LocalUpdateMethod:
                           if self.per_fragment else
                           self.codec.codecs[0] if self.codec is not None else None),
                 "fragments": self.fragments, "overlap_steps": self.overlap_steps,
-                "alpha": self.alpha}
+                "alpha": self.alpha, "sync_ramp": self.ramp}
 
     def train_flags(self) -> list[str]:
         flags = ["--outer", self.outer, "--outer-codec", self.codec_text]
         for attr, _, flag in LOCAL_KEYS.values():
             value = getattr(self, attr)
-            if value is not None:
+            if value is not None and not (attr == "ramp" and value == 0):
                 flags += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
         return flags
 
@@ -447,11 +452,12 @@ def _local_params(text: str, outer: str, params: str) -> tuple[dict[str, Any], d
 
 def local_method(outer: str, *, sync_every: int, lr: float, momentum: float,
                  fragments: int, overlap_steps: int, codec: str,
-                 alpha: float | None = None, inner: str | None = None) -> LocalUpdateMethod:
+                 alpha: float | None = None, inner: str | None = None,
+                 ramp: int = 0) -> LocalUpdateMethod:
     """The local-update method of ``gradzip train``'s --outer flags."""
     pseudo, per_fragment = pseudo_codecs(codec)
     return LocalUpdateMethod(outer, sync_every, lr, momentum, fragments, overlap_steps,
-                             pseudo, per_fragment, alpha, inner)
+                             pseudo, per_fragment, alpha, inner, ramp)
 
 
 def every_codec(methods: Iterable[Method]) -> list[Codec]:

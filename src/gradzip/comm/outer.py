@@ -54,6 +54,7 @@ call ``outer.step()`` after every inner optimizer step; evaluate inside
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import re
 import sys
@@ -93,11 +94,13 @@ class DiLoCo:
                  process_group: dist.ProcessGroup | None = None, seed: int = 0,
                  nonfinite: str = "error", fragments: int = 1,
                  overlap_steps: int = 0, alpha: float | None = None,
-                 replicas: Any = None) -> None:
+                 replicas: Any = None, sync_ramp: int = 0) -> None:
         if replicas is not None:
             check_replica_options(overlap_steps)
         check_options(sync_every, outer_lr, outer_momentum, outer, fragments, overlap_steps,
-                      alpha)
+                      alpha, sync_ramp)
+        #: inner steps over which H grows from 1 to ``sync_every`` (0: H from the start)
+        self.sync_ramp = sync_ramp
         self.alpha = alpha
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.fragments = fragment_indices([n for n, _ in named], fragments)
@@ -167,8 +170,11 @@ class DiLoCo:
 
     def due(self, inner_steps: int) -> list[int]:
         """The fragments synchronized after inner step ``inner_steps`` (1-based): each
-        every H steps from its offset. The schedule depends only on the step count, so
-        a resumed run keeps it."""
+        every H steps from its offset (with ``sync_ramp``, H ramping up first:
+        ``ramped_sync``). The schedule depends only on the step count, so a resumed run
+        keeps it."""
+        if self.sync_ramp:
+            return [0] if ramped_sync(inner_steps, self.sync_every, self.sync_ramp) else []
         return [f for f, off in enumerate(self.offsets)
                 if inner_steps >= max(off, 1) and (inner_steps - off) % self.sync_every == 0]
 
@@ -500,10 +506,37 @@ def check_replica_options(overlap_steps: int) -> None:
                          "back before training goes on: drop --overlap-steps")
 
 
+def ramped_sync(inner_steps: int, sync_every: int, ramp: int) -> bool:
+    """Whether inner step ``inner_steps`` (1-based) ends with a synchronization when H
+    ramps up over the first ``ramp`` steps: each interval after a synchronization at
+    step t lasts ``max(1, min(H, round(H * t / ramp)))`` steps (1 at the start, as DDP
+    does, then linearly longer), and H from the first synchronization at or after
+    ``ramp`` on."""
+    early, settled = _ramp_schedule(sync_every, ramp)
+    if inner_steps < settled:
+        return inner_steps in early
+    return (inner_steps - settled) % sync_every == 0
+
+
+@functools.cache
+def _ramp_schedule(sync_every: int, ramp: int) -> tuple[frozenset[int], int]:
+    """The synchronizations before the ramp ends, and the first one at or after it."""
+    t, early = 0, set()
+    while t < ramp:
+        t += max(1, min(sync_every, round(sync_every * t / ramp)))
+        early.add(t)
+    return frozenset(early), t
+
+
 def check_options(sync_every: int, outer_lr: float, outer_momentum: float, outer: str,
                   fragments: int = 1, overlap_steps: int = 0,
-                  alpha: float | None = None) -> None:
+                  alpha: float | None = None, sync_ramp: int = 0) -> None:
     """Clear errors for values DiLoCo cannot run with (before any training)."""
+    if sync_ramp < 0:
+        raise ValueError(f"the ramp of H must be >= 0 inner steps, got {sync_ramp}")
+    if sync_ramp and (fragments > 1 or overlap_steps):
+        raise ValueError("a ramp of H (ramp=, --sync-ramp) needs one fragment and no "
+                         "overlap: Streaming DiLoCo's staggered fragments keep a fixed H")
     if alpha is not None and not 0 <= alpha < 1:
         raise ValueError(f"alpha (the local weights' share after an outer step) must be in "
                          f"[0, 1), got {alpha}")

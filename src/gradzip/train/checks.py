@@ -192,7 +192,8 @@ def method_of(t: TrainConfig, optimizer: str = "adamw") -> Any:
                             momentum=t.outer_momentum, fragments=t.fragments,
                             overlap_steps=t.overlap_steps, codec=t.outer_codec,
                             alpha=t.outer_alpha if t.outer_alpha >= 0 else None,
-                            inner="muon" if optimizer == "muon" else None)
+                            inner="muon" if optimizer == "muon" else None,
+                            ramp=t.sync_ramp)
     if t.codec == "none" and (t.codec_groups or t.codec_start_step):
         raise ValueError("--codec-groups and --codec-start-step need a --codec")
     return parse_method(t.codec, groups=codec_groups(t.codec_groups),
@@ -204,10 +205,11 @@ def _snoo_method(t: TrainConfig) -> Any:
     --sync-every steps; the options of the other outer kinds are refused."""
     from gradzip.comm.method import CodecMethod, SnooMethod, parse_method
 
-    if t.outer_codec != "none" or t.fragments != 1 or t.overlap_steps or t.outer_alpha >= 0:
+    if t.outer_codec != "none" or t.fragments != 1 or t.overlap_steps or t.outer_alpha >= 0 \
+            or t.sync_ramp:
         raise ValueError("--outer snoo communicates every step with --codec (its outer step "
-                         "sends nothing): --outer-codec, --fragments, --overlap-steps and "
-                         "--outer-alpha do not apply")
+                         "sends nothing): --outer-codec, --fragments, --overlap-steps, "
+                         "--outer-alpha and --sync-ramp do not apply")
     step = parse_method(t.codec, groups=codec_groups(t.codec_groups),
                         start_step=t.codec_start_step or None)
     if not isinstance(step, CodecMethod):

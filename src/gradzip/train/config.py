@@ -173,6 +173,10 @@ class TrainConfig:
     step. Needs --parallel ddp."""
     sync_every: int = 32
     """With --outer: inner steps between synchronizations (DiLoCo's H)."""
+    sync_ramp: int = 0
+    """With --outer (one fragment, no overlap): inner steps over which H ramps up from 1
+    (a synchronization every step, as DDP) to --sync-every, each interval growing with the
+    step it starts at; 0 = H from the start."""
     outer_lr: float = 0.7
     """With --outer diloco: the outer SGD learning rate."""
     outer_momentum: float = 0.9
