@@ -52,6 +52,30 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest() -> None:
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
 
 
+def test_learned_positions_and_an_untied_head_stay_on_adamw() -> None:
+    from gradzip.train.muon import split_for_muon
+
+    model = GPT(ModelConfig(vocab_size=64, n_layer=1, dim=32, n_head=2, max_seq_len=16,
+                            pos="learned", tie_embeddings=False))
+    _, adam_matrices, _ = split_for_muon(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)] for p in adam_matrices) == ["head.weight", "pos_emb.weight",
+                                                           "tok_emb.weight"]
+
+
+def test_the_schedule_still_reaches_both_halves_after_a_load() -> None:
+    """Loading replaces each optimizer's group dicts: the schedule must reach the new
+    ones (a resume, a restart or a torchft heal would otherwise freeze the lr)."""
+    model = _model()
+    opt = _optimizer(model)
+    _step(model, opt, 0)
+    twin = _optimizer(copy.deepcopy(model))
+    twin.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for group in twin.param_groups:
+        group["lr"] = 1.25e-3
+    assert {g["lr"] for g in twin.muon.param_groups + twin.adamw.param_groups} == {1.25e-3}
+
+
 def test_the_schedule_moves_both_halves_and_a_step_moves_every_weight() -> None:
     model = _model()
     opt = _optimizer(model)
@@ -86,7 +110,9 @@ def test_a_local_update_method_names_its_inner_optimizer() -> None:
     flags = method.train_flags()
     assert flags[flags.index("--optimizer") + 1] == "muon"
     assert "inner=muon" in str(method) and parse_method(str(method)) == method
-    assert "inner" not in str(parse_method("diloco(sync_every=8) | int8"))
+    plain = parse_method("diloco(sync_every=8) | int8")
+    assert "inner" not in str(plain) and parse_method("diloco(sync_every=8, inner=adamw) | "
+                                                      "int8") == plain
     assert "--optimizer" in parse_method("sparseloco(inner=muon)").train_flags()
     with pytest.raises(ValueError, match="inner must be one of adamw, muon"):
         parse_method("diloco(inner=lion) | int8")

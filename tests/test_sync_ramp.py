@@ -4,6 +4,7 @@ intervals that grow with the step they start at, up to ``sync_every``."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,3 +52,13 @@ def test_a_run_synchronizes_on_the_ramp(tmp_path: Path) -> None:
     record = last_result(out)
     assert record["outer"]["syncs"] == len(_syncs(60, 10, 30)) == 14
     assert "ramp=30" in record["method"]
+
+
+def test_a_ramp_without_a_local_update_method_is_refused(tmp_path: Path, capsys: Any) -> None:
+    from train_helpers import flags
+
+    from gradzip.cli import main
+
+    code = main(["train", "--parallel", "ddp", "--sync-ramp", "10", "--print-config",
+                 *flags(tmp_path / "cache", tmp_path / "out", "--max-steps", "2")])
+    assert code != 0 and "--sync-ramp ramps the H" in capsys.readouterr().err

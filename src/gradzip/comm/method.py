@@ -61,10 +61,11 @@ LOCAL_KEYS: dict[str, tuple[str, Callable[[str], Any], str]] = {
 INNER_OPTIMIZERS = ("adamw", "muon")
 
 
-def _inner_optimizer(value: str) -> str:
+def _inner_optimizer(value: str) -> str | None:
+    """``inner=``'s optimizer; None for AdamW, the default (one spelling per method)."""
     if value not in INNER_OPTIMIZERS:
         raise ValueError(f"inner must be one of {', '.join(INNER_OPTIMIZERS)}, got {value!r}")
-    return value
+    return None if value == "adamw" else value
 #: separates the codecs of a method's fragments: ``diloco(fragments=2) | int8 / fp16``
 FRAGMENT_SEPARATOR = " / "
 #: ``sparseloco(...)`` keys that build its codec -> type (without an explicit ``| CODEC``)

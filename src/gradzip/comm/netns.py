@@ -50,14 +50,17 @@ _UNSHARE = ["unshare", "--user", "--map-root-user", "--net", "--"]
 _SETUP = r"""
 ip link set lo up || { echo "gradzip.netns setup failed: ip link set lo up" >&2; exit 97; }
 # the link's qdisc: RATE BURST IMPAIRMENTS ("-": none; else netem's options, ','
-# between words) or "down": every packet dropped (TCP retransmits)
+# between words, for a netem below the token bucket) or "down": every packet dropped
+# (TCP retransmits)
 shape() {
   if [ "$1" = down ]; then
     tc qdisc replace dev lo root pfifo limit 0
   elif [ "$3" = - ]; then
     tc qdisc replace dev lo root tbf rate "$1" burst "$2" latency "$GRADZIP_NETNS_LATENCY"
   else
-    tc qdisc replace dev lo root netem rate "$1" $(echo "$3" | tr , ' ')
+    tc qdisc del dev lo root 2>/dev/null
+    tc qdisc add dev lo root handle 1: tbf rate "$1" burst "$2" latency "$GRADZIP_NETNS_LATENCY" &&
+      tc qdisc add dev lo parent 1:1 handle 10: netem $(echo "$3" | tr , ' ')
   fi
 }
 if [ -n "$GRADZIP_NETNS_RATE" ]; then
@@ -70,9 +73,10 @@ if [ -n "$GRADZIP_NETNS_CHANGES" ]; then
   ( set -- $GRADZIP_NETNS_CHANGES
     while [ $# -ge 4 ]; do
       sleep "$1"
-      shape "$2" "$3" "$4"
-      # when it changed (Unix seconds), for the record to place the change at a step
-      [ -n "$GRADZIP_NETNS_CHANGE_LOG" ] && echo "$(date +%s.%N) $2" >> "$GRADZIP_NETNS_CHANGE_LOG"
+      # when it changed (Unix seconds), for the record to place the change at a step;
+      # a change that failed is logged as such and placed nowhere
+      if shape "$2" "$3" "$4"; then at="$(date +%s.%N)"; else at=failed; fi
+      [ -n "$GRADZIP_NETNS_CHANGE_LOG" ] && echo "$at $2" >> "$GRADZIP_NETNS_CHANGE_LOG"
       shift 4
     done ) </dev/null >/dev/null 2>&1 &
   changes=$!
@@ -202,11 +206,12 @@ def split_rate(element: str) -> tuple[str, dict[str, str]]:
 
 def netem_options(impairments: dict[str, str]) -> str:
     """netem's options for ``split_rate``'s impairments, ',' between words (the setup
-    script's word for them); ``-`` for none. The queue holds 10,000 packets, so a delay
-    on a fast link delays rather than drops."""
+    script's word for them); ``-`` for none. netem sits below the link's token bucket
+    (which keeps its rate, burst and latency bound): it delays and drops, the bucket
+    shapes; its queue holds 1,000 packets, netem's default."""
     if not impairments:
         return "-"
-    words = ["limit", "10000"]
+    words = ["limit", "1000"]
     for name in ("delay", "loss"):
         if name in impairments:
             words += [name, impairments[name]]
@@ -220,9 +225,13 @@ def netem_available() -> tuple[bool, str]:
     ok, why = netns_available(shaping=True)
     if not ok:
         return False, why
-    proc = subprocess.run([*_UNSHARE, "sh", "-c", "ip link set lo up && tc qdisc add dev lo "
-                           "root netem rate 100mbit loss 1% delay 1ms"],
-                          capture_output=True, text=True, timeout=30)
+    try:
+        proc = subprocess.run([*_UNSHARE, "sh", "-c", "ip link set lo up && tc qdisc add dev "
+                               "lo root handle 1: tbf rate 100mbit burst 256kb latency 100ms "
+                               "&& tc qdisc add dev lo parent 1:1 handle 10: netem loss 1% "
+                               "delay 1ms"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"a trial namespace for tc netem failed: {e}"
     if proc.returncode == 0:
         return True, ""
     return False, (f"tc netem failed ({proc.stderr.strip() or 'no message'}): packet loss "

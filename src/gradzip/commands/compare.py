@@ -246,9 +246,23 @@ def check_faults(runs: list[Any], args: argparse.Namespace) -> None:
             if bad:
                 raise ValueError(f"--kill {args.kill!r}: rank {bad[0]} does not exist in a "
                                  f"run of {r.ranks} ranks")
+            steps = [s for _, s in kills]
+            last = _max_steps(r)
+            if steps != sorted(set(steps)) or steps[0] < 1 or \
+                    (last is not None and steps[-1] >= last):
+                raise ValueError(f"--kill {args.kill!r}: the steps must increase, from 1 to "
+                                 f"below the run's {last or '--max-steps'} steps (each death "
+                                 "comes after the one before it)")
     if args.ft and not any(r.uses_ft() for r in runs):
         raise ValueError("--ft runs local-update methods (diloco(...), average(...), "
                          "sparseloco) as torchft replica groups: none of the methods is one")
+
+
+def _max_steps(run: Any) -> int | None:
+    """The ``--max-steps`` a run's trainer gets (the last one given), if any."""
+    flags = list(run.train)
+    at = [i for i, f in enumerate(flags[:-1]) if f == "--max-steps"]
+    return int(flags[at[-1] + 1]) if at else None
 
 
 def check_script_runs(runs: list[Any]) -> None:

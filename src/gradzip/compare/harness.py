@@ -131,7 +131,7 @@ def open_link(rate: str | None, kind: str = "shared") -> Link:
             str(rate_bits_per_second(first))]
     if kind == "per-rank" or nodes_of(kind):
         argv.append("--between-ranks")
-    cmd, env = namespace_command(argv, rate, kind, ranks=2)
+    cmd, env = namespace_command(argv, first, kind, ranks=2)
     try:
         proc = run_streaming(cmd, env=env, timeout=120.0)
     except NetnsError as e:
@@ -215,7 +215,8 @@ def place_rate_changes(changes: list[dict[str, Any]], log: str,
     every = int((clock or {}).get("every") or 1)  # a long run keeps every n-th step's end
     placed = []
     for i, change in enumerate(changes):
-        at = float(logged[i][0]) if i < len(logged) and len(logged[i]) == 2 else None
+        at = (float(logged[i][0]) if i < len(logged) and len(logged[i]) == 2
+              and logged[i][0] != "failed" else None)  # a change tc refused: nowhere
         step = (first + every * bisect.bisect_left(ends, at) if at is not None
                 and ends and at <= ends[-1] else None)
         placed.append({**change, "at_unix": at, "at_step": step})

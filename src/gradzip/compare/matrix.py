@@ -151,7 +151,8 @@ class Run:
         from gradzip.compare.trials import trial_flags
 
         trains = ("--script", *self.script) if self.script else self.train
-        faults = (*(["--ft"] if self.ft else []), *(["--kill", self.kill] if self.kill else []))
+        faults = (*(["--ft"] if self.uses_ft() else []),
+                  *(["--kill", self.kill] if self.kill else []))
         return (*trains, *trial_flags(self.trial), *self._start_flags(), *faults)
 
     def compressed_from(self) -> int:
@@ -206,10 +207,18 @@ class Run:
         return None
 
     def _ckpt_every(self) -> str:
-        """The checkpoint interval of a run restarted by torchrun: the train flags' own
-        ``--ckpt-every``, else ``KILL_CKPT_EVERY``."""
-        at = [i for i, f in enumerate(self.train[:-1]) if f == "--ckpt-every"]
-        return self.train[at[-1] + 1] if at else KILL_CKPT_EVERY
+        """The checkpoint interval of a run restarted by torchrun: the train flags' (or
+        the trial's) own ``--ckpt-every``, else ``KILL_CKPT_EVERY``."""
+        from gradzip.compare.trials import trial_flags
+
+        flags = [*self.train, *trial_flags(self.trial)]
+        value = KILL_CKPT_EVERY
+        for i, f in enumerate(flags):
+            if f == "--ckpt-every" and i + 1 < len(flags):
+                value = flags[i + 1]
+            elif f.startswith("--ckpt-every="):
+                value = f.partition("=")[2]
+        return value
 
     def _launcher(self) -> list[str]:
         """What starts the ranks: torchrun (with restarts when ranks are killed), the
@@ -228,7 +237,7 @@ class Run:
         if self.uses_ft():
             return ["--ft", str(self.ranks), "--ft-max-restarts",
                     str(max(3, len(self.kills())))]
-        if self.kill and "--ckpt-every" not in self.train:
+        if self.kill:
             return ["--ckpt-every", KILL_CKPT_EVERY]
         return []
 
@@ -242,8 +251,9 @@ class Run:
 
         if self.script:
             return [sys.executable, *torchrun, *self.script, *trial_flags(self.trial)]
-        return [sys.executable, *torchrun, "-m", "gradzip", "train", *self.train,
-                *trial_flags(self.trial), *self._survival_flags(),
+        # the survival flags first: a --ckpt-every of the train flags or a trial wins
+        return [sys.executable, *torchrun, "-m", "gradzip", "train", *self._survival_flags(),
+                *self.train, *trial_flags(self.trial),
                 "--parallel", self.parallel, *self._node_flags(),
                 *method_flags(self.method), *self._start_flags(), "--seed", str(self.seed),
                 "--cache-dir", str(cache), "--out", str(out), "--no-progress",

@@ -106,7 +106,9 @@ def steps_to_target(run: Run, target: float | None) -> float | None:
     train_s, steps = run.num("train_time_s"), run.steps_run()
     if target is None or not train_s or not steps:
         return None
-    reached = next((t for _, t, loss in run.history() if loss <= target), None)
+    # the record's own clock (``history`` adds what restarts cost, which train_s lacks)
+    reached = next((t - run.charged_s(step) for step, t, loss in run.history()
+                    if loss <= target), None)
     return None if reached is None else reached * steps / train_s
 
 

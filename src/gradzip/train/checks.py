@@ -194,6 +194,9 @@ def method_of(t: TrainConfig, optimizer: str = "adamw") -> Any:
                             alpha=t.outer_alpha if t.outer_alpha >= 0 else None,
                             inner="muon" if optimizer == "muon" else None,
                             ramp=t.sync_ramp)
+    if t.sync_ramp:
+        raise ValueError("--sync-ramp ramps the H of --outer diloco, average or sparseloco: "
+                         "add one, or drop --sync-ramp")
     if t.codec == "none" and (t.codec_groups or t.codec_start_step):
         raise ValueError("--codec-groups and --codec-start-step need a --codec")
     return parse_method(t.codec, groups=codec_groups(t.codec_groups),

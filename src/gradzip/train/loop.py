@@ -732,7 +732,7 @@ def _outer_summary(par: Any, method: Method) -> dict[str, Any] | None:
     return {"kind": method.outer, "sync_every": method.sync_every,
             "codec": method.codec_text,
             "fragments": method.fragments, "overlap_steps": method.overlap_steps,
-            "syncs": outer.syncs,
+            "sync_ramp": method.ramp, "syncs": outer.syncs,
             "bytes_wire_per_sync": totals["bytes_wire"] / here if here else None}
 
 

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-#: parameter names that stay on AdamW though they are matrices: the token embedding
-#: (the output head shares it), whose rows are looked up, not multiplied
-ADAMW_MATRICES = ("tok_emb",)
+#: modules whose matrices stay on AdamW: embeddings (token, learned position: rows
+#: looked up, not multiplied) and the output head (untied from the embedding or not)
+HEAD_NAMES = ("head", "lm_head")
 
 
 def require_muon() -> None:
@@ -35,13 +35,16 @@ def split_for_muon(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parame
                                               list[nn.Parameter]]:
     """(Muon's matrices, AdamW's matrices, AdamW's vectors) of ``model``'s trainable
     parameters, in the model's order."""
+    adam = {id(p) for name, module in model.named_modules()
+            if isinstance(module, nn.Embedding) or name.split(".")[-1] in HEAD_NAMES
+            for p in module.parameters(recurse=False)}
     muon, adam_matrices, vectors = [], [], []
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if not p.requires_grad:
             continue
         if p.dim() < 2:
             vectors.append(p)
-        elif p.dim() == 2 and not any(part in name for part in ADAMW_MATRICES):
+        elif p.dim() == 2 and id(p) not in adam:
             muon.append(p)
         else:
             adam_matrices.append(p)
@@ -86,3 +89,5 @@ class MuonAdamW(torch.optim.Optimizer):
                              "'muon' and 'adamw' parts): resume with the run's optimizer")
         self.muon.load_state_dict(state_dict["muon"])
         self.adamw.load_state_dict(state_dict["adamw"])
+        # loading gives each its own new group dicts: share them again with the schedule
+        self.param_groups = self.muon.param_groups + self.adamw.param_groups
