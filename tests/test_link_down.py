@@ -117,13 +117,19 @@ def test_a_race_whose_link_goes_down_starts_its_ranks_without_torchrun() -> None
         Path("out"), Path("cache"))
 
 
-def test_local_ranks_set_what_torchrun_sets_and_pass_on_the_first_failure() -> None:
-    show = ("import os, sys; print(os.environ['RANK'], os.environ['WORLD_SIZE'], "
-            "os.environ['MASTER_ADDR'], flush=True); sys.exit(3 if os.environ['RANK'] == "
-            "'1' else 0)")
+def test_local_ranks_set_what_torchrun_sets_and_pass_on_the_first_failure(
+        tmp_path: Path) -> None:
+    # rank 1 fails only once rank 0 has printed (a loaded machine may start rank 0 late,
+    # and the first failure stops the other rank)
+    printed = tmp_path / "rank0-printed"
+    show = ("import os, sys, time, pathlib; r = os.environ['RANK']; "
+            "print(r, os.environ['WORLD_SIZE'], os.environ['MASTER_ADDR'], flush=True); "
+            f"p = pathlib.Path({str(printed)!r}); p.touch() if r == '0' else None; "
+            "[time.sleep(0.05) for _ in range(1200) if r == '1' and not p.exists()]; "
+            "sys.exit(3 if r == '1' else 0)")
     proc = subprocess.run([sys.executable, "-m", "gradzip.comm.local_ranks", "--ranks", "2",
                            "--grace", "60", "--", sys.executable, "-c", show],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=90)
     assert proc.returncode == 3
     assert sorted(proc.stdout.split("\n")[:2]) == ["0 2 127.0.0.1", "1 2 127.0.0.1"]
 
