@@ -134,6 +134,14 @@ def test_local_ranks_set_what_torchrun_sets_and_pass_on_the_first_failure(
     assert sorted(proc.stdout.split("\n")[:2]) == ["0 2 127.0.0.1", "1 2 127.0.0.1"]
 
 
+def test_the_report_names_a_link_impaired_from_the_start() -> None:
+    from gradzip.compare.report import _faults
+
+    (line,) = _faults({"compare": {"rate": "100mbit+loss=2%", "rate_changes": None}})
+    assert line.startswith("loss 2% from the start")
+    assert _faults({"compare": {"rate": "100mbit", "rate_changes": None}}) == []
+
+
 def test_the_report_says_a_run_ended_in_a_fault() -> None:
     from gradzip.compare.report import _faults
 

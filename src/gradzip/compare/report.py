@@ -386,12 +386,24 @@ def _fault_kind(rate: str) -> str | None:
     return ", ".join(f"{k} {v}" for k, v in impairments.items()) or None
 
 
+def _from_the_start(record: dict[str, Any]) -> list[str]:
+    """A line for a link impaired from the run's first second (``100mbit+loss=2%``): it
+    has no unimpaired steps to cost it against, so it only says so."""
+    rate = (record.get("compare") or {}).get("rate")
+    if not isinstance(rate, str):
+        return []
+    first = rate.split(">")[0].partition("@")[0].strip()
+    fault = _fault_kind(first)
+    return [f"{fault} from the start (no unimpaired steps to cost it against: race the "
+            "plain rate beside it)"] if fault else []
+
+
 def _faults(record: dict[str, Any]) -> list[str]:
     changes = (record.get("compare") or {}).get("rate_changes") or []
     clock = record.get("step_clock") or {}
     ends, every = clock.get("end_unix") or [], int(clock.get("every") or 1)
     median_s = (record.get("step_time_ms_p50") or 0.0) / 1e3
-    out = []
+    out = _from_the_start(record)
     for i, change in enumerate(changes):
         fault = _fault_kind(str(change.get("rate")))
         if fault is None:
