@@ -29,7 +29,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from gradzip.codecs.base import Compressor, Slot
+from gradzip.codecs.base import Compressor, Shapes, Slot
 from gradzip.codecs.indices import (
     Selection,
     abs_ge,
@@ -160,13 +160,54 @@ class TopK(Compressor):
     PARAMS = (*_ratio_k_params(0.01),
               Param("chunk", int, None, "select within every chunk of this many consecutive "
                     "entries (k or ratio per chunk; SparseLoCo: k=64, chunk=4096) instead of "
-                    "over the whole tensor", at_least(1)))
+                    "over the whole tensor", at_least(1)),
+              Param("tile", int, None, "select within every tile x tile block of each "
+                    "tensor seen as a matrix (1-D tensors: strips of tile^2; a side that "
+                    "tile does not divide takes its largest divisor below tile); k or ratio "
+                    "per tile (templar's SparseLoCo: k=64, tile=64)", at_least(1)))
+    #: with ``tile``, the tensors' shapes decide the tiles (decode needs none: positions)
+    per_tensor = True
 
     def validate(self) -> None:
         _check_ratio_or_k(self, 0.01)
+        if self.params["chunk"] is not None and self.params["tile"] is not None:
+            raise ValueError("topk: give chunk (consecutive entries) or tile (blocks of "
+                             "each matrix), not both")
+
+    def encode_tensors(self, x: torch.Tensor, slot: Slot, shapes: Shapes) -> Payload:
+        if self.params["tile"] is None:
+            return self.encode(x, slot)
+        flat = x.detach().reshape(-1).float()
+        return sparse_payload(flat, Selection(flat.numel(),
+                                              indices=self._tile_positions(flat, shapes)))
+
+    def _tile_positions(self, flat: torch.Tensor, shapes: Shapes) -> torch.Tensor:
+        """Ascending positions in ``flat`` of the top k of every tile of every tensor."""
+        side = self.params["tile"]
+        found, offset = [], 0
+        for shape in shapes:
+            n = math.prod(shape)
+            rows, cols = (1, n) if len(shape) < 2 else (int(shape[0]), n // int(shape[0]))
+            if rows == 1:  # a vector: strips of side^2, as chunks
+                found.append(chunked_topk_positions(
+                    flat[offset:offset + n], side * side,
+                    keep_count(side * side, self.params["ratio"], self.params["k"])) + offset)
+            else:
+                r, c = _divisor_below(rows, side), _divisor_below(cols, side)
+                where = torch.arange(n, device=flat.device).view(rows // r, r, cols // c, c)
+                where = where.permute(0, 2, 1, 3).reshape(-1, r * c)  # a row per tile
+                mags = flat[offset:offset + n].abs()[where]
+                k = min(keep_count(r * c, self.params["ratio"], self.params["k"]), r * c)
+                top = torch.topk(mags, k, dim=1, sorted=False).indices
+                found.append(where.gather(1, top).reshape(-1) + offset)
+            offset += n
+        return torch.cat(found).sort().values if found else torch.zeros(0, dtype=torch.long)
 
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
         flat = x.detach().reshape(-1).float()
+        if self.params["tile"] is not None:  # one tensor: its own shape decides the tiles
+            return sparse_payload(flat, Selection(flat.numel(), indices=self._tile_positions(
+                flat, [x.shape])))
         chunk = self.params["chunk"]
         if chunk is not None and flat.numel() > chunk:
             positions = chunked_topk_positions(flat, chunk, keep_count(
@@ -178,6 +219,11 @@ class TopK(Compressor):
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
         return sparse_decode(p, shape)
+
+
+def _divisor_below(dim: int, side: int) -> int:
+    """``side`` if it divides ``dim``, else the largest divisor of ``dim`` below it."""
+    return next(t for t in range(min(side, dim), 0, -1) if dim % t == 0)
 
 
 # ---------------------------------------------------------------- random-k

@@ -70,7 +70,7 @@ def _inner_optimizer(value: str) -> str | None:
 FRAGMENT_SEPARATOR = " / "
 #: ``sparseloco(...)`` keys that build its codec -> type (without an explicit ``| CODEC``)
 SPARSELOCO_KEYS: dict[str, Callable[[str], Any]] = {
-    "k": int, "density": float, "chunk": int, "bits": int, "ef_decay": float}
+    "k": int, "density": float, "chunk": int, "tile": int, "bits": int, "ef_decay": float}
 #: ``snoo(...)`` keys: its own outer step, no fragments
 SNOO_KEYS = ("sync_every", "lr", "momentum")
 #: the defaults each kind starts from (SparseLoCo's public configuration: H=30, outer
@@ -79,17 +79,20 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "diloco": {}, "average": {}, "snoo": {},
     "sparseloco": {"sync_every": 30, "lr": 1.0, "momentum": 0.0},
 }
-SPARSELOCO_CODEC = {"k": 64, "density": None, "chunk": 4096, "bits": 2, "ef_decay": 0.95}
+SPARSELOCO_CODEC = {"k": 64, "density": None, "chunk": 4096, "tile": None, "bits": 2,
+                    "ef_decay": 0.95}
 
 
 def sparseloco_codec(k: int | None = 64, density: float | None = None, chunk: int = 4096,
-                     bits: int = 2, ef_decay: float = 0.95) -> str:
+                     bits: int = 2, ef_decay: float = 0.95, tile: int | None = None) -> str:
     """SparseLoCo's pseudo-gradient codec as a gradzip chain: error feedback decayed by
-    ``ef_decay``, the top ``k`` (or ``density`` x ``chunk``) of every ``chunk`` entries,
+    ``ef_decay``, the top ``k`` (or ``density`` x ``chunk``) of every ``chunk`` entries
+    (or, with ``tile``, of every tile x tile block of each matrix, as templar selects),
     their values in ``bits`` bits (``centroid``), indices and values entropy-coded
     (``ans``), payloads all-gathered as the paper does (no second lossy step)."""
     keep = f"ratio={density:g}" if density is not None else f"k={k}"
-    return (f"ef(beta={ef_decay:g}) | topk({keep}, chunk={chunk}) | centroid(bits={bits}) "
+    where = f"tile={tile}" if tile is not None else f"chunk={chunk}"
+    return (f"ef(beta={ef_decay:g}) | topk({keep}, {where}) | centroid(bits={bits}) "
             "| ans | aggregate=gather")
 
 
