@@ -32,7 +32,7 @@ HELP = "race methods to a target loss over a rate-limited link; report"  # shown
 
 
 def register(sub: Any) -> None:
-    from gradzip.compare.matrix import KILL_CKPT_EVERY, PRESETS
+    from gradzip.compare.matrix import PRESETS
 
     p = sub.add_parser(
         "compare", help=HELP,
@@ -90,6 +90,23 @@ def register(sub: Any) -> None:
     p.add_argument("--start-step", type=int, default=0, metavar="N",
                    help="gradzip codecs send plain until step N, compressing after that "
                         "warm-up (as the PowerSGD and DGC papers do); stated in each record")
+    add_fault_options(p)
+    p.add_argument("--ranks", default=None, metavar="W[,W]", help="ranks per run, e.g. 2,4")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per method")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="time budget for quality_at_time (default: the shortest run)")
+    add_sweep_options(p)
+    p.add_argument("--out", required=True, help="directory for runs, results and report")
+    p.add_argument("--dry-run", action="store_true", help="print the runs and exit")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    p.set_defaults(func=run)
+
+
+def add_fault_options(p: argparse.ArgumentParser) -> None:
+    """--ft and --kill: replica groups that heal, ranks killed at chosen steps."""
+    from gradzip.compare.matrix import KILL_CKPT_EVERY
+
     p.add_argument("--ft", action="store_true",
                    help="run local-update methods (diloco, average, sparseloco) as torchft "
                         "replica groups, one process each, with a Lighthouse on localhost: "
@@ -102,16 +119,6 @@ def register(sub: Any) -> None:
                         "and --ckpt-every " + KILL_CKPT_EVERY + " (unless --train-args sets "
                         "it) and resume from the newest checkpoint; the report says where "
                         "each fault fell and what it cost")
-    p.add_argument("--ranks", default=None, metavar="W[,W]", help="ranks per run, e.g. 2,4")
-    p.add_argument("--seeds", type=int, default=None, help="seeds per method")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="time budget for quality_at_time (default: the shortest run)")
-    add_sweep_options(p)
-    p.add_argument("--out", required=True, help="directory for runs, results and report")
-    p.add_argument("--dry-run", action="store_true", help="print the runs and exit")
-    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    p.set_defaults(func=run)
 
 
 def add_sweep_options(p: argparse.ArgumentParser) -> None:
