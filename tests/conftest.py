@@ -8,6 +8,10 @@ import torch
 from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Triton's kernels run on CPU tensors in its interpreter (tests/test_kernels.py): the
+# switch is read when a kernel is defined, so it is set before gradzip imports triton
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)
 
 settings.register_profile(

@@ -89,6 +89,15 @@ def _int8(c, x, dtype):
     _check_within(y, x, half_step.expand_as(x), dtype, str(c))
 
 
+def _fp8(c, x, dtype):
+    """Half an ulp of e4m3 (2**-4 relative), or half the smallest subnormal step of the
+    largest block's scale where a value is below the normal range."""
+    y = c.decode(c.encode(x, "w"))
+    amax = x.float().abs().amax() if x.numel() else torch.tensor(0.0)
+    bound = x.double().abs() * 2.0**-4 * (1 + 1e-6) + float(amax) / 448 * 2.0**-10 * 1.01
+    _check_within(y, x, bound, dtype, str(c))
+
+
 def _signsgd(c, x, dtype):
     y = c.decode(c.encode(x, "w"))
     assert torch.equal(y, torch.where(torch.signbit(x), -1.0, 1.0).to(dtype))
@@ -198,7 +207,7 @@ def _terngrad(c, x, dtype):
 
 BOUNDS = {
     "none": _exact, "lossless": _exact, "fp16": _cast(torch.float16), "bf16": _cast(torch.bfloat16),
-    "int8": _int8, "signsgd": _signsgd, "efsignsgd": _efsignsgd, "onebit": _onebit,
+    "int8": _int8, "fp8": _fp8, "signsgd": _signsgd, "efsignsgd": _efsignsgd, "onebit": _onebit,
     "topk": _topk, "threshold": _threshold, "randomk": _randomk, "dgc": _dgc,
     "powersgd": _projection, "gradiveq": _projection, "sketch": _sketch, "demo": _demo,
     # stochastic codecs: the support of the output (their mean is checked below)

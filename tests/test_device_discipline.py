@@ -22,6 +22,7 @@ SHAPES = [torch.Size((100, 30)), torch.Size((30,)), torch.Size((5000,)),
 
 #: codecs whose encode and decode are pure torch on the data's device
 PURE = ["none", "fp16", "bf16", "randomk(ratio=0.1)", "int8", "int8(block=256)", "qsgd",
+        "fp8", "fp8(format=e5m2)", "ef | fp8",
         "signsgd", "powersgd(rank=2)", "gradiveq", "sketch", "ef | int8", "ef | qsgd",
         "ef | fp16", "ef | powersgd(rank=2)"]
 

@@ -28,7 +28,9 @@ One command for one GPU (at most a few minutes on an H100), writing ``gpu.json``
    against the caching allocator (``gpu_overlap.py``).
 3. **Encode and decode speed** per codec on a 25 MB fp32 bucket of three tensors
    (CUDA events, median of ``--repeat``), with the host syncs of each call counted by
-   ``torch.cuda.set_sync_debug_mode("warn")``.
+   ``torch.cuda.set_sync_debug_mode("warn")``, the fused kernels against the torch
+   path, payloads checked against the CPU's, and the link rate below which each codec
+   beats the 16-bit all-reduce (``gpu_speed.py``).
 
 ``--smoke`` runs the same on the CPU over a one-rank gloo group, small, with the sync
 counts from ``gradzip.bench.devicecheck.count_host_syncs``; the tests run it. The
@@ -39,9 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,12 +55,13 @@ from gradzip.bench.gpu_hsdp import hsdp_rows
 from gradzip.bench.gpu_overlap import overlap_rows
 from gradzip.bench.gpu_ranks import ranks_rows
 from gradzip.bench.gpu_resume import resume_rows
+from gradzip.bench.gpu_speed import COLUMNS, codec_speed, host_syncs
 
 #: codec families of the DDP check and the speed table (``--codecs`` overrides)
 SPECS = ["none", "fp16", "bf16", "randomk(ratio=0.01)", "topk(ratio=0.01)",
          "ef | topk(ratio=0.01)", "int8", "qsgd", "terngrad", "natural", "signsgd",
          "efsignsgd", "onebit", "dgc", "powersgd(rank=4)", "sketch", "demo", "gradiveq",
-         "int8 | ans", "qsgd | eg", "none | zstd", "lossless"]
+         "fp8", "fp8(format=e5m2)", "int8 | ans", "qsgd | eg", "none | zstd", "lossless"]
 #: exact codecs: DDP on one rank must equal eager training bit for bit
 LOSSLESS = {"none", "none | zstd", "lossless", "none | lz4"}
 #: the 25 MB bucket of the speed table: two matrices and a bias (6,553,600 fp32 values)
@@ -260,7 +261,7 @@ def _train(model: nn.Module, device: torch.device, steps: int, handle: Any = Non
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         if counted is not None and step >= 2:
-            with _syncs(device) as box:
+            with host_syncs(device) as box:
                 loss.backward()  # the hooks run here, and DDP waits for their futures
             counted.append(box[0])
         else:
@@ -347,84 +348,6 @@ def nonfinite(specs: list[str], device: torch.device, steps: int = 5) -> list[di
 
 
 # ---------------------------------------------------------------- 3. speed and syncs
-@contextmanager
-def _syncs(device: torch.device) -> Iterator[list[int]]:
-    """Count host syncs in the block: CUDA's sync debug warnings, or the CPU proxy."""
-    box = [0]
-    if device.type == "cuda":
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                yield box
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        box[0] = sum("synchroniz" in str(w.message) for w in caught)
-    else:
-        from gradzip.bench.devicecheck import count_host_syncs
-
-        with count_host_syncs() as counted:
-            yield box
-        box[0] = counted.total
-
-
-def _timed(fn: Callable[[], Any], device: torch.device, repeat: int) -> tuple[float, Any]:
-    """Median seconds of ``fn`` (CUDA events on a GPU) and its last result."""
-    times, out = [], None
-    for _ in range(repeat):
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        else:
-            t0 = time.perf_counter()
-            out = fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
-
-
-def codec_speed(specs: list[str], device: torch.device, shapes: list[torch.Size],
-                repeat: int) -> list[dict[str, Any]]:
-    """Encode/decode GB/s of each codec on one bucket, and the host syncs of each call."""
-    import gradzip
-
-    n = sum(s.numel() for s in shapes)
-    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
-    rows = []
-    for spec in specs:
-        row: dict[str, Any] = {"codec": spec, "bucket_mb": round(n * 4 / 1e6, 2)}
-        try:
-            codec = gradzip.codec(spec)
-            payload = codec.encode(x, "b", shapes)  # warm: kernels, caches, compilation
-            codec.decode(payload, "b", shapes, device=x.device)
-            with _syncs(device) as enc_syncs:
-                payload = codec.encode(x, "b", shapes)
-            with _syncs(device) as dec_syncs:
-                codec.decode(payload, "b", shapes, device=x.device)
-            def encode(c: Any = codec) -> Any:
-                return c.encode(x, "b", shapes)
-
-            def decode(c: Any = codec, p: Any = payload) -> Any:
-                return c.decode(p, "b", shapes, device=x.device)
-
-            enc_s, payload = _timed(encode, device, repeat)
-            dec_s, out = _timed(decode, device, repeat)
-            devices = sorted({t.device.type for _, t in payload.leaves()})
-            row.update(ok=out.device == x.device, encode_gbps=round(n * 4 / enc_s / 1e9, 2),
-                       decode_gbps=round(n * 4 / dec_s / 1e9, 2), ratio=round(
-                           n * 4 / max(payload.wire_bytes, 1), 1),
-                       encode_syncs=enc_syncs[0], decode_syncs=dec_syncs[0],
-                       payload_devices=",".join(devices))
-        except Exception as e:  # noqa: BLE001 - one codec's failure is a row
-            row.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
-        rows.append(row)
-    return rows
-
-
 # ---------------------------------------------------------------- the command
 def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -466,8 +389,7 @@ def markdown(record: dict[str, Any]) -> str:
                                            "finite"]),
         "",
         f"Encode/decode of a {record['bucket_mb']} MB bucket:", "",
-        _table(record["speed"], ["codec", "ok", "encode_gbps", "decode_gbps", "ratio",
-                                 "encode_syncs", "decode_syncs", "payload_devices", "error"])]
+        _table(record["speed"], COLUMNS)]
     return "\n".join(parts) + "\n"
 
 
@@ -508,7 +430,7 @@ def run(args: argparse.Namespace) -> int:
         record["nonfinite"] = nonfinite(["none", "fp16", "ef | int8", "powersgd(rank=2)"],
                                         device)
         record["resume"] = resume_rows(device, _mlp(device))
-        record["hsdp"] = hsdp_rows(device, _mlp(device), lambda: _syncs(device))
+        record["hsdp"] = hsdp_rows(device, _mlp(device), lambda: host_syncs(device))
         print(f"hsdp 1x1: {sum(r['ok'] for r in record['hsdp'])}/{len(record['hsdp'])} "
               f"ok ({time.perf_counter() - started:.0f} s)", flush=True)
         print(f"resume: {sum(r['ok'] for r in record['resume'])}/{len(record['resume'])} "

@@ -13,6 +13,7 @@ from gradzip.codecs import (  # noqa: F401
     demo,
     dgc,
     feedback,
+    fp8,
     gradiveq,
     powersgd,
     quantize,

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from gradzip.codecs import kernels
 from gradzip.codecs.base import Compressor, Shapes, Slot
 from gradzip.codecs.bitpack import (
     lut_decode,
@@ -31,6 +32,7 @@ from gradzip.codecs.bitpack import (
     trits_to_values,
     unpack_trits,
 )
+from gradzip.codecs.kernels.blocks import block_table
 from gradzip.codecs.layout import (
     Layout,
     block_stats,
@@ -195,7 +197,7 @@ def dequantize_layout(q: torch.Tensor, layout: Layout, scale: torch.Tensor) -> t
     return out
 
 
-def _safe_inverse(levels: float, norm: torch.Tensor) -> torch.Tensor:
+def safe_inverse(levels: float, norm: torch.Tensor) -> torch.Tensor:
     """``levels / norm`` with 0 for all-zero blocks, finite even for a denormal norm.
 
     For a denormal norm the fp32 inverse would overflow to inf (and 0 * inf = NaN);
@@ -226,10 +228,44 @@ def numels(shapes: Shapes) -> list[int]:
     return [torch.Size(s).numel() for s in shapes]
 
 
+def kernel_quantize(x: torch.Tensor, sizes: list[int], block: int, levels: int,
+                    dtype: torch.dtype, rand: RandomBits | None, l2: bool = False,
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(integers, float32 abs-max or L2 norm per block) from the fused kernel
+    (``kernels.quant``) where it runs for ``x`` (a CUDA tensor, Triton installed),
+    else None: the same values as the torch path, blocks restarting at every tensor
+    of ``sizes``."""
+    if not kernels.runs_on(x, block):
+        return None
+    from gradzip.codecs.kernels import quant
+
+    bits = rand.int16(x.numel()) if rand is not None else None
+    return quant.quantize(x, block_table(sizes, block, x.device), levels, dtype, l2=l2,
+                          rand=bits)
+
+
+def kernel_dequantize(q: torch.Tensor, scale: torch.Tensor, sizes: list[int],
+                      block: int) -> torch.Tensor | None:
+    """float32 ``q * scale[block]`` from the fused kernel where it runs, else None;
+    a payload whose scales do not match the blocks is refused as on the torch path."""
+    if not kernels.runs_on(q, block):
+        return None
+    from gradzip.codecs.kernels import quant
+
+    table = block_table(sizes, block, q.device)
+    if scale.numel() != table.count:
+        raise PayloadError(f"payload has {scale.numel()} scales for {q.numel()} values "
+                           f"in {table.count} blocks")
+    return quant.dequantize(q, table, scale.reshape(-1))
+
+
 def _dequantize_tensors(q: torch.Tensor, scale: torch.Tensor, shape: torch.Size,
                         shapes: Shapes, block: int, what: str) -> torch.Tensor:
     """``q`` x its block's scale, blocks restarting at each tensor of ``shapes``."""
     _check_numel(q, shape, what)
+    fused = kernel_dequantize(q.reshape(-1), scale, numels(shapes), block)
+    if fused is not None:
+        return fused.reshape(shape)
     layout = tensor_layout(numels(shapes), block, device=q.device)
     return dequantize_layout(q, layout, scale).reshape(shape)
 
@@ -288,25 +324,38 @@ class Int8(Compressor):
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
         flat = x.reshape(-1)
         block = self.params["block"]
+        rand = self._rand(flat, slot)
+        fused = kernel_quantize(flat, [flat.numel()], block, self.LEVELS, torch.int8, rand)
+        if fused is not None:
+            return Payload({"q": fused[0], "scale": fused[1] / self.LEVELS})
         amax = block_stat(flat, block, _absmax)
-        q = quantize_blocks(flat, block, _safe_inverse(self.LEVELS, amax), self.LEVELS,
-                            torch.int8, self._rand(flat, slot))
+        q = quantize_blocks(flat, block, safe_inverse(self.LEVELS, amax), self.LEVELS,
+                            torch.int8, rand)
         return Payload({"q": q, "scale": amax / self.LEVELS})
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
         q = p.tensor("q")
         _check_numel(q, shape, "int8 payload")
-        return dequantize_blocks(q, self.params["block"], p.tensor("scale")).reshape(shape)
+        block, scale = self.params["block"], p.tensor("scale")
+        fused = kernel_dequantize(q.reshape(-1), scale, [q.numel()], block)
+        if fused is not None:
+            return fused.reshape(shape)
+        return dequantize_blocks(q, block, scale).reshape(shape)
 
     def encode_tensors(self, x: torch.Tensor, slot: Slot, shapes: Shapes) -> Payload:
         """Blocks of ``block`` values restarting at each tensor; one fp32 scale per block."""
         if len(shapes) == 1:
             return self.encode(x, slot)
         flat = x.reshape(-1)
+        rand = self._rand(flat, slot)
+        fused = kernel_quantize(flat, numels(shapes), self.params["block"], self.LEVELS,
+                                torch.int8, rand)
+        if fused is not None:
+            return Payload({"q": fused[0], "scale": fused[1] / self.LEVELS})
         layout = tensor_layout(numels(shapes), self.params["block"], device=flat.device)
         amax = block_stats(flat, layout, "absmax").float()
-        q = quantize_layout(flat, layout, _safe_inverse(self.LEVELS, amax), self.LEVELS,
-                            torch.int8, self._rand(flat, slot))
+        q = quantize_layout(flat, layout, safe_inverse(self.LEVELS, amax), self.LEVELS,
+                            torch.int8, rand)
         return Payload({"q": q, "scale": amax / self.LEVELS})
 
     def decode_tensors(self, p: Payload, shape: torch.Size, slot: Slot | None,
@@ -335,7 +384,7 @@ class Int8(Compressor):
         amax = block_stat(flat, block, _absmax)
         if amax.numel():
             (amax,) = comm.all_reduce([amax], op="max")
-        q = quantize_blocks(flat, block, _safe_inverse(levels, amax), levels, dtype,
+        q = quantize_blocks(flat, block, safe_inverse(levels, amax), levels, dtype,
                             self._rand(flat, slot))
         scale = amax / levels
         local = dequantize_blocks(q, block, scale).reshape(x.shape) if want_local else None
@@ -376,16 +425,22 @@ class QSGD(Compressor):
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
         flat = x.reshape(-1)
         s, bucket = self.params["levels"], self.params["bucket"]
+        rand = RandomBits(slot, flat.device)
+        fused = kernel_quantize(flat, [flat.numel()], bucket, s, int_dtype(s), rand, l2=True)
+        if fused is not None:
+            return Payload({"q": fused[0], "norm": fused[1]})
         # a norm that overflowed fp32 is clamped: any norm >= max|x| keeps E[q] exact
         norm = block_stat(flat, bucket, _l2).clamp(max=_FP32_MAX)
-        q = quantize_blocks(flat, bucket, _safe_inverse(s, norm), s, int_dtype(s),
-                            RandomBits(slot, flat.device))
+        q = quantize_blocks(flat, bucket, safe_inverse(s, norm), s, int_dtype(s), rand)
         return Payload({"q": q, "norm": norm})
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
         q = p.tensor("q")
         _check_numel(q, shape, "qsgd payload")
         scale = p.tensor("norm").float() / self.params["levels"]
+        fused = kernel_dequantize(q.reshape(-1), scale, [q.numel()], self.params["bucket"])
+        if fused is not None:
+            return fused.reshape(shape)
         return dequantize_blocks(q, self.params["bucket"], scale).reshape(shape)
 
     def encode_tensors(self, x: torch.Tensor, slot: Slot, shapes: Shapes) -> Payload:
@@ -394,10 +449,14 @@ class QSGD(Compressor):
             return self.encode(x, slot)
         flat = x.reshape(-1)
         s = self.params["levels"]
+        rand = RandomBits(slot, flat.device)
+        fused = kernel_quantize(flat, numels(shapes), self.params["bucket"], s, int_dtype(s),
+                                rand, l2=True)
+        if fused is not None:
+            return Payload({"q": fused[0], "norm": fused[1]})
         layout = tensor_layout(numels(shapes), self.params["bucket"], device=flat.device)
         norm = block_stats(flat, layout, "sumsq").sqrt_().clamp_(max=_FP32_MAX).float()
-        q = quantize_layout(flat, layout, _safe_inverse(s, norm), s, int_dtype(s),
-                            RandomBits(slot, flat.device))
+        q = quantize_layout(flat, layout, safe_inverse(s, norm), s, int_dtype(s), rand)
         return Payload({"q": q, "norm": norm})
 
     def decode_tensors(self, p: Payload, shape: torch.Size, slot: Slot | None,
@@ -557,7 +616,7 @@ class TernGrad(Compressor):
                 limit = clip * flat.std()
                 if float(limit) > 0:  # a constant tensor has std 0: nothing to clip
                     scale = torch.minimum(scale, limit)
-        t = quantize_blocks(flat, max(n, 1), _safe_inverse(1, scale), 1, torch.int8,
+        t = quantize_blocks(flat, max(n, 1), safe_inverse(1, scale), 1, torch.int8,
                             RandomBits(slot, flat.device), clip=self.params["clip"] > 0)
         codes = t.view(torch.uint8).add_(1)  # -1, 0, 1 -> 0, 1, 2 (uint8 wraps 255 + 1)
         return Payload({"trits": pack_trits(codes), "scale": scale})
@@ -591,7 +650,7 @@ class TernGrad(Compressor):
     def _ternarize(self, flat: torch.Tensor, layout: Layout, scale: torch.Tensor,
                    slot: Slot) -> torch.Tensor:
         """int8 trits in {-1, 0, 1}: ``scale * t`` is an unbiased estimate of ``flat``."""
-        return quantize_layout(flat, layout, _safe_inverse(1, scale), 1, torch.int8,
+        return quantize_layout(flat, layout, safe_inverse(1, scale), 1, torch.int8,
                                RandomBits(slot, flat.device), clip=self.params["clip"] > 0)
 
     def encode_tensors(self, x: torch.Tensor, slot: Slot, shapes: Shapes) -> Payload:

@@ -212,7 +212,12 @@ class BreakEven:
 
 def break_even(m: Curve, base: Curve) -> BreakEven:
     """The rate below which ``m`` reaches the target before ``base``."""
-    a, k = m.a_s - base.a_s, base.k_bits - m.k_bits
+    return weigh(m.a_s - base.a_s, base.k_bits - m.k_bits)
+
+
+def weigh(a: float, k: float) -> BreakEven:
+    """Where a method that costs ``a`` more seconds and saves ``k`` bits (either may be
+    negative) against a baseline wins: ``a < k / B`` (the module docstring)."""
     if k > 0:
         return BreakEven("below", k / a) if a > 0 else BreakEven("always")
     if k == 0:

@@ -1,0 +1,183 @@
+"""The fused Triton kernels equal the torch path, bit for bit, on the CPU.
+
+Triton's interpreter (``TRITON_INTERPRET=1``, set by ``conftest.py`` where there is no
+GPU) runs each kernel on CPU tensors with NumPy; ``kernels.interpreted()`` sends CPU
+tensors down the kernel path. Inputs are small (the interpreter runs each program in
+Python) but cover what the kernels branch on: blocks cut short at a tensor's end,
+empty tensors, blocks of one value and of the widest row, zeros, ties, subnormals.
+Only speed needs a GPU (``gradzip bench gpu``, whose speed table also checks every
+kernel's payload against the CPU's).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradzip
+from gradzip.codecs import kernels
+from gradzip.codecs.layout import block_stats, tensor_layout
+from gradzip.codecs.quantize import quantize_layout, safe_inverse
+
+pytest.importorskip("triton")
+if not kernels.interpreter_on():
+    pytest.skip("TRITON_INTERPRET is not set (a GPU is present): the kernels are compiled",
+                allow_module_level=True)
+
+from gradzip.codecs.kernels import quant  # noqa: E402
+from gradzip.codecs.kernels.blocks import block_table  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+#: buckets: (tensor sizes, block)
+BUCKETS = [([1000, 0, 7, 300], 256), ([5000], 4096), ([33, 64, 1], 1), ([513], 512),
+           ([0, 130, 129], 64)]
+CPU = torch.device("cpu")
+
+
+def _bucket(sizes: list[int], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(sizes), generator=g) * torch.logspace(-3, 3, sum(sizes))
+    if x.numel() > 20:
+        x[3:11] = 0.0  # an all-zero stretch (a zero block when the block is short)
+        x[17] = -0.0
+    return x
+
+
+def _payload(spec: str, x: torch.Tensor, sizes: list[int], fused: bool) -> gradzip.Payload:
+    codec = gradzip.codec(spec)
+    shapes = [torch.Size((n,)) for n in sizes]
+    if fused:
+        with kernels.interpreted():
+            return codec.encode(x, "b", shapes)
+    return codec.encode(x, "b", shapes)
+
+
+def _decoded(spec: str, p: gradzip.Payload, sizes: list[int], fused: bool) -> torch.Tensor:
+    codec = gradzip.codec(spec)
+    shapes = [torch.Size((n,)) for n in sizes]
+    if fused:
+        with kernels.interpreted():
+            return codec.decode(p, "b", shapes)
+    return codec.decode(p, "b", shapes)
+
+
+class _Draws:
+    """A ``RandomBits`` stand-in that hands out one fixed stream of int16 draws in
+    order, so the torch path's per-piece draws and the kernel's single draw agree."""
+
+    def __init__(self, bits: torch.Tensor) -> None:
+        self.bits, self.at = bits, 0
+
+    def int16(self, k: int) -> torch.Tensor:
+        self.at += k
+        return self.bits[self.at - k:self.at]
+
+
+def test_the_block_table_matches_the_torch_layout() -> None:
+    for sizes, block in BUCKETS:
+        table = block_table(sizes, block, CPU)
+        layout = tensor_layout(sizes, block)
+        assert table.count == layout.nblocks
+        assert int(table.lengths.sum()) == sum(sizes)
+        assert table.width >= block or table.width >= max(sizes)
+
+
+@pytest.mark.parametrize(("sizes", "block"), BUCKETS)
+@pytest.mark.parametrize("spec", ["int8(block={b})", "fp8(block={b})",
+                                  "fp8(format=e5m2,block={b})"])
+def test_deterministic_codecs_equal_the_torch_path(sizes: list[int], block: int,
+                                                   spec: str) -> None:
+    spec = spec.format(b=block)
+    x = _bucket(sizes)
+    torch_p, kernel_p = _payload(spec, x, sizes, False), _payload(spec, x, sizes, True)
+    assert dict(torch_p.leaves()).keys() == dict(kernel_p.leaves()).keys()
+    for (name, a), (_, b) in zip(sorted(torch_p.leaves()), sorted(kernel_p.leaves()),
+                                 strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{spec}: field {name} differs"
+    out_torch = _decoded(spec, torch_p, sizes, False)
+    out_kernel = _decoded(spec, kernel_p, sizes, True)
+    assert torch.equal(out_torch, out_kernel)
+
+
+@pytest.mark.parametrize(("sizes", "block"), BUCKETS)
+@pytest.mark.parametrize(("levels", "l2", "clip"), [(127, False, False), (16, True, False),
+                                                    (300, True, False), (1, False, True)])
+def test_stochastic_rounding_equals_the_torch_path_given_the_same_draws(
+        sizes: list[int], block: int, levels: int, l2: bool, clip: bool) -> None:
+    """``qsgd`` and ``int8(stochastic=true)``: the same integers from the same draws;
+    the kernel's L2 norms (float64 sums) within two float32 ulps of the torch path's."""
+    x = _bucket(sizes, seed=1)
+    bits = torch.randint(-2**15, 2**15, (x.numel(),), dtype=torch.int16,
+                         generator=torch.Generator().manual_seed(2))
+    dtype = torch.int8 if levels <= 127 else torch.int16
+    with kernels.interpreted():
+        q, stat = quant.quantize(x, block_table(sizes, block, CPU), levels, dtype, l2=l2,
+                                 rand=bits, clip=clip)
+    layout = tensor_layout(sizes, block)
+    expected = (block_stats(x, layout, "sumsq").sqrt().float() if l2
+                else block_stats(x, layout, "absmax").float())
+    torch.testing.assert_close(stat, expected, rtol=2.5e-7, atol=0)
+    ref = quantize_layout(x, layout, safe_inverse(levels, stat), levels, dtype,
+                          _Draws(bits), clip=clip)  # type: ignore[arg-type]
+    assert torch.equal(q, ref)
+
+
+@pytest.mark.parametrize("spec", ["qsgd(bucket=64)", "int8(stochastic=true,block=64)"])
+def test_stochastic_codecs_decode_the_kernels_payload(spec: str) -> None:
+    """A payload from the kernel decodes on the torch path as on the kernel's."""
+    sizes = [700, 5, 0, 64]
+    x = _bucket(sizes, seed=3)
+    p = _payload(spec, x, sizes, True)
+    assert torch.equal(_decoded(spec, p, sizes, False), _decoded(spec, p, sizes, True))
+
+
+@pytest.mark.parametrize(("fmt", "dtype"), [("e4m3", torch.float8_e4m3fn),
+                                            ("e5m2", torch.float8_e5m2)])
+def test_fp8_rounds_every_tie_and_subnormal_as_torch(fmt: str, dtype: torch.dtype) -> None:
+    """Scale 1 (the block's largest value is the format's): every representable value,
+    every midpoint between neighbours (a tie, to even) and points just off them."""
+    largest = quant.FP8[fmt][2]
+    grid = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    grid = grid[grid.isfinite()].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    values = torch.cat([grid, mids, mids.nextafter(grid[1:]), mids.nextafter(grid[:-1])])
+    values = values[values.abs() <= largest]
+    x = torch.cat([torch.tensor([largest]), values])
+    table = block_table([x.numel()], x.numel(), CPU)
+    with kernels.interpreted():
+        codes, amax = quant.fp8_encode(x, table, fmt)
+    assert float(amax) == largest
+    assert torch.equal(codes, x.to(dtype).view(torch.uint8))
+
+
+@pytest.mark.parametrize(("fmt", "dtype"), [("e4m3", torch.float8_e4m3fn),
+                                            ("e5m2", torch.float8_e5m2)])
+def test_fp8_decodes_every_byte_as_torch(fmt: str, dtype: torch.dtype) -> None:
+    """All 256 bytes, NaN and infinity included (a received payload is untrusted)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    with kernels.interpreted():
+        out = quant.fp8_decode(codes, block_table([256], 256, CPU), torch.ones(1), fmt)
+    expected = codes.view(dtype).float()
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out.nan_to_num(0.0), expected.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("spec", ["int8(block=64)", "qsgd(bucket=64)", "fp8(block=64)"])
+def test_the_kernel_path_refuses_a_payload_with_the_wrong_scales(spec: str) -> None:
+    sizes = [300, 20]
+    p = _payload(spec, _bucket(sizes), sizes, True)
+    field = "norm" if spec.startswith("qsgd") else "scale"
+    p.fields[field] = p.tensor(field)[:-1]
+    with pytest.raises(gradzip.PayloadError, match="scales"):
+        _decoded(spec, p, sizes, True)
+
+
+def test_kernels_stay_off_without_a_gpu_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.zeros(8)
+    assert not kernels.runs_on(x)
+    with kernels.interpreted():
+        assert kernels.runs_on(x, block=kernels.MAX_BLOCK)
+        assert not kernels.runs_on(x, block=kernels.MAX_BLOCK + 1)
+        monkeypatch.setenv("GRADZIP_KERNELS", "off")
+        assert not kernels.runs_on(x)
