@@ -17,9 +17,9 @@ state). The flags, and the decoders' checks on the bytes they received
 that defers them, read once when backward ends, before any optimizer step.
 
 The exchange itself reads nothing on the host. Codecs that read it in their own encode
-or decode still do: the sign codecs (an l1 scale, a header), ``terngrad(shared=false)``
-and ``centroid`` (a bin count). ``none``, the casts, ``int8``, ``qsgd`` and ``topk``
-(with or without ``ef``) read nothing on a GPU.
+or decode still do: the sign codecs (an l1 scale, a header) and ``terngrad``. ``none``,
+the casts, ``int8``, ``qsgd``, ``fp8``, ``topk`` and ``centroid`` (with or without
+``ef``) read nothing on a GPU.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ On a GPU, ``torch.cuda.set_sync_debug_mode("warn")`` is the ground truth
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -97,6 +98,9 @@ class SyncCount:
     """Calls that would be host syncs on a GPU, by kind."""
 
     counts: Counter[str] = field(default_factory=Counter)
+    #: the same calls by the name of the thread that made them (``MainThread`` is where
+    #: backward runs the hooks on a CPU; gradzip's comm thread has its own name)
+    threads: Counter[str] = field(default_factory=Counter)
 
     @property
     def total(self) -> int:
@@ -126,6 +130,7 @@ def count_host_syncs() -> Iterator[SyncCount]:
 
         def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             out.counts[kind] += 1
+            out.threads[threading.current_thread().name] += 1
             return original(self, *args, **kwargs)
         return method
 

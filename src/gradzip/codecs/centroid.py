@@ -30,6 +30,7 @@ import torch
 from gradzip.codecs.base import Compressor, Slot
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, at_least, in_range, register
+from gradzip.codecs.validation import deferring
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -139,8 +140,15 @@ class Centroid(Compressor):
                                f"bin means, {n} values need {nb * levels} float32")
         q = q.reshape(-1)
         mag = q.abs().long()
-        if n and int(mag.max()) > levels:  # the one host read: untrusted codes
-            raise PayloadError(f"centroid payload: a code exceeds the {levels} bins")
+        if n:  # untrusted codes: read at once, or a deferred flag and clamped codes
+            checks = deferring()
+            if checks is None:
+                if int(mag.max()) > levels:
+                    raise PayloadError(f"centroid payload: a code exceeds the {levels} bins")
+            else:
+                checks.require(mag.max() <= levels,
+                               f"centroid codes within the {levels} bins")
+                mag = mag.clamp_(max=levels)
         ids = _bucket_ids(n, int(self.params["bucket"]), q.device)
         cell = ids * levels + (mag - 1).clamp(min=0)
         out = centroids.reshape(-1)[cell] * q.sign().float()
