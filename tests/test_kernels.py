@@ -123,6 +123,28 @@ def test_stochastic_rounding_equals_the_torch_path_given_the_same_draws(
     assert torch.equal(q, ref)
 
 
+@pytest.mark.parametrize(("levels", "l2"), [(16, True), (127, False)])
+def test_draws_on_the_device_round_as_the_torch_path_with_those_draws(levels: int,
+                                                                      l2: bool) -> None:
+    """The codecs' kernel path draws with Philox on the device from the slot's seed;
+    ``random_draws`` gives those draws, and the torch path rounding with them makes the
+    same integers. The draws are uniform 16-bit integers, different per seed."""
+    sizes, block, seed = [3000, 17, 500], 256, 2**40 + 7
+    x = _bucket(sizes, seed=4)
+    with kernels.interpreted():
+        table = block_table(sizes, block, CPU)
+        q, stat = quant.quantize(x, table, levels, torch.int8, l2=l2, seed=seed)
+        draws = quant.random_draws(seed, x.numel(), CPU)
+        other = quant.random_draws(seed + 1, x.numel(), CPU)
+    layout = tensor_layout(sizes, block)
+    ref = quantize_layout(x, layout, safe_inverse(levels, stat), levels, torch.int8,
+                          _Draws(draws))  # type: ignore[arg-type]
+    assert torch.equal(q, ref)
+    assert not torch.equal(draws, other)
+    assert abs(draws.float().mean().item() + 0.5) < 3 * 2**16 / (12 * x.numel()) ** 0.5
+    assert int(draws.min()) < -32000 and int(draws.max()) > 32000
+
+
 @pytest.mark.parametrize("spec", ["qsgd(bucket=64)", "int8(stochastic=true,block=64)"])
 def test_stochastic_codecs_decode_the_kernels_payload(spec: str) -> None:
     """A payload from the kernel decodes on the torch path as on the kernel's."""
@@ -146,8 +168,8 @@ def test_fp8_rounds_every_tie_and_subnormal_as_torch(fmt: str, dtype: torch.dtyp
     x = torch.cat([torch.tensor([largest]), values])
     table = block_table([x.numel()], x.numel(), CPU)
     with kernels.interpreted():
-        codes, amax = quant.fp8_encode(x, table, fmt)
-    assert float(amax) == largest
+        codes, scale = quant.fp8_encode(x, table, fmt)
+    assert float(scale) == 1.0
     assert torch.equal(codes, x.to(dtype).view(torch.uint8))
 
 

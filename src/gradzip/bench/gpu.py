@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -250,9 +251,10 @@ def _mlp(device: torch.device) -> nn.Module:
 
 
 def _train(model: nn.Module, device: torch.device, steps: int, handle: Any = None,
-           counted: list[int] | None = None) -> None:
+           counted: list[int] | None = None, sites: Counter[str] | None = None) -> None:
     """``steps`` SGD steps on fixed batches; ``counted`` gets the host syncs of the
-    backward passes after the first two (compression on, buffers warm)."""
+    backward passes after the first two (compression on, buffers warm), ``sites``
+    where they came from (on CUDA)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
@@ -264,6 +266,8 @@ def _train(model: nn.Module, device: torch.device, steps: int, handle: Any = Non
             with host_syncs(device) as box:
                 loss.backward()  # the hooks run here, and DDP waits for their futures
             counted.append(box[0])
+            if sites is not None:
+                sites.update(box.sites)
         else:
             loss.backward()
         opt.step()
@@ -287,7 +291,8 @@ def ddp_one_rank(specs: list[str], device: torch.device, steps: int = 4) -> list
                         device_ids=[device.index] if device.type == "cuda" else None)
             handle = gradzip.attach(model, spec)
             counted: list[int] = []
-            _train(model, device, steps, handle, counted)
+            sites: Counter[str] = Counter()
+            _train(model, device, steps, handle, counted, sites)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             totals = handle.stats.totals()
@@ -304,7 +309,8 @@ def ddp_one_rank(specs: list[str], device: torch.device, steps: int = 4) -> list
                        comm_ms_per_step=round(totals["comm_ms"] / max(totals["steps"], 1), 3),
                        syncs_per_reduction=round(
                            sum(counted) / max(per_step * len(counted), 1), 2),
-                       path="chained" if handle.chained else "comm thread")
+                       path="chained" if handle.chained else "comm thread",
+                       sync_sites=", ".join(f"{k} x{v}" for k, v in sites.most_common(6)))
         except Exception as e:  # noqa: BLE001 - one codec's failure is a row, not the end
             row.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
         rows.append(row)
@@ -369,7 +375,7 @@ def markdown(record: dict[str, Any]) -> str:
         parts.append("skipped (needs CUDA)")
     parts += ["", "DDP on one rank:", "", _table(record["ddp"], [
         "codec", "ok", "path", "finite", "max_diff_to_eager", "exact_expected", "reductions",
-        "syncs_per_reduction", "comm_ms_per_step", "error"]), "",
+        "syncs_per_reduction", "sync_sites", "comm_ms_per_step", "error"]), "",
         "A NaN in step 2 under nonfinite='error':", "",
         _table(record["nonfinite"], ["codec", "path", "nan_step", "error_step", "ok", "error"]),
         "", "Resumed on the device from a checkpoint loaded on the CPU:", "",

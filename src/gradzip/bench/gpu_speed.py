@@ -25,8 +25,10 @@ import os
 import statistics
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,10 +44,18 @@ KERNEL_STAGES = ("int8", "qsgd", "fp8")
 DETERMINISTIC = ("none", "fp16", "bf16", "int8", "fp8")
 
 
+class SyncBox(list[int]):
+    """``[count]`` of host syncs, and on CUDA where each came from (``sites``: the Python
+    line that made the call, ``file:line``, counted)."""
+
+    sites: Counter[str]
+
+
 @contextmanager
-def host_syncs(device: torch.device) -> Iterator[list[int]]:
+def host_syncs(device: torch.device) -> Iterator[SyncBox]:
     """Count host syncs in the block: CUDA's sync debug warnings, or the CPU proxy."""
-    box = [0]
+    box = SyncBox([0])
+    box.sites = Counter()
     if device.type == "cuda":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -54,7 +64,9 @@ def host_syncs(device: torch.device) -> Iterator[list[int]]:
                 yield box
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        box[0] = sum("synchroniz" in str(w.message) for w in caught)
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        box[0] = len(syncs)
+        box.sites.update(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
     else:
         from gradzip.bench.devicecheck import count_host_syncs
 
@@ -133,7 +145,9 @@ def speed_row(spec: str, x: torch.Tensor, shapes: list[torch.Size],
             payload = codec.encode(x, "b", shapes)
         with host_syncs(x.device) as dec_syncs:
             out = codec.decode(payload, "b", shapes, device=x.device)
+        sites = enc_syncs.sites + dec_syncs.sites
         row.update(ok=out.device == x.device, encode_s=enc_s, decode_s=dec_s,
+                   sync_sites=", ".join(f"{k} x{v}" for k, v in sites.most_common()),
                    encode_gbps=round(n * 4 / enc_s / 1e9, 2),
                    decode_gbps=round(n * 4 / dec_s / 1e9, 2),
                    ratio=round(n * 4 / max(payload.wire_bytes, 1), 1),
@@ -208,4 +222,4 @@ def codec_speed(specs: list[str], device: torch.device, shapes: list[torch.Size]
 #: columns of the speed table in gpu.md
 COLUMNS = ["codec", "ok", "encode_gbps", "decode_gbps", "encode_of_copy", "decode_of_copy",
            "torch_encode_gbps", "torch_decode_gbps", "ratio", "equal_cpu", "wins_vs_fp16",
-           "encode_syncs", "decode_syncs", "payload_devices", "error"]
+           "encode_syncs", "decode_syncs", "sync_sites", "payload_devices", "error"]

@@ -69,8 +69,8 @@ class Fp8(Compressor):
         if kernels.runs_on(flat, block):
             from gradzip.codecs.kernels import quant
 
-            codes, amax = quant.fp8_encode(flat, block_table(sizes, block, flat.device), fmt)
-            return Payload({"values": codes, "scale": amax / largest})
+            codes, scale = quant.fp8_encode(flat, block_table(sizes, block, flat.device), fmt)
+            return Payload({"values": codes, "scale": scale})
         layout = tensor_layout(sizes, block, device=flat.device)
         amax = block_stats(flat, layout, "absmax").float()
         inv = safe_inverse(largest, amax)

@@ -63,7 +63,8 @@ class RandomBits:
 
     def __init__(self, slot: Slot, device: torch.device) -> None:
         self.device = device
-        seed = slot.seed(shared=False)
+        #: the slot's private seed (the fused kernels draw from it on the device)
+        self.seed = seed = slot.seed(shared=False)
         if device.type == "cpu":
             self._np: np.random.Generator | None = np.random.Generator(np.random.SFC64(seed))
         else:
@@ -230,18 +231,18 @@ def numels(shapes: Shapes) -> list[int]:
 
 def kernel_quantize(x: torch.Tensor, sizes: list[int], block: int, levels: int,
                     dtype: torch.dtype, rand: RandomBits | None, l2: bool = False,
-                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(integers, float32 abs-max or L2 norm per block) from the fused kernel
-    (``kernels.quant``) where it runs for ``x`` (a CUDA tensor, Triton installed),
-    else None: the same values as the torch path, blocks restarting at every tensor
-    of ``sizes``."""
+                    as_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(integers, float32 per block: the L2 norm (``l2``), else the abs-max, or that
+    over ``levels`` with ``as_scale``) from the fused kernel (``kernels.quant``) where
+    it runs for ``x`` (a CUDA tensor, Triton installed), else None: what the torch path
+    computes, blocks restarting at every tensor of ``sizes``. Stochastic rounding
+    draws on the device from the slot's seed (Philox), not from ``rand``'s stream."""
     if not kernels.runs_on(x, block):
         return None
     from gradzip.codecs.kernels import quant
 
-    bits = rand.int16(x.numel()) if rand is not None else None
     return quant.quantize(x, block_table(sizes, block, x.device), levels, dtype, l2=l2,
-                          rand=bits)
+                          seed=rand.seed if rand is not None else None, as_scale=as_scale)
 
 
 def kernel_dequantize(q: torch.Tensor, scale: torch.Tensor, sizes: list[int],
@@ -325,9 +326,10 @@ class Int8(Compressor):
         flat = x.reshape(-1)
         block = self.params["block"]
         rand = self._rand(flat, slot)
-        fused = kernel_quantize(flat, [flat.numel()], block, self.LEVELS, torch.int8, rand)
+        fused = kernel_quantize(flat, [flat.numel()], block, self.LEVELS, torch.int8, rand,
+                                as_scale=True)
         if fused is not None:
-            return Payload({"q": fused[0], "scale": fused[1] / self.LEVELS})
+            return Payload({"q": fused[0], "scale": fused[1]})
         amax = block_stat(flat, block, _absmax)
         q = quantize_blocks(flat, block, safe_inverse(self.LEVELS, amax), self.LEVELS,
                             torch.int8, rand)
@@ -349,9 +351,9 @@ class Int8(Compressor):
         flat = x.reshape(-1)
         rand = self._rand(flat, slot)
         fused = kernel_quantize(flat, numels(shapes), self.params["block"], self.LEVELS,
-                                torch.int8, rand)
+                                torch.int8, rand, as_scale=True)
         if fused is not None:
-            return Payload({"q": fused[0], "scale": fused[1] / self.LEVELS})
+            return Payload({"q": fused[0], "scale": fused[1]})
         layout = tensor_layout(numels(shapes), self.params["block"], device=flat.device)
         amax = block_stats(flat, layout, "absmax").float()
         q = quantize_layout(flat, layout, safe_inverse(self.LEVELS, amax), self.LEVELS,

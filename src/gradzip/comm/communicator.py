@@ -42,6 +42,9 @@ class TorchCommunicator(Communicator):
         self.group = group
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         self.counter.backend = backend_model(dist.get_backend(group))
+        #: gloo runs all_to_all on host tensors only ("Backend gloo does not support
+        #: alltoall" for CUDA tensors, which its other collectives accept)
+        self._host_all_to_all = dist.get_backend(group) == "gloo"
         #: (op, start event, end event) of each collective since ``events.clear()``,
         #: on a GPU with ``deferred`` set
         self.events: list[tuple[str, Any, Any]] = []
@@ -83,6 +86,10 @@ class TorchCommunicator(Communicator):
         return out
 
     def _all_to_all(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self._host_all_to_all and chunks and chunks[0].device.type != "cpu":
+            device = chunks[0].device
+            staged = TorchCommunicator._all_to_all(self, [c.cpu() for c in chunks])
+            return [r.to(device) for r in staged]
         chunks = [c.contiguous() for c in chunks]
         out = [torch.empty_like(c) for c in chunks]
         if not chunks:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -33,17 +34,21 @@ class BlockTable:
 def block_table(numels: Sequence[int], block: int, device: torch.device) -> BlockTable:
     """The table of ``numels`` cut into blocks of ``block`` values, on ``device``.
 
-    The first use uploads it on that use's stream; a use on another stream (the hooks'
-    comm thread) waits for that copy on the device, not on the host."""
-    table, landed = _cached(tuple(int(n) for n in numels), int(block), torch.device(device))
+    The first use uploads it on that use's stream; until that copy is done, a use on
+    another stream (the hooks' comm thread) waits for it on the device, not the host."""
+    held = _cached(tuple(int(n) for n in numels), int(block), torch.device(device))
+    table, landed = held
     if landed is not None:
-        torch.cuda.current_stream(table.starts.device).wait_event(landed)
+        if landed.query():  # copied: later uses need no edge (and no CUDA call)
+            held[1] = None
+        else:
+            torch.cuda.current_stream(table.starts.device).wait_event(landed)
     return table
 
 
 @lru_cache(maxsize=256)
-def _cached(numels: tuple[int, ...], block: int,
-            device: torch.device) -> tuple[BlockTable, torch.cuda.Event | None]:
+def _cached(numels: tuple[int, ...], block: int, device: torch.device) -> list[Any]:
+    """[the table, the CUDA event after its upload (None once it has completed)]."""
     starts: list[torch.Tensor] = []
     lengths: list[torch.Tensor] = []
     offset = 0
@@ -62,4 +67,4 @@ def _cached(numels: tuple[int, ...], block: int,
     if device.type == "cuda":
         landed = torch.cuda.Event()
         landed.record()
-    return table, landed
+    return [table, landed]

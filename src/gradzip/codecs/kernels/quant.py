@@ -7,24 +7,31 @@ in float64 exactly as ``quantize.safe_inverse`` does, multiplies in float32, rou
 and writes the integers (or the fp8 bytes), and the statistic. Decode is one
 multiply per value by its block's scale.
 
-Bit for bit with the torch path: rounding to nearest even is ``(y + 1.5 * 2**23) -
-1.5 * 2**23`` (exact for ``|y| < 2**22``), stochastic rounding adds the same 16-bit
-draws as ``quantize.quantize_layout``, and kernels launch with FMA contraction off
-(``x * inv + u`` fused would round once where the torch path rounds twice). fp8 bytes
-are made from the float32 bits with integer operations (round to nearest even,
-subnormals included), which equals ``torch.Tensor.to(torch.float8_*)`` on every input
-the encoder makes (clamped to the format's largest value first), on any device and in
-the interpreter alike. Sums differ: the L2 norm adds squares in float64 in the tree
-order of the reduction, the torch path in float32 per piece, so ``qsgd``'s norms agree
-to within a float32 ulp or two, not always bit for bit.
+Bit for bit with the torch path: rounding to nearest even is ``floor`` plus a tie
+rule (no magic constant a compiler could fold), the decode scale is divided in float64
+(correctly rounded, as a CPU divides; torch on CUDA multiplies by the reciprocal), and
+kernels launch with FMA contraction off (``x * inv + u`` fused would round once where
+the torch path rounds twice). Stochastic rounding adds 16-bit draws as
+``quantize.quantize_layout`` does: given draws (``rand``), or drawn on the device with
+Philox from the slot's seed (what the codecs do; ``random_draws`` gives the same draws
+to check against). fp8 bytes come from the device's own conversion where it has one
+(compute capability 8.9+), elsewhere and in the interpreter from the float32 bits
+with integer operations (round to nearest even, subnormals included); both equal
+``torch.Tensor.to(torch.float8_*)`` on every input the encoder makes (clamped to the
+format's largest value first). Sums differ: the L2 norm adds squares in float64 in
+the tree order of the reduction, the torch path in float32 per piece, so ``qsgd``'s
+norms agree to within a float32 ulp or two, not always bit for bit.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from gradzip.codecs import kernels
 from gradzip.codecs.kernels.blocks import BlockTable
 
 _FP32_MAX = 3.4028234663852886e38
@@ -32,6 +39,8 @@ _FP32_MAX = 3.4028234663852886e38
 _TILE = 4096
 #: fp8 formats: (mantissa bits, exponent bias, largest finite value)
 FP8 = {"e4m3": (3, 7, 448.0), "e5m2": (2, 15, 57344.0)}
+#: their Triton types (the device's own conversions)
+_F8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 
 
 @triton.jit
@@ -55,9 +64,29 @@ def _inverse(stat, levels):
 
 
 @triton.jit
+def _round_half_even(y):
+    """``torch.round``: to the nearest integer, ties to even (exact for |y| < 2**23)."""
+    low = tl.floor(y)
+    frac = y - low
+    odd = (low - 2.0 * tl.floor(low * 0.5)) == 1.0
+    up = (frac > 0.5) | ((frac == 0.5) & odd)
+    return tl.where(up, low + 1.0, low)
+
+
+@triton.jit
+def _draws(rand_ptr, seed, offs, mask, SOURCE: tl.constexpr):
+    """The int16 draws of stochastic rounding, as float32: from ``rand_ptr`` (SOURCE 1)
+    or Philox on the device, keyed by (seed, position) (SOURCE 2, ``random_draws``)."""
+    if SOURCE == 1:
+        return tl.load(rand_ptr + offs, mask=mask, other=0).to(tl.float32)
+    bits = tl.randint(seed, offs.to(tl.int32))
+    return (((bits >> 16) & 0xFFFF).to(tl.int32) - 32768).to(tl.float32)
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, starts_ptr, lens_ptr, rand_ptr, q_ptr, stat_ptr, nblocks, levels,
-                     ROWS: tl.constexpr, WIDTH: tl.constexpr, L2: tl.constexpr,
-                     STOCHASTIC: tl.constexpr, CLIP: tl.constexpr):
+                     seed, ROWS: tl.constexpr, WIDTH: tl.constexpr, L2: tl.constexpr,
+                     SOURCE: tl.constexpr, CLIP: tl.constexpr, AS_SCALE: tl.constexpr):
     offs, mask, rows, live = _rows(starts_ptr, lens_ptr, nblocks, ROWS, WIDTH)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if L2:
@@ -67,17 +96,25 @@ def _quantize_kernel(x_ptr, starts_ptr, lens_ptr, rand_ptr, q_ptr, stat_ptr, nbl
     else:
         stat = tl.max(tl.abs(x), axis=1)
     y = x * _inverse(stat, levels)[:, None]
-    if STOCHASTIC:
+    if SOURCE > 0:
         if CLIP:
             y = tl.minimum(tl.maximum(y, -levels), levels)
-        r = tl.load(rand_ptr + offs, mask=mask, other=0).to(tl.float32)
-        y = y + r * 1.52587890625e-05  # 2**-16, exact
+        y = y + _draws(rand_ptr, seed, offs, mask, SOURCE) * 1.52587890625e-05  # 2**-16
         y = tl.floor(y + 0.5000076293945312)  # 0.5 + 2**-17
     else:
-        y = (y + 12582912.0) - 12582912.0  # round half to even
+        y = _round_half_even(y)
     y = tl.minimum(tl.maximum(y, -levels), levels)
     tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
+    if AS_SCALE:  # the decode scale, divided in float64: correctly rounded, as on a CPU
+        stat = (stat.to(tl.float64) / levels).to(tl.float32)
     tl.store(stat_ptr + rows, stat, mask=live)
+
+
+@triton.jit
+def _random_draws_kernel(out_ptr, seed, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, _draws(out_ptr, seed, offs, mask, 2).to(tl.int16), mask=mask)
 
 
 @triton.jit
@@ -90,14 +127,26 @@ def _dequantize_kernel(q_ptr, scale_ptr, starts_ptr, lens_ptr, out_ptr, nblocks,
 
 
 @triton.jit
-def _fp8_encode_kernel(x_ptr, starts_ptr, lens_ptr, code_ptr, amax_ptr, nblocks, largest,
-                       steps_per_unit, ROWS: tl.constexpr, WIDTH: tl.constexpr, MANT: tl.constexpr,
-                       BIAS: tl.constexpr):
+def _fp8_encode_kernel(x_ptr, starts_ptr, lens_ptr, code_ptr, scale_ptr, nblocks, largest,
+                       steps_per_unit, ROWS: tl.constexpr, WIDTH: tl.constexpr,
+                       MANT: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr,
+                       F8: tl.constexpr):
     offs, mask, rows, live = _rows(starts_ptr, lens_ptr, nblocks, ROWS, WIDTH)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     amax = tl.max(tl.abs(x), axis=1)
     y = x * _inverse(amax, largest)[:, None]
     y = tl.minimum(tl.maximum(y, -largest), largest)
+    if HW:  # the device converts (sm89+): to nearest even, as torch's cast
+        code = y.to(F8).to(tl.uint8, bitcast=True)
+    else:
+        code = _fp8_bits(y, steps_per_unit, MANT, BIAS).to(tl.uint8)
+    tl.store(code_ptr + offs, code, mask=mask)
+    tl.store(scale_ptr + rows, (amax.to(tl.float64) / largest).to(tl.float32), mask=live)
+
+
+@triton.jit
+def _fp8_bits(y, steps_per_unit, MANT: tl.constexpr, BIAS: tl.constexpr):
+    """The fp8 byte of each float32 ``y`` within the format's range, from its bits."""
     bits = y.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
@@ -105,19 +154,27 @@ def _fp8_encode_kernel(x_ptr, starts_ptr, lens_ptr, code_ptr, amax_ptr, nblocks,
     up = mag + ((1 << (22 - MANT)) - 1) + ((mag >> (23 - MANT)) & 1)
     normal = (up >> (23 - MANT)) - ((127 - BIAS) << MANT)
     # subnormal (below 2**(1 - BIAS)): an integer count of the smallest step, half to even
-    steps = tl.abs(y) * steps_per_unit
-    sub = ((steps + 8388608.0) - 8388608.0).to(tl.int32)
-    code = tl.where(mag < ((128 - BIAS) << 23), sub, normal) | sign
-    tl.store(code_ptr + offs, code.to(tl.uint8), mask=mask)
-    tl.store(amax_ptr + rows, amax, mask=live)
+    sub = _round_half_even(tl.abs(y) * steps_per_unit).to(tl.int32)
+    return tl.where(mag < ((128 - BIAS) << 23), sub, normal) | sign
 
 
 @triton.jit
 def _fp8_decode_kernel(code_ptr, scale_ptr, starts_ptr, lens_ptr, out_ptr, nblocks,
                        step, ROWS: tl.constexpr, WIDTH: tl.constexpr, MANT: tl.constexpr,
-                       BIAS: tl.constexpr):
+                       BIAS: tl.constexpr, HW: tl.constexpr, F8: tl.constexpr):
     offs, mask, rows, live = _rows(starts_ptr, lens_ptr, nblocks, ROWS, WIDTH)
-    code = tl.load(code_ptr + offs, mask=mask, other=0).to(tl.int32)
+    raw = tl.load(code_ptr + offs, mask=mask, other=0)
+    if HW:
+        value = raw.to(F8, bitcast=True).to(tl.float32)
+    else:
+        value = _fp8_value(raw.to(tl.int32), step, MANT, BIAS)
+    scale = tl.load(scale_ptr + rows, mask=live, other=0.0)
+    tl.store(out_ptr + offs, value * scale[:, None], mask=mask)
+
+
+@triton.jit
+def _fp8_value(code, step, MANT: tl.constexpr, BIAS: tl.constexpr):
+    """The float32 value of each fp8 byte (NaN and infinity included), from its bits."""
     mag = code & 0x7F
     expo = mag >> MANT
     value = tl.where(expo == 0, mag.to(tl.float32) * step,
@@ -128,9 +185,7 @@ def _fp8_decode_kernel(code_ptr, scale_ptr, starts_ptr, lens_ptr, out_ptr, nbloc
     else:  # e5m2: exponent 31 is infinity (mantissa 0) or NaN
         inf = tl.full(code.shape, 0x7F800000, tl.int32).to(tl.float32, bitcast=True)
         value = tl.where(expo == 31, tl.where((mag & 3) == 0, inf, nan), value)
-    value = tl.where((code & 0x80) != 0, -value, value)
-    scale = tl.load(scale_ptr + rows, mask=live, other=0.0)
-    tl.store(out_ptr + offs, value * scale[:, None], mask=mask)
+    return tl.where((code & 0x80) != 0, -value, value)
 
 
 def _grid(table: BlockTable) -> tuple[tuple[int], int]:
@@ -139,20 +194,36 @@ def _grid(table: BlockTable) -> tuple[tuple[int], int]:
 
 
 def quantize(x: torch.Tensor, table: BlockTable, levels: float, dtype: torch.dtype,
-             l2: bool = False, rand: torch.Tensor | None = None,
-             clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(integers in [-levels, levels] of ``dtype``, the float32 statistic per block):
+             l2: bool = False, rand: torch.Tensor | None = None, seed: int | None = None,
+             clip: bool = False, as_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(integers in [-levels, levels] of ``dtype``, a float32 per block):
     ``quantize.quantize_layout`` with the abs-max (or the L2 norm, ``l2``) as the
-    statistic; ``rand``: the int16 draws of stochastic rounding, one per value."""
+    statistic, which comes back as it is or divided by ``levels`` (``as_scale``: the
+    decode scale). Rounding is to nearest even, or stochastic with the int16 draws
+    ``rand`` (one per value) or Philox draws keyed by ``seed`` (``random_draws``)."""
     q = torch.empty(x.numel(), dtype=dtype, device=x.device)
     stat = torch.empty(table.count, dtype=torch.float32, device=x.device)
+    source = 1 if rand is not None else 2 if seed is not None else 0
     if table.count:
         grid, rows = _grid(table)
         _quantize_kernel[grid](x, table.starts, table.lengths, q if rand is None else rand,
-                               q, stat, table.count, float(levels), ROWS=rows,
-                               WIDTH=table.width, L2=l2, STOCHASTIC=rand is not None,
-                               CLIP=clip, enable_fp_fusion=False)
+                               q, stat, table.count, float(levels), _seed(seed), ROWS=rows,
+                               WIDTH=table.width, L2=l2, SOURCE=source, CLIP=clip,
+                               AS_SCALE=as_scale, enable_fp_fusion=False)
     return q, stat
+
+
+def _seed(seed: int | None) -> int:
+    """A seed Philox takes (a non-negative int64)."""
+    return 0 if seed is None else int(seed) & 0x7FFFFFFFFFFFFFFF
+
+
+def random_draws(seed: int, n: int, device: torch.device) -> torch.Tensor:
+    """The int16 draws ``quantize(seed=seed)`` rounds with, value by value (for tests)."""
+    out = torch.empty(n, dtype=torch.int16, device=device)
+    if n:
+        _random_draws_kernel[(triton.cdiv(n, _TILE),)](out, _seed(seed), n, BLOCK=_TILE)
+    return out
 
 
 def dequantize(q: torch.Tensor, table: BlockTable, scale: torch.Tensor) -> torch.Tensor:
@@ -166,20 +237,31 @@ def dequantize(q: torch.Tensor, table: BlockTable, scale: torch.Tensor) -> torch
     return out
 
 
+@functools.cache
+def hardware_fp8(device: torch.device) -> bool:
+    """Whether ``device`` converts fp8 itself (compute capability 8.9 and up), where
+    the kernels use its conversions; elsewhere, and in the interpreter, they convert
+    with integer operations (the same bytes)."""
+    if device.type != "cuda" or kernels.interpreter_on():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def fp8_encode(x: torch.Tensor, table: BlockTable,
                fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 bytes as uint8, float32 abs-max per block): each value times
-    ``largest / amax`` of its block, clamped, rounded to the format."""
+    """(fp8 bytes as uint8, float32 scale per block: its abs-max over the format's
+    largest value): each value times the inverse, clamped, rounded to the format."""
     mant, bias, largest = FP8[fmt]
     codes = torch.empty(x.numel(), dtype=torch.uint8, device=x.device)
-    amax = torch.empty(table.count, dtype=torch.float32, device=x.device)
+    scale = torch.empty(table.count, dtype=torch.float32, device=x.device)
     if table.count:
         grid, rows = _grid(table)
-        _fp8_encode_kernel[grid](x, table.starts, table.lengths, codes, amax, table.count,
+        _fp8_encode_kernel[grid](x, table.starts, table.lengths, codes, scale, table.count,
                                  largest, 2.0 ** (bias - 1 + mant), ROWS=rows,
                                  WIDTH=table.width, MANT=mant, BIAS=bias,
+                                 HW=hardware_fp8(x.device), F8=_F8[fmt],
                                  enable_fp_fusion=False)
-    return codes, amax
+    return codes, scale
 
 
 def fp8_decode(codes: torch.Tensor, table: BlockTable, scale: torch.Tensor,
@@ -191,7 +273,7 @@ def fp8_decode(codes: torch.Tensor, table: BlockTable, scale: torch.Tensor,
         grid, rows = _grid(table)
         _fp8_decode_kernel[grid](codes, scale.float().contiguous(), table.starts,
                                  table.lengths, out, table.count, 2.0 ** (1 - bias - mant),
-                                 ROWS=rows,
-                                 WIDTH=table.width, MANT=mant, BIAS=bias,
+                                 ROWS=rows, WIDTH=table.width, MANT=mant, BIAS=bias,
+                                 HW=hardware_fp8(codes.device), F8=_F8[fmt],
                                  enable_fp_fusion=False)
     return out
