@@ -42,9 +42,6 @@ class TorchCommunicator(Communicator):
         self.group = group
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         self.counter.backend = backend_model(dist.get_backend(group))
-        #: gloo runs all_to_all on host tensors only ("Backend gloo does not support
-        #: alltoall" for CUDA tensors, which its other collectives accept)
-        self._host_all_to_all = dist.get_backend(group) == "gloo"
         #: (op, start event, end event) of each collective since ``events.clear()``,
         #: on a GPU with ``deferred`` set
         self.events: list[tuple[str, Any, Any]] = []
@@ -86,17 +83,30 @@ class TorchCommunicator(Communicator):
         return out
 
     def _all_to_all(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self._host_all_to_all and chunks and chunks[0].device.type != "cpu":
-            device = chunks[0].device
-            staged = TorchCommunicator._all_to_all(self, [c.cpu() for c in chunks])
-            return [r.to(device) for r in staged]
-        chunks = [c.contiguous() for c in chunks]
-        out = [torch.empty_like(c) for c in chunks]
+        """Chunk j to rank j, one chunk back from each, shaped like the one sent there.
+
+        One ``all_to_all_single`` on the chunks back to back: every backend has it
+        (gloo's list ``all_to_all`` is missing from some torch releases gradzip
+        supports: "Backend gloo does not support alltoall" on torch 2.11). gloo runs
+        it on host tensors only, so on a device a refusal sends it through the host."""
         if not chunks:
-            return out
-        with self._collective("all_to_all", chunks[0]):
-            dist.all_to_all(out, chunks, group=self.group)
-        return out
+            return []
+        sizes = [c.numel() for c in chunks]
+        sent = torch.cat([c.reshape(-1) for c in chunks])
+        got = torch.empty_like(sent)
+        try:
+            with self._collective("all_to_all", chunks[0]):
+                dist.all_to_all_single(got, sent, output_split_sizes=sizes,
+                                       input_split_sizes=sizes, group=self.group)
+        except RuntimeError as e:
+            if sent.device.type == "cpu" or "does not support" not in str(e):
+                raise
+            host = torch.empty_like(sent, device="cpu")
+            with self._collective("all_to_all", host):
+                dist.all_to_all_single(host, sent.cpu(), output_split_sizes=sizes,
+                                       input_split_sizes=sizes, group=self.group)
+            got = host.to(sent.device)
+        return [part.view_as(c) for part, c in zip(got.split(sizes), chunks, strict=True)]
 
     def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         flat = t.contiguous().reshape(-1)  # gloo wants 1-D: world x n in, n out

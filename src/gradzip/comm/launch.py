@@ -89,7 +89,7 @@ class CollectiveRecorder:
     """Counts the bytes every torch.distributed collective on ``group`` is handed.
 
     An independent check of ``CommStats``: while active (``with``), the module-level
-    ``all_reduce``/``all_gather``/``all_to_all``/``reduce_scatter_tensor`` of
+    ``all_reduce``/``all_gather``/``all_to_all(_single)``/``reduce_scatter_tensor`` of
     ``torch.distributed`` are wrapped, and calls whose ``group=`` is ``group`` add
     the input tensors' sizes to ``bytes``. ``group=None`` matches every call.
     """
@@ -98,6 +98,7 @@ class CollectiveRecorder:
         "all_reduce": lambda args: [args[0]],
         "all_gather": lambda args: [args[1]],
         "all_to_all": lambda args: list(args[1]),
+        "all_to_all_single": lambda args: [args[1]],
         "reduce_scatter_tensor": lambda args: [args[1]],
     }
 
