@@ -159,7 +159,11 @@ def stream_order(n: int) -> list[dict[str, Any]]:
         hooks.append((f"gradzip {spec}", hook, state, True, True))
     for name, hook, state, expect, expect_early in hooks:
         params = _Bucket(torch.ones(n, device="cuda"), [torch.Size((n,))]).parameters()
-        if state is not None:  # the first synchronized step is uncompressed by design
+        # warm, untimed: gradzip's first step is uncompressed by design and its second
+        # compiles the Triton kernels (seconds, once per process: run 3 timed it, 3.5 s
+        # for ef | int8); every hook's first call also pays NCCL's and the allocator's
+        # first use (63 ms for PyTorch's own fp16 hook)
+        for _ in range(1 if state is None else 2):
             hook(state, _Bucket(torch.ones(n, device="cuda"), [torch.Size((n,))],
                                 params=params)).wait()
             torch.cuda.synchronize()

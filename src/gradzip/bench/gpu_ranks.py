@@ -166,8 +166,21 @@ def _fsdp2(spec: str, rank: int, device: torch.device) -> torch.Tensor:
     """The full weights after 3 steps of FSDP2 over every rank under ``spec`` (gradzip's
     reduce-scatter: the fixed-length exchange for ``ef | int8``)."""
     model = _sharded(spec, rank, device)
-    return flat(p.full_tensor() if hasattr(p, "full_tensor") else p
-                for p in model.parameters())
+    return flat(_gathered(p) for p in model.parameters())
+
+
+def _gathered(p: Any) -> torch.Tensor:
+    """A parameter's full value: a DTensor's dim-0 shards gathered through the host.
+    ``full_tensor()`` runs a functional all-gather on the shards' device, outside the
+    shim: gloo on CUDA tensors, which crashed the rank (SIGSEGV, torch 2.11, H200)."""
+    import torch.distributed as dist
+
+    if not hasattr(p, "to_local"):
+        return p
+    group = p.device_mesh.get_group()
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, p.to_local().detach().cpu(), group=group)
+    return torch.cat(parts, dim=0)
 
 
 def _unequal_gather(rank: int, device: torch.device) -> str:
