@@ -11,6 +11,9 @@ kernel's payload against the CPU's).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
@@ -44,22 +47,22 @@ def _bucket(sizes: list[int], seed: int = 0) -> torch.Tensor:
     return x
 
 
+def _through(fused: bool, run: Callable[[], Any]) -> Any:
+    """``run()`` on the kernel path (the interpreter) or on the torch path."""
+    if not fused:
+        return run()
+    with kernels.interpreted():
+        return run()
+
+
 def _payload(spec: str, x: torch.Tensor, sizes: list[int], fused: bool) -> gradzip.Payload:
-    codec = gradzip.codec(spec)
     shapes = [torch.Size((n,)) for n in sizes]
-    if fused:
-        with kernels.interpreted():
-            return codec.encode(x, "b", shapes)
-    return codec.encode(x, "b", shapes)
+    return _through(fused, lambda: gradzip.codec(spec).encode(x, "b", shapes))
 
 
 def _decoded(spec: str, p: gradzip.Payload, sizes: list[int], fused: bool) -> torch.Tensor:
-    codec = gradzip.codec(spec)
     shapes = [torch.Size((n,)) for n in sizes]
-    if fused:
-        with kernels.interpreted():
-            return codec.decode(p, "b", shapes)
-    return codec.decode(p, "b", shapes)
+    return _through(fused, lambda: gradzip.codec(spec).decode(p, "b", shapes))
 
 
 class _Draws:
