@@ -206,3 +206,53 @@ def test_kernels_stay_off_without_a_gpu_unless_asked(monkeypatch: pytest.MonkeyP
         assert not kernels.runs_on(x, block=kernels.MAX_BLOCK + 1)
         monkeypatch.setenv("GRADZIP_KERNELS", "off")
         assert not kernels.runs_on(x)
+
+
+def _ties_at_the_threshold(n: int, k: int, seed: int) -> torch.Tensor:
+    """Small values, a block of equal magnitudes (+-0.5, and -0.0 beside 0.0) where the
+    k-th largest falls, and a few larger ones: the selection must split the ties."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 0.01
+    ties = torch.randperm(n, generator=g)[:3 * k]
+    x[ties] = torch.where(torch.rand(3 * k, generator=g) < 0.5, 0.5, -0.5)
+    x[ties[: k // 3]] = 3.0
+    x[:5] = torch.tensor([0.0, -0.0, 0.0, -0.0, 0.0])
+    return x
+
+
+@pytest.mark.parametrize(("n", "k", "ties"), [(10_000, 100, False), (9_000, 1, False),
+                                              (5_000, 4_999, False), (12_345, 777, True),
+                                              (4_096, 300, True), (70_000, 64, True)])
+def test_the_radix_select_keeps_the_cpu_paths_positions(n: int, k: int, ties: bool) -> None:
+    """The exact top-k by magnitude in position order, ties to the lowest positions."""
+    from gradzip.codecs.sparse import topk_positions
+
+    x = _ties_at_the_threshold(n, k, n) if ties else torch.randn(
+        n, generator=torch.Generator().manual_seed(k))
+    with kernels.interpreted():
+        from gradzip.codecs.kernels import select
+
+        got = select.topk_positions(x, k)
+    expected = topk_positions(x, k, torch.Generator().manual_seed(0))
+    assert torch.equal(got, expected.to(torch.int64))
+
+
+def test_a_constant_tensor_keeps_its_first_k_positions() -> None:
+    with kernels.interpreted():
+        from gradzip.codecs.kernels import select
+
+        got = select.topk_positions(torch.full((9_000,), -2.0), 50)
+    assert torch.equal(got, torch.arange(50))
+
+
+@pytest.mark.parametrize("spec", ["topk(ratio=0.01)", "ef | topk(ratio=0.01)",
+                                  "topk(k=40) | qsgd"])
+def test_topk_payloads_equal_the_torch_path(spec: str) -> None:
+    sizes = [6_000, 0, 300, 2_000]
+    x = _ties_at_the_threshold(sum(sizes), 83, 5)
+    torch_p, kernel_p = _payload(spec, x, sizes, False), _payload(spec, x, sizes, True)
+    deterministic = "qsgd" not in spec  # qsgd's draws differ by path, its positions not
+    for (name, a), (_, b) in zip(sorted(torch_p.leaves()), sorted(kernel_p.leaves()),
+                                 strict=True):
+        if deterministic or not name.endswith(("q", "norm")):
+            assert torch.equal(a, b), f"{spec}: field {name} differs"

@@ -29,6 +29,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from gradzip.codecs import kernels
 from gradzip.codecs.base import Compressor, Shapes, Slot
 from gradzip.codecs.indices import (
     Selection,
@@ -108,6 +109,10 @@ def topk_positions(flat: torch.Tensor, k: int, generator: torch.Generator) -> to
     n = flat.numel()
     if k >= n:
         return torch.arange(n, device=flat.device)
+    if k > 0 and kernels.runs_on(flat):  # the device's radix select, in position order
+        from gradzip.codecs.kernels import select
+
+        return select.topk_positions(flat, k)
     if not host_reads_free(flat):  # a GPU's topk is fast and needs no host reads
         return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
     if n > EXACT_BELOW:
