@@ -256,3 +256,35 @@ def test_topk_payloads_equal_the_torch_path(spec: str) -> None:
                                  strict=True):
         if deterministic or not name.endswith(("q", "norm")):
             assert torch.equal(a, b), f"{spec}: field {name} differs"
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 5_000, 20_001])
+def test_bit_packing_equals_the_cpu_path(n: int) -> None:
+    """Signs (-0.0 negative), bools, and back to bools or two floats, as numpy packs."""
+    from gradzip.codecs import bitpack
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g)
+    if n > 3:
+        x[:3] = torch.tensor([0.0, -0.0, -1e-45])
+    mask = torch.rand(n, generator=g) < 0.3
+    signs, bools = bitpack.pack_signs(x), bitpack.pack_bits(mask)
+    with kernels.interpreted():
+        assert torch.equal(bitpack.pack_signs(x), signs)
+        assert torch.equal(bitpack.pack_bits(mask), bools)
+        assert torch.equal(bitpack.unpack_bits(bools, n), mask)
+        got = bitpack.bits_to_values(signs, n, 0.25, -3.5)
+    assert torch.equal(got, bitpack.bits_to_values(signs, n, 0.25, -3.5))
+
+
+@pytest.mark.parametrize("spec", ["signsgd(vote=false)", "efsignsgd", "onebit",
+                                  "ef | signsgd(vote=false,scale=l1)"])
+def test_sign_codecs_equal_the_torch_path(spec: str) -> None:
+    sizes = [64 * 40, 17, 0, 300]
+    x = _bucket(sizes, seed=6)
+    torch_p, kernel_p = _payload(spec, x, sizes, False), _payload(spec, x, sizes, True)
+    for (name, a), (_, b) in zip(sorted(torch_p.leaves()), sorted(kernel_p.leaves()),
+                                 strict=True):
+        assert torch.equal(a, b), f"{spec}: field {name} differs"
+    assert torch.equal(_decoded(spec, torch_p, sizes, False),
+                       _decoded(spec, kernel_p, sizes, True))

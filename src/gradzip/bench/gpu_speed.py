@@ -41,7 +41,7 @@ WORLD = 8
 #: stages with a fused kernel: timed with the kernels off as well
 KERNEL_STAGES = ("int8", "qsgd", "fp8")
 #: stages whose payload does not depend on random draws: compared with the CPU's
-DETERMINISTIC = ("none", "fp16", "bf16", "int8", "fp8", "topk")
+DETERMINISTIC = ("none", "fp16", "bf16", "int8", "fp8", "topk", "signsgd")
 
 
 class SyncBox(list[int]):

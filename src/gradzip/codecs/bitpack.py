@@ -15,7 +15,8 @@ row per byte value (256 x 8 floats for bits, 243 x 5 for trits), so a decoder ne
 materialises the unpacked codes: one gather writes the output.
 
 On CPU the work is done by numpy (``packbits``, ``take``), which is several times
-faster than the equivalent torch ops single-threaded; other devices use torch ops.
+faster than the equivalent torch ops single-threaded; on CUDA with Triton, bits are
+packed and unpacked by one kernel each (``kernels/bits.py``); elsewhere torch ops.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from gradzip.codecs import kernels
 from gradzip.collectives.upload import device_tensor, upload
 
 #: the five base-3 digit weights of a packed trit byte
@@ -56,6 +58,10 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype != torch.bool:
         raise TypeError(f"pack_bits takes a bool tensor, got {mask.dtype}")
     n = mask.numel()
+    if kernels.runs_on(mask):
+        from gradzip.codecs.kernels import bits
+
+        return bits.pack(mask.contiguous(), signs=False)
     if _on_cpu(mask):
         return torch.from_numpy(np.packbits(_np(mask), bitorder="little"))
     flat = mask.reshape(-1)
@@ -72,6 +78,10 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     Using the float's own sign bit gives every value, zero included, a definite
     side (+0.0 positive, -0.0 negative) that ``torch.copysign`` agrees with.
     """
+    if x.dtype == torch.float32 and kernels.runs_on(x):
+        from gradzip.codecs.kernels import bits
+
+        return bits.pack(x.contiguous(), signs=True)
     if _on_cpu(x):
         return torch.from_numpy(np.packbits(np.signbit(_np(x)), bitorder="little"))
     return pack_bits(torch.signbit(x))
@@ -80,12 +90,16 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The first ``n`` bits of ``packed`` as a flat bool tensor."""
     _check_packed(packed, packed_bits_len(n), "bits")
+    if kernels.runs_on(packed):
+        from gradzip.codecs.kernels import bits
+
+        return bits.unpack(packed, n)
     if _on_cpu(packed):
         unpacked = np.unpackbits(_np(packed), count=n, bitorder="little")
         return torch.from_numpy(unpacked.view(np.bool_))
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    bits = (packed.reshape(-1, 1) >> shifts) & 1
-    return bits.reshape(-1)[:n].bool()
+    unpacked_bits = (packed.reshape(-1, 1) >> shifts) & 1
+    return unpacked_bits.reshape(-1)[:n].bool()
 
 
 def bits_to_values(
@@ -96,6 +110,10 @@ def bits_to_values(
     For ``pack_signs`` output, ``low`` is the positive value and ``high`` the negative.
     """
     _check_packed(packed, packed_bits_len(n), "bits")
+    if kernels.runs_on(packed):
+        from gradzip.codecs.kernels import bits
+
+        return bits.unpack(packed, n, (low, high))
     table = np.where(_bit_table(), np.float32(high), np.float32(low))
     return lut_decode(packed, torch.from_numpy(table), n)
 
