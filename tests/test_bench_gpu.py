@@ -37,6 +37,10 @@ def test_smoke_mode_runs_every_part_and_writes_its_tables(tmp_path) -> None:
     for row in record["speed"]:
         assert row["encode_gbps"] > 0 and row["decode_gbps"] > 0
         assert row["encode_syncs"] >= 0 and row["decode_syncs"] >= 0
+    launch = {r["call"]: r["host_us"] for r in record["launch"]}
+    assert set(launch) >= {"none decode through Codec.decode",
+                           "int8 decode through Codec.decode"}, launch
+    assert all(us > 0 for us in launch.values())
     ranks = {r["case"]: r for r in record["ranks"]}
     assert len(ranks) == 19 and all(r["ok"] for r in ranks.values()), ranks
     assert all(r["checked_collectives"] > 50 for r in ranks.values())  # the shim ran

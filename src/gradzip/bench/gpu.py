@@ -56,7 +56,7 @@ from gradzip.bench.gpu_hsdp import hsdp_rows
 from gradzip.bench.gpu_overlap import overlap_rows
 from gradzip.bench.gpu_ranks import ranks_rows
 from gradzip.bench.gpu_resume import resume_rows
-from gradzip.bench.gpu_speed import COLUMNS, codec_speed, host_syncs
+from gradzip.bench.gpu_speed import COLUMNS, codec_speed, host_syncs, launch_rows
 
 #: codec families of the DDP check and the speed table (``--codecs`` overrides)
 SPECS = ["none", "fp16", "bf16", "randomk(ratio=0.01)", "topk(ratio=0.01)",
@@ -399,7 +399,9 @@ def markdown(record: dict[str, Any]) -> str:
                                            "finite"]),
         "",
         f"Encode/decode of a {record['bucket_mb']} MB bucket:", "",
-        _table(record["speed"], COLUMNS)]
+        _table(record["speed"], COLUMNS), "",
+        "What one call costs the host (back to back, the device waited for once):", "",
+        _table(record.get("launch", []), ["call", "host_us"])]
     return "\n".join(parts) + "\n"
 
 
@@ -446,6 +448,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"resume: {sum(r['ok'] for r in record['resume'])}/{len(record['resume'])} "
               f"ok ({time.perf_counter() - started:.0f} s)", flush=True)
         record["speed"] = codec_speed(specs, device, shapes, args.repeat)
+        record["launch"] = launch_rows(device, shapes)
         print(f"speed: done ({time.perf_counter() - started:.0f} s)", flush=True)
     record["ranks"] = ranks_rows(device.type)
     print(f"several ranks: {sum(r['ok'] for r in record['ranks'])}/{len(record['ranks'])} "

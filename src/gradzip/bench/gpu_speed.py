@@ -1,7 +1,10 @@
 """``gradzip bench gpu``: encode and decode speed per codec, and where each stops paying.
 
 For each codec, on one bucket: encode and decode GB/s (CUDA events, median of
-``repeat``) beside the plain copy's (``none``), the host syncs of one call, and for
+``repeat``: a call's whole cost, host-bound where launching takes longer than the
+work) beside the plain copy's (``none``), the same from the device's own time only
+(``device_*_gbps``, the profiler's kernel and copy times), the host syncs of one
+call, what one call costs the host layer by layer (``launch_rows``), and for
 the stages with a fused kernel (``codecs/kernels``) the same with the kernels off
 (``GRADZIP_KERNELS=off``: the torch path on the same device, in the same run). Where
 a stage's output does not depend on random draws, its payload is also encoded on the
@@ -121,6 +124,23 @@ def _speeds(spec: str, x: torch.Tensor, shapes: list[torch.Size],
     return enc_s, dec_s, codec, payload
 
 
+def device_seconds(fn: Callable[[], Any], device: torch.device, reps: int = 3,
+                   ) -> float | None:
+    """Seconds of device work per call of ``fn``: the CUDA kernels' and copies' own time
+    (``torch.profiler``), whatever the host spent launching them; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / reps / 1e6
+
+
 def _equal_cpu(spec: str, x: torch.Tensor, shapes: list[torch.Size], payload: Any) -> Any:
     """Whether the CPU encodes ``x`` to the same payload, bit for bit ('random' where the
     payload depends on draws, which differ between devices by design)."""
@@ -156,6 +176,12 @@ def speed_row(spec: str, x: torch.Tensor, shapes: list[torch.Size],
                    decode_syncs=dec_syncs[0], equal_cpu=_equal_cpu(spec, x, shapes, payload),
                    payload_devices=",".join(sorted({t.device.type
                                                     for _, t in payload.leaves()})))
+        on_device = [device_seconds(lambda: codec.encode(x, "b", shapes), x.device),
+                     device_seconds(lambda: codec.decode(payload, "b", shapes,
+                                                         device=x.device), x.device)]
+        if on_device[0] and on_device[1]:
+            row.update(device_encode_gbps=round(n * 4 / on_device[0] / 1e9, 1),
+                       device_decode_gbps=round(n * 4 / on_device[1] / 1e9, 1))
         if spec.split("(")[0].strip() in KERNEL_STAGES:
             with _kernels_off():
                 t_enc, t_dec, _, _ = _speeds(spec, x, shapes, repeat)
@@ -219,7 +245,56 @@ def codec_speed(specs: list[str], device: torch.device, shapes: list[torch.Size]
     return rows
 
 
+def host_microseconds(fn: Callable[[], Any], device: torch.device, reps: int = 200,
+                      ) -> float:
+    """Host time per call of ``fn`` over ``reps`` back-to-back calls (the device may
+    lag behind; it is waited for once, after the last)."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return round(host / reps * 1e6, 1)
+
+
+def _decoding(codec: Any, x: torch.Tensor, shapes: list[torch.Size]) -> Callable[[], Any]:
+    """A call that decodes ``codec``'s payload of ``x`` on ``x``'s device."""
+    payload = codec.encode(x, "b", shapes)
+    return lambda: codec.decode(payload, "b", shapes, device=x.device)
+
+
+def launch_rows(device: torch.device, shapes: list[torch.Size]) -> list[dict[str, Any]]:
+    """What one call costs the host, layer by layer: a torch launch, a Triton launch
+    (where the kernels run), and ``none`` and ``int8`` decodes through ``Codec``."""
+    import gradzip
+    from gradzip.codecs import kernels
+
+    n = sum(s.numel() for s in shapes)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
+    small = x[:256].contiguous()
+    cases: dict[str, Callable[[], Any]] = {"torch launch (one multiply, 256 values)":
+                                           lambda: small.mul(2.0)}
+    if kernels.runs_on(small):
+        from gradzip.codecs.kernels import quant
+        from gradzip.codecs.kernels.blocks import block_table
+
+        table, q = block_table([256], 256, device), small.to(torch.int8)
+        scale = torch.ones(1, device=device)
+        cases["Triton launch (dequantize, 256 values)"] = lambda: quant.dequantize(
+            q, table, scale)
+    for spec in ("none", "int8"):
+        cases[f"{spec} decode through Codec.decode"] = _decoding(gradzip.codec(spec), x,
+                                                                 shapes)
+    return [{"call": name, "host_us": host_microseconds(fn, device)}
+            for name, fn in cases.items()]
+
+
 #: columns of the speed table in gpu.md
 COLUMNS = ["codec", "ok", "encode_gbps", "decode_gbps", "encode_of_copy", "decode_of_copy",
-           "torch_encode_gbps", "torch_decode_gbps", "ratio", "equal_cpu", "wins_vs_fp16",
+           "device_encode_gbps", "device_decode_gbps", "torch_encode_gbps",
+           "torch_decode_gbps", "ratio", "equal_cpu", "wins_vs_fp16",
            "encode_syncs", "decode_syncs", "sync_sites", "payload_devices", "error"]
