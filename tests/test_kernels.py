@@ -288,3 +288,47 @@ def test_sign_codecs_equal_the_torch_path(spec: str) -> None:
         assert torch.equal(a, b), f"{spec}: field {name} differs"
     assert torch.equal(_decoded(spec, torch_p, sizes, False),
                        _decoded(spec, kernel_p, sizes, True))
+
+
+@pytest.mark.parametrize("n", [0, 1, 4, 5, 6, 4_999, 12_003])
+def test_trit_packing_equals_the_cpu_path(n: int) -> None:
+    from gradzip.codecs import bitpack
+
+    codes = torch.randint(0, 3, (n,), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(n))
+    packed = bitpack.pack_trits(codes)
+    values = (-0.75, 0.0, 1.25)
+    with kernels.interpreted():
+        assert torch.equal(bitpack.pack_trits(codes), packed)
+        assert torch.equal(bitpack.unpack_trits(packed, n), codes)
+        got = bitpack.trits_to_values(packed, n, values)
+    assert torch.equal(got, bitpack.trits_to_values(packed, n, values))
+
+
+def test_a_trit_byte_past_242_is_refused_or_flagged() -> None:
+    """Untrusted bytes: at once outside deferred checks; inside them, a flag on the
+    device and a decode that reads only valid codes."""
+    from gradzip.codecs import bitpack
+    from gradzip.codecs.validation import deferred_checks
+
+    packed = bitpack.pack_trits(torch.ones(10, dtype=torch.uint8))
+    packed[1] = 250
+    with kernels.interpreted():
+        with pytest.raises(ValueError, match="no table row"):
+            bitpack.trits_to_values(packed, 10, (-1.0, 0.0, 1.0))
+        with deferred_checks() as checks:
+            out = bitpack.unpack_trits(packed, 10)
+    assert bool(checks.failed(torch.device("cpu")))
+    assert int(out.max()) <= 2
+
+
+@pytest.mark.parametrize("spec", ["terngrad", "ef | terngrad", "terngrad(shared=false)"])
+def test_terngrad_equals_the_torch_path(spec: str) -> None:
+    sizes = [3_000, 0, 41, 500]
+    x = _bucket(sizes, seed=8)
+    torch_p, kernel_p = _payload(spec, x, sizes, False), _payload(spec, x, sizes, True)
+    for (name, a), (_, b) in zip(sorted(torch_p.leaves()), sorted(kernel_p.leaves()),
+                                 strict=True):
+        assert torch.equal(a, b), f"{spec}: field {name} differs"
+    assert torch.equal(_decoded(spec, torch_p, sizes, False),
+                       _decoded(spec, kernel_p, sizes, True))

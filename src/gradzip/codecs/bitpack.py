@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from gradzip.codecs import kernels
+from gradzip.codecs.validation import deferring
 from gradzip.collectives.upload import device_tensor, upload
 
 #: the five base-3 digit weights of a packed trit byte
@@ -140,6 +141,10 @@ def pack_trits(codes: torch.Tensor) -> torch.Tensor:
     # the codecs that call this make their codes themselves
     if n and flat.device.type == "cpu" and int(flat.max()) > 2:
         raise ValueError("pack_trits: codes must be 0, 1 or 2")
+    if kernels.runs_on(flat):
+        from gradzip.codecs.kernels import bits
+
+        return bits.pack_trits(flat.contiguous())
     pad = packed_trits_len(n) * TRITS_PER_BYTE - n
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
@@ -162,6 +167,10 @@ def trit_table() -> np.ndarray:
 
 def unpack_trits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The first ``n`` trits of ``packed`` as uint8 codes in {0, 1, 2}."""
+    if kernels.runs_on(packed):
+        from gradzip.codecs.kernels import bits
+
+        return bits.unpack_trits(_valid_trit_bytes(packed, n), n)
     table = torch.from_numpy(trit_table().copy())
     return lut_decode(packed, table, n, check=packed_trits_len(n))
 
@@ -170,8 +179,30 @@ def trits_to_values(
     packed: torch.Tensor, n: int, values: tuple[float, float, float]
 ) -> torch.Tensor:
     """Decode packed trits straight to float32: code ``k`` becomes ``values[k]``."""
+    if kernels.runs_on(packed):
+        from gradzip.codecs.kernels import bits
+
+        return bits.unpack_trits(_valid_trit_bytes(packed, n), n, values)
     table = np.asarray(values, dtype=np.float32)[trit_table()]
     return lut_decode(packed, torch.from_numpy(table), n, check=packed_trits_len(n))
+
+
+def _valid_trit_bytes(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``packed``, checked as ``lut_decode`` checks it (one uint8 byte per five trits,
+    each below 243): at once, or under deferred checks a flag on the device and the
+    bytes clamped into range (``validation``)."""
+    if packed.dtype != torch.uint8 or packed.dim() != 1:
+        raise TypeError("packed trits must be a 1-D uint8 tensor")
+    _check_packed(packed, packed_trits_len(n), "codes")
+    if not packed.numel():
+        return packed
+    checks = deferring()
+    if checks is None:
+        if int(packed.max()) >= 243:
+            raise ValueError(f"packed code {int(packed.max())} has no table row (243)")
+        return packed
+    checks.require(packed.max() < 243, "packed trit bytes below 243")
+    return packed.clamp(max=242)
 
 
 # ---------------------------------------------------------------- tables
