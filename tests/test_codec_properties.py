@@ -133,6 +133,20 @@ def _centroid(c, x, dtype):
     _norm_bound(y, x, dtype, str(c))
 
 
+def _stdbins(c, x, dtype):
+    """Every bin decodes to the mean of its values: the sum survives, there are at most
+    ``bins`` levels, and each lies within the input's range."""
+    y = c.decode(c.encode(x, "w"))
+    x64, y64 = x.double(), y.double()
+    slack = 1e-5 * float(x64.abs().sum()) + float(_out_tol(y64, dtype).sum())
+    assert abs(float(y64.sum()) - float(x64.sum())) <= slack, str(c)
+    assert y.unique().numel() <= 4, str(c)
+    if x.numel():
+        margin = 1e-5 * float(x64.abs().max()) + _TINY[dtype]
+        assert float(y64.min()) >= float(x64.min()) - margin, str(c)
+        assert float(y64.max()) <= float(x64.max()) + margin, str(c)
+
+
 def _topk(c, x, dtype):
     y = c.decode(c.encode(x, "w"))
     _kept_or_zero(y, x, str(c))
@@ -212,6 +226,7 @@ BOUNDS = {
     "powersgd": _projection, "gradiveq": _projection, "sketch": _sketch, "demo": _demo,
     # stochastic codecs: the support of the output (their mean is checked below)
     "natural": _natural, "qsgd": _qsgd, "terngrad": _terngrad, "centroid": _centroid,
+    "stdbins": _stdbins,
 }
 
 SHAPES = st.sampled_from([(), (0,), (1,), (7,), (3, 5), (24, 20), (300, 40), (2, 3, 64)])

@@ -33,6 +33,7 @@ HOST = {
     "dgc": "the sampled threshold and the kept count depend on the data",
     "terngrad": "decode validates the received trit codes (1 host read)",
     "centroid": "decode validates the received bin codes (1 host read)",
+    "stdbins": "decode validates the received bin codes (1 host read)",
     "natural": "the largest exponent goes into the header (1 host read)",
     "efsignsgd": "per-tensor scales retried in float64 on overflow (1 host read)",
     "onebit": "per-column means retried in float64 on overflow (1 host read)",

@@ -89,6 +89,11 @@ def test_sparseloco_is_diloco_with_its_outer_step_and_codec_spelled_out() -> Non
     assert str(dense.codec).startswith("ef(beta=0.9) | topk(ratio=0.02, chunk=4096) | "
                                        "centroid(bits=3)")
     assert dense.sync_every == 15
+    # templar's value quantizer, an option: bins over 6 std, a table of bin means
+    templar = parse_method("sparseloco(values=stdbins)")
+    assert "| stdbins(bins=4) | ans" in str(templar.codec)
+    with pytest.raises(ValueError, match="values must be one of centroid, stdbins"):
+        parse_method("sparseloco(values=uniform)")
 
 
 def test_fragments_may_each_have_their_own_codec() -> None:
@@ -116,6 +121,7 @@ def test_snoo_is_ddp_with_an_outer_step() -> None:
 
 @pytest.mark.parametrize("text", [
     "sparseloco", "sparseloco(sync_every=10, density=0.05, ef_decay=0.9)",
+    "sparseloco(values=stdbins)",
     "snoo(sync_every=8, lr=0.5, momentum=0.5)", "snoo | int8",
     "diloco(sync_every=8, overlap=2, alpha=0.5) | centroid(bits=4)",
     "diloco(sync_every=8, fragments=2) | int8 / none",

@@ -20,6 +20,7 @@ from gradzip.codecs import (  # noqa: F401
     sign,
     sketch,
     sparse,
+    stdbins,
 )
 from gradzip.codecs.base import CodecState, Compressor, LosslessCoder, Slot, Stage, Wrapper
 from gradzip.codecs.chain import Codec, NonFiniteGradientError

@@ -20,7 +20,8 @@ bucket of ``bucket`` values. A following ``ans`` stage codes ``q`` to its entrop
 (at most ``bits`` per value plus the zero code). The deviation from SparseLoCo's
 public code (templar): its bins span a multiple of the values' standard deviation and
 decode through a lookup table of bin means per tensor; here the bins are quantiles and
-the table is per bucket, so one large value cannot widen every bin.
+the table is per bucket, so one large value cannot widen every bin. ``stdbins`` is
+templar's way, as a stage of its own (``sparseloco(values=stdbins)``).
 """
 
 from __future__ import annotations

@@ -69,8 +69,19 @@ def _inner_optimizer(value: str) -> str | None:
 #: separates the codecs of a method's fragments: ``diloco(fragments=2) | int8 / fp16``
 FRAGMENT_SEPARATOR = " / "
 #: ``sparseloco(...)`` keys that build its codec -> type (without an explicit ``| CODEC``)
+def _value_quantizer(text: str) -> str:
+    """``values=``: how SparseLoCo's kept values are quantized."""
+    if text not in VALUE_QUANTIZERS:
+        raise ValueError(f"values must be one of {', '.join(VALUE_QUANTIZERS)}, got {text!r}")
+    return text
+
+
+#: ``sparseloco(values=...)``: gradzip's equal-count bins (``centroid``, the default) or
+#: templar's bins over a multiple of the std with a table of bin means (``stdbins``)
+VALUE_QUANTIZERS = ("centroid", "stdbins")
 SPARSELOCO_KEYS: dict[str, Callable[[str], Any]] = {
-    "k": int, "density": float, "chunk": int, "tile": int, "bits": int, "ef_decay": float}
+    "k": int, "density": float, "chunk": int, "tile": int, "bits": int, "ef_decay": float,
+    "values": _value_quantizer}
 #: ``snoo(...)`` keys: its own outer step, no fragments
 SNOO_KEYS = ("sync_every", "lr", "momentum")
 #: the defaults each kind starts from (SparseLoCo's public configuration: H=30, outer
@@ -80,19 +91,22 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "sparseloco": {"sync_every": 30, "lr": 1.0, "momentum": 0.0},
 }
 SPARSELOCO_CODEC = {"k": 64, "density": None, "chunk": 4096, "tile": None, "bits": 2,
-                    "ef_decay": 0.95}
+                    "ef_decay": 0.95, "values": "centroid"}
 
 
 def sparseloco_codec(k: int | None = 64, density: float | None = None, chunk: int = 4096,
-                     bits: int = 2, ef_decay: float = 0.95, tile: int | None = None) -> str:
+                     bits: int = 2, ef_decay: float = 0.95, tile: int | None = None,
+                     values: str = "centroid") -> str:
     """SparseLoCo's pseudo-gradient codec as a gradzip chain: error feedback decayed by
     ``ef_decay``, the top ``k`` (or ``density`` x ``chunk``) of every ``chunk`` entries
     (or, with ``tile``, of every tile x tile block of each matrix, as templar selects),
-    their values in ``bits`` bits (``centroid``), indices and values entropy-coded
-    (``ans``), payloads all-gathered as the paper does (no second lossy step)."""
+    their values in ``bits`` bits (``centroid``, or with ``values=stdbins`` templar's
+    bins over 6 standard deviations), indices and values entropy-coded (``ans``),
+    payloads all-gathered as the paper does (no second lossy step)."""
     keep = f"ratio={density:g}" if density is not None else f"k={k}"
     where = f"tile={tile}" if tile is not None else f"chunk={chunk}"
-    return (f"ef(beta={ef_decay:g}) | topk({keep}, {where}) | centroid(bits={bits}) "
+    quantize = f"centroid(bits={bits})" if values == "centroid" else f"stdbins(bins={2**bits})"
+    return (f"ef(beta={ef_decay:g}) | topk({keep}, {where}) | {quantize} "
             "| ans | aggregate=gather")
 
 
