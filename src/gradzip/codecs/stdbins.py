@@ -27,8 +27,8 @@ from gradzip.codecs.validation import deferring
 
 
 def _power_of_two(value: int) -> str | None:
-    if value < 2 or value > 256 or value & (value - 1):
-        return "must be a power of two in [2, 256]"
+    if not isinstance(value, int) or not 2 <= value <= 256 or value & (value - 1):
+        return "must be in [2, 256] and a power of two"
     return None
 
 
