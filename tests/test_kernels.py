@@ -65,6 +65,19 @@ def _decoded(spec: str, p: gradzip.Payload, sizes: list[int], fused: bool) -> to
     return _through(fused, lambda: gradzip.codec(spec).decode(p, "b", shapes))
 
 
+def _paths_agree(spec: str, sizes: list[int], seed: int = 0) -> None:
+    """The kernel path's payload equals the torch path's, field by field, and both
+    decode to the same tensor."""
+    x = _bucket(sizes, seed=seed)
+    torch_p, kernel_p = _payload(spec, x, sizes, False), _payload(spec, x, sizes, True)
+    assert dict(torch_p.leaves()).keys() == dict(kernel_p.leaves()).keys()
+    for (name, a), (_, b) in zip(sorted(torch_p.leaves()), sorted(kernel_p.leaves()),
+                                 strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{spec}: field {name} differs"
+    assert torch.equal(_decoded(spec, torch_p, sizes, False),
+                       _decoded(spec, kernel_p, sizes, True))
+
+
 class _Draws:
     """A ``RandomBits`` stand-in that hands out one fixed stream of int16 draws in
     order, so the torch path's per-piece draws and the kernel's single draw agree."""
@@ -91,16 +104,7 @@ def test_the_block_table_matches_the_torch_layout() -> None:
                                   "fp8(format=e5m2,block={b})"])
 def test_deterministic_codecs_equal_the_torch_path(sizes: list[int], block: int,
                                                    spec: str) -> None:
-    spec = spec.format(b=block)
-    x = _bucket(sizes)
-    torch_p, kernel_p = _payload(spec, x, sizes, False), _payload(spec, x, sizes, True)
-    assert dict(torch_p.leaves()).keys() == dict(kernel_p.leaves()).keys()
-    for (name, a), (_, b) in zip(sorted(torch_p.leaves()), sorted(kernel_p.leaves()),
-                                 strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b), f"{spec}: field {name} differs"
-    out_torch = _decoded(spec, torch_p, sizes, False)
-    out_kernel = _decoded(spec, kernel_p, sizes, True)
-    assert torch.equal(out_torch, out_kernel)
+    _paths_agree(spec.format(b=block), sizes)
 
 
 @pytest.mark.parametrize(("sizes", "block"), BUCKETS)
@@ -280,14 +284,7 @@ def test_bit_packing_equals_the_cpu_path(n: int) -> None:
 @pytest.mark.parametrize("spec", ["signsgd(vote=false)", "efsignsgd", "onebit",
                                   "ef | signsgd(vote=false,scale=l1)"])
 def test_sign_codecs_equal_the_torch_path(spec: str) -> None:
-    sizes = [64 * 40, 17, 0, 300]
-    x = _bucket(sizes, seed=6)
-    torch_p, kernel_p = _payload(spec, x, sizes, False), _payload(spec, x, sizes, True)
-    for (name, a), (_, b) in zip(sorted(torch_p.leaves()), sorted(kernel_p.leaves()),
-                                 strict=True):
-        assert torch.equal(a, b), f"{spec}: field {name} differs"
-    assert torch.equal(_decoded(spec, torch_p, sizes, False),
-                       _decoded(spec, kernel_p, sizes, True))
+    _paths_agree(spec, [64 * 40, 17, 0, 300], seed=6)
 
 
 @pytest.mark.parametrize("n", [0, 1, 4, 5, 6, 4_999, 12_003])
@@ -324,11 +321,4 @@ def test_a_trit_byte_past_242_is_refused_or_flagged() -> None:
 
 @pytest.mark.parametrize("spec", ["terngrad", "ef | terngrad", "terngrad(shared=false)"])
 def test_terngrad_equals_the_torch_path(spec: str) -> None:
-    sizes = [3_000, 0, 41, 500]
-    x = _bucket(sizes, seed=8)
-    torch_p, kernel_p = _payload(spec, x, sizes, False), _payload(spec, x, sizes, True)
-    for (name, a), (_, b) in zip(sorted(torch_p.leaves()), sorted(kernel_p.leaves()),
-                                 strict=True):
-        assert torch.equal(a, b), f"{spec}: field {name} differs"
-    assert torch.equal(_decoded(spec, torch_p, sizes, False),
-                       _decoded(spec, kernel_p, sizes, True))
+    _paths_agree(spec, [3_000, 0, 41, 500], seed=8)
