@@ -50,3 +50,31 @@ def test_smoke_mode_runs_every_part_and_writes_its_tables(tmp_path) -> None:
     assert record["overlap"][0]["equal_to_uncached"]
     md = (tmp_path / "gpu.md").read_text()
     assert "skipped (needs CUDA)" in md and "ef \\| int8" in md
+
+
+def test_break_evens_follow_the_stated_time_model() -> None:
+    """W = 8, each rank on its own link: fp16 all-reduces 2 (W-1)/W x 2n bytes; a
+    summable codec one encode and decode and its wire all-reduced; any other codec two
+    phases, (1 + 1/W) encodes and 2 decodes for about 2 (W-1)/W x its wire."""
+    from gradzip.bench.gpu_speed import add_break_evens, add_copy_shares
+
+    n = 1_000_000
+
+    def row(codec, enc, dec, wire, summable=False, multi=False, gbps=(1.0, 1.0)):
+        return {"codec": codec, "ok": True, "encode_s": enc, "decode_s": dec,
+                "wire_bytes": wire, "summable": summable, "multi_round": multi,
+                "encode_gbps": gbps[0], "decode_gbps": gbps[1]}
+
+    rows = [row("none", 5e-5, 5e-5, 4 * n, True, gbps=(200.0, 400.0)),
+            row("fp16", 1e-4, 1e-4, 2 * n, True, gbps=(100.0, 100.0)),
+            row("int8", 2e-4, 1e-4, n), row("slow", 1.0, 1.0, 4 * n),
+            row("powersgd", 1e-4, 1e-4, n, multi=True)]
+    add_break_evens(rows, n)
+    add_copy_shares(rows)
+    got = {r["codec"]: r["wins_vs_fp16"] for r in rows}
+    # int8 saves 2 (7/8) x (2n - n) bytes = 14 Mbit for (1.125 x 2e-4 + 2e-4) - 2e-4 s
+    assert got["int8"] == "wins below 62.2 Gbit/s", got
+    assert got["fp16"] == "baseline" and got["powersgd"] == "n/a (multi-round)"
+    assert got["slow"] == "never wins"  # more bytes and more time
+    assert got["none"].startswith("wins only above")  # more bytes, less codec time
+    assert rows[1]["encode_of_copy"] == "50%" and rows[1]["decode_of_copy"] == "25%"

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from gradzip.codecs import kernels
-from gradzip.codecs.validation import deferring
+from gradzip.codecs.validation import codes_below
 from gradzip.collectives.upload import device_tensor, upload
 
 #: the five base-3 digit weights of a packed trit byte
@@ -194,15 +194,7 @@ def _valid_trit_bytes(packed: torch.Tensor, n: int) -> torch.Tensor:
     if packed.dtype != torch.uint8 or packed.dim() != 1:
         raise TypeError("packed trits must be a 1-D uint8 tensor")
     _check_packed(packed, packed_trits_len(n), "codes")
-    if not packed.numel():
-        return packed
-    checks = deferring()
-    if checks is None:
-        if int(packed.max()) >= 243:
-            raise ValueError(f"packed code {int(packed.max())} has no table row (243)")
-        return packed
-    checks.require(packed.max() < 243, "packed trit bytes below 243")
-    return packed.clamp(max=242)
+    return codes_below(packed, 243, "packed trits (243 table rows)")
 
 
 # ---------------------------------------------------------------- tables

@@ -31,7 +31,7 @@ import torch
 from gradzip.codecs.base import Compressor, Slot
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, at_least, in_range, register
-from gradzip.codecs.validation import deferring
+from gradzip.codecs.validation import codes_below
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -141,15 +141,7 @@ class Centroid(Compressor):
                                f"bin means, {n} values need {nb * levels} float32")
         q = q.reshape(-1)
         mag = q.abs().long()
-        if n:  # untrusted codes: read at once, or a deferred flag and clamped codes
-            checks = deferring()
-            if checks is None:
-                if int(mag.max()) > levels:
-                    raise PayloadError(f"centroid payload: a code exceeds the {levels} bins")
-            else:
-                checks.require(mag.max() <= levels,
-                               f"centroid codes within the {levels} bins")
-                mag = mag.clamp_(max=levels)
+        mag = codes_below(mag, levels + 1, f"centroid payload ({levels} bins)", PayloadError)
         ids = _bucket_ids(n, int(self.params["bucket"]), q.device)
         cell = ids * levels + (mag - 1).clamp(min=0)
         out = centroids.reshape(-1)[cell] * q.sign().float()

@@ -23,7 +23,7 @@ import torch
 from gradzip.codecs.base import Compressor, Slot
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, positive, register
-from gradzip.codecs.validation import deferring
+from gradzip.codecs.validation import codes_below
 
 
 def _power_of_two(value: int) -> str | None:
@@ -75,12 +75,5 @@ class StdBins(Compressor):
         if table.dtype != torch.float32 or table.numel() != bins:
             raise PayloadError(f"stdbins payload: a table of {table.numel()} {table.dtype}, "
                                f"needs {bins} float32")
-        if q.numel():  # untrusted codes: read at once, or a deferred flag and clamped codes
-            checks = deferring()
-            if checks is None:
-                if int(q.max()) >= bins:
-                    raise PayloadError(f"stdbins payload: a code exceeds the {bins} bins")
-            else:
-                checks.require(q.max() < bins, f"stdbins codes below {bins}")
-                q = q.clamp(max=bins - 1)
+        q = codes_below(q, bins, f"stdbins payload ({bins} bins)", PayloadError)
         return table[q.long()].reshape(shape)

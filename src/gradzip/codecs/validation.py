@@ -69,3 +69,19 @@ def own_payload() -> Iterator[None]:
     share of a mean): nothing crossed a network, so its checks are not read at all."""
     with deferred_checks():
         yield
+
+
+def codes_below(codes: torch.Tensor, limit: int, what: str,
+                error: type[Exception] = ValueError) -> torch.Tensor:
+    """``codes`` (received, untrusted), each below ``limit``: checked at once (one host
+    read, ``error(what ...)`` if one is not), or under ``deferred_checks`` recorded as a
+    flag on the device and clamped into range, so the decode reads only valid codes."""
+    if not codes.numel():
+        return codes
+    checks = deferring()
+    if checks is None:
+        if int(codes.max()) >= limit:
+            raise error(f"{what}: a code of {int(codes.max())} exceeds {limit - 1}")
+        return codes
+    checks.require(codes.max() < limit, f"{what} below {limit}")
+    return codes.clamp(max=limit - 1)

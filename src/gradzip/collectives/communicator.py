@@ -237,6 +237,10 @@ class Communicator(ABC):
         what each rank sent to this one, on the chunks' device."""
         if len(chunks) != self.world_size:
             raise ValueError(f"all_to_all needs {self.world_size} chunks, got {len(chunks)}")
+        kinds = {(tuple(c.shape), c.dtype) for c in chunks}
+        if len(kinds) > 1:  # a backend would abort the process on the size mismatch
+            raise ValueError(f"all_to_all needs chunks of one shape and dtype, got {kinds}; "
+                             "pad them (all_to_all_bytes does)")
         start = time.perf_counter()
         out = self._all_to_all(chunks)
         self.counter.add("all_to_all", sum(_nbytes(c) for c in chunks),
