@@ -142,3 +142,33 @@ def test_a_node_that_spans_two_machines_is_refused() -> None:
     with pytest.raises(ValueError, match="node_size=4"):
         check_hosts(node_layout(4, 4)[0], ["a", "a", "b", "b"], 4)  # 2 per machine
 
+
+
+GROUP_TIMEOUTS = """
+import json, socket
+from datetime import timedelta
+import torch, torch.distributed as dist
+from gradzip.comm import groups
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                        world_size=1, timeout=timedelta(seconds=3))
+made = [groups.private_group(None), *groups.node_groups(1)]
+seconds = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in made]
+print(json.dumps({"world": groups.world_timeout().total_seconds(), "groups": seconds}))
+dist.destroy_process_group()
+"""
+
+
+def test_every_group_gradzip_makes_fails_as_soon_as_the_worlds() -> None:
+    # torch's new_group takes its own 30-minute default: a run with --comm-timeout 3
+    # hung in its private group's collective while its link was down
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", GROUP_TIMEOUTS], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    assert seen == {"world": 3.0, "groups": [3.0, 3.0, 3.0]}

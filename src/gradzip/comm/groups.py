@@ -15,6 +15,10 @@ every node. The ranks' host names are exchanged once (``node_groups``), and a no
 ranks sit on two machines is refused (``check_hosts``): its uncompressed "intra-node" link
 would cross the network.
 
+Every group gradzip makes waits as long as the world's group (``new_group``): torch's own
+``new_group`` takes its 30-minute default instead, so a run started with a 3 s timeout hung
+for 30 minutes in the private group's collective when its link went down.
+
 NCCL's object collectives stage through ``torch.cuda.current_device()``; a script that
 never calls ``torch.cuda.set_device`` would run every rank's exchange on cuda:0.
 ``on_device`` makes the model's device current while attaching.
@@ -25,11 +29,32 @@ from __future__ import annotations
 import contextlib
 import socket
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+
+def world_timeout() -> timedelta | None:
+    """How long a collective of the world's group may take before it fails (the
+    ``timeout`` it was started with), or None where the backend does not say."""
+    world = dist.group.WORLD
+    if world is None:
+        return None
+    for device in ("cuda", "cpu"):
+        try:
+            return world._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):  # no backend for that device here
+            continue
+    return None
+
+
+def new_group(ranks: list[int], backend: str | None = None) -> dist.ProcessGroup:
+    """``dist.new_group`` with the world's timeout (torch's gives every new group its
+    30-minute default, whatever the world was started with). Collective over the world."""
+    return dist.new_group(ranks=ranks, backend=backend, timeout=world_timeout())
 
 
 def ranks_of(process_group: dist.ProcessGroup | None) -> tuple[int, ...]:
@@ -64,7 +89,7 @@ def private_group(process_group: dist.ProcessGroup | None,
     mine = ranks_of(process_group)
     found = None
     for ranks in sets if sets is not None else rank_sets(process_group):
-        group = dist.new_group(ranks=list(ranks), backend=backend)
+        group = new_group(list(ranks), backend)
         if ranks == mine:
             found = group
     assert found is not None
@@ -114,10 +139,10 @@ def node_groups(node_size: int, process_group: dist.ProcessGroup | None = None,
         nodes, cross = node_layout(ranks, node_size)
         check_hosts(nodes, hosts, node_size)
         for members in nodes:
-            group = dist.new_group(members)
+            group = new_group(members)
             mine_node = group if rank in members else mine_node
         for members in cross:
-            group = dist.new_group(members)
+            group = new_group(members)
             mine_cross = group if rank in members else mine_cross
     assert mine_node is not None and mine_cross is not None
     return mine_node, mine_cross

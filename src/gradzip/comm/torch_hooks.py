@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from gradzip.collectives.linkmodel import backend_model, link_bytes
 from gradzip.comm.eventtimes import EventTimings, event_pair
+from gradzip.comm.groups import new_group
 from gradzip.comm.stats import CommStats, Reduction
 
 PREFIX = "torch:"
@@ -123,7 +124,7 @@ class TorchHookHandle:
         #: completes the hook's future (and runs ``done``) when the work is enqueued
         self.timings = EventTimings()
         self.stats.add_settler(self.timings.settle)
-        self.group = dist.new_group(list(range(dist.get_world_size())))
+        self.group = new_group(list(range(dist.get_world_size())))
         self.world = dist.get_world_size(self.group)
         self.link_model = backend_model(backend)
         self._counter = _AllReduceCounter(self.group)
