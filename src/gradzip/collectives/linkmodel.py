@@ -71,8 +71,10 @@ def link_bytes(op: str, nbytes: int, world_size: int, backend: str = "ideal") ->
 
 
 def backend_model(name: str) -> str:
-    """The link model for a torch.distributed backend name (``gloo``; else ideal)."""
-    return "gloo" if str(name).lower() == "gloo" else "ideal"
+    """The link model for a torch.distributed backend name: ``gloo`` for gloo, and for
+    the threaded ranks of ``--replicas`` (they stand in for gloo ranks, and their bytes
+    must equal a gloo run's); else ideal."""
+    return "gloo" if str(name).lower() in ("gloo", "threaded") else "ideal"
 
 
 def _data_bytes(op: str, nbytes: int, w: int) -> int:

@@ -75,6 +75,7 @@ from gradzip.comm.communicator import HostCommunicator, TorchCommunicator
 from gradzip.comm.ddp import build_codec
 from gradzip.comm.groups import on_device, private_group
 from gradzip.comm.reducer import Reducer
+from gradzip.comm.replicas import inherit as replica_thread_start
 from gradzip.comm.stats import CommStats
 from gradzip.comm.streams import SideStreams
 
@@ -133,7 +134,8 @@ class DiLoCo:
         self.syncs_here = 0  # by this process: what ``stats`` covers
         self.inner_optimizer = inner_optimizer  # its state travels in ``state_dict``
         self.overlap_steps = overlap_steps
-        self._pool = (ThreadPoolExecutor(1, thread_name_prefix="diloco-exchange")
+        self._pool = (ThreadPoolExecutor(1, thread_name_prefix="diloco-exchange",
+                                         initializer=replica_thread_start())
                       if overlap_steps else None)
         self._streams = SideStreams()
         self._pending: list[_Exchange] = []  # started, not yet applied (start order)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from gradzip.comm import replicas
 from gradzip.comm.streams import SideStreams
 
 
@@ -34,6 +35,8 @@ class CommWorker:
     def __init__(self, name: str = "gradzip-comm") -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._streams = SideStreams()
+        #: under ``--replicas`` its CPU time is its replica's
+        self._join_replica = replicas.inherit()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self._closed = False
@@ -54,9 +57,11 @@ class CommWorker:
         return fut
 
     def _run(self) -> None:
+        self._join_replica()
         while True:
             item = self._queue.get()
             if item is None:
+                replicas.leave()
                 return
             fn, fut, event, device = item
             try:

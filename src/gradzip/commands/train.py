@@ -308,7 +308,7 @@ def _check_writable(run_dir: Path) -> None:
 def _check_resumable(cfg: Any, ckpt: Path, meta: dict[str, Any]) -> None:
     """The latest checkpoint fits this run: an earlier step, codec, ranks and format."""
     t, step = cfg.train, meta.get("step", 0)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = t.replicas or int(os.environ.get("WORLD_SIZE", "1"))
     if step >= t.max_steps:
         raise ValueError(f"checkpoint is at step {step}, not before --max-steps "
                          f"{t.max_steps}: raise --max-steps to train further")
@@ -417,19 +417,47 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    if args.ft is not None:
-        launched = run_ft(args, cfg)
-        if launched is not None:
-            return launched
+    if cfg.train.replicas:
+        record = run_replicas(args, cfg)
     else:
-        _say_if_one_rank(cfg.train.parallel)
-    from gradzip.train.interrupt import EXIT_INTERRUPTED
-    from gradzip.train.loop import train
+        if args.ft is not None:
+            launched = run_ft(args, cfg)
+            if launched is not None:
+                return launched
+        else:
+            _say_if_one_rank(cfg.train.parallel)
+        from gradzip.train.loop import train
 
-    record = train(cfg)
+        record = train(cfg)
+    from gradzip.train.interrupt import EXIT_INTERRUPTED
+
     if record.get("failed"):
         return EXIT_COLLECTIVE_FAILED
     return EXIT_INTERRUPTED if record.get("interrupted") else 0
+
+
+def run_replicas(args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
+    """--replicas W: W threads of this process train as W ranks (``comm/replicas.py``);
+    rank 0's results record."""
+    import copy
+
+    from gradzip.cli import UsageError
+    from gradzip.comm import replicas
+    from gradzip.comm.netns import rate_bits_per_second
+    from gradzip.train.interrupt import forward_signals
+    from gradzip.train.loop import train
+
+    t = cfg.train
+    if "WORLD_SIZE" in os.environ or args.ft is not None:
+        raise UsageError("--replicas runs every rank in this process: start it without "
+                         "torchrun, --nproc or --ft")
+    t.threads = 1
+    link = replicas.LinkModel(rate_bits_per_second(t.replica_link),
+                              t.replica_latency_us * 1e-6, t.replica_link)
+    with forward_signals():  # Ctrl-C reaches every replica's loop, which agree on it
+        records = replicas.run_replicas(t.replicas, lambda r: train(copy.deepcopy(cfg)),
+                                        link=link)
+    return records[0]
 
 
 #: the exit status of a run a failed collective ended (a checkpoint and a record written)

@@ -132,10 +132,30 @@ def _check_train(t: TrainConfig, r: RunConfig) -> None:
         raise ValueError(f"--comm-timeout must be > 0 seconds, got {t.comm_timeout}")
     if t.dtype == "fp16" and t.device == "cpu":
         raise ValueError("--dtype fp16 needs CUDA (its grad scaler); use bf16 on CPU")
+    _check_replicas(t)
     first, _ = parse_profile_steps(r.profile_steps)
     if r.profile and first > t.max_steps:
         raise ValueError(f"--profile-steps {r.profile_steps} starts after --max-steps "
                          f"{t.max_steps}: nothing would be profiled")
+
+
+def _check_replicas(t: TrainConfig) -> None:
+    """--replicas: threads of one process standing in for gloo ranks of DDP on the CPU."""
+    from gradzip.comm.netns import rate_bits_per_second
+
+    _at_least(0, [("--replicas", t.replicas), ("--replica-latency-us", t.replica_latency_us)])
+    rate_bits_per_second(t.replica_link)  # else a clear error
+    if not t.replicas:
+        return
+    if t.parallel != "ddp":
+        raise ValueError(f"--replicas runs data-parallel replicas: use --parallel ddp (with "
+                         f"any codec or --outer), not {t.parallel}")
+    if t.device == "cuda":
+        raise ValueError("--replicas runs on the CPU (each replica's time is its CPU time): "
+                         "use --device cpu")
+    if t.threads > 1:
+        raise ValueError(f"--replicas gives each replica one torch thread (its CPU time is "
+                         f"then its compute): drop --threads {t.threads}")
 
 
 def _check_capture(cfg: JobConfig, method: Any) -> None:

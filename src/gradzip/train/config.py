@@ -220,6 +220,15 @@ class TrainConfig:
     """Seconds a collective may take (the process group's timeout): past it every rank
     stops with a one-line error, a checkpoint of the last completed step and a record,
     instead of hanging (a link that is down, a peer that is gone)."""
+    replicas: int = 0
+    """Run W ranks as W replicas in this one process (one thread and one CPU thread each,
+    with --parallel ddp, on the CPU): the same training, codecs and link bytes as W gloo
+    ranks; each step's time is one replica's CPU time plus the link model's time for its
+    bytes (--replica-link, --replica-latency-us); 0 = off."""
+    replica_link: str = "1gbit"
+    """With --replicas: the modelled link of every replica (a tc rate: 100mbit, 1gbit, ...)."""
+    replica_latency_us: float = 50.0
+    """With --replicas: the modelled latency of one collective, microseconds."""
 
 
 @dataclass

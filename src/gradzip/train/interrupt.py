@@ -16,8 +16,11 @@ A second Ctrl-C aborts at once (KeyboardInterrupt: no checkpoint at the interrup
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
+import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -25,6 +28,31 @@ from typing import Any
 EXIT_INTERRUPTED = 130
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+#: the loops of other threads (``--replicas``) that the main thread's signals reach
+_listeners: set[StopRequest] = set()
+_listening = threading.Lock()
+
+
+@contextlib.contextmanager
+def forward_signals() -> Iterator[None]:
+    """In the main thread, for the block: SIGINT and SIGTERM reach every training loop
+    running in another thread (the replicas of ``--replicas``), each as if it had been
+    signalled itself; they agree on stopping as ranks do."""
+
+    def deliver(signum: int, frame: FrameType | None) -> None:
+        with _listening:
+            loops = list(_listeners)
+        for loop in loops:
+            loop._on_signal(signum, frame)
+
+    previous = {sig: signal.signal(sig, deliver) for sig in _SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class StopRequest:
@@ -37,19 +65,24 @@ class StopRequest:
         self._previous: dict[int, Any] = {}
 
     def install(self) -> StopRequest:
-        """Take SIGINT and SIGTERM (main thread only; elsewhere they stay as they are)."""
+        """Take SIGINT and SIGTERM in the main thread; in another (a replica's), receive
+        what the main thread's ``forward_signals`` hands on."""
         try:
             for sig in _SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         except ValueError:  # not the main thread: leave the handlers alone
             self.restore()
+            with _listening:
+                _listeners.add(self)
         return self
 
     def restore(self) -> None:
-        """Put the previous handlers back."""
+        """Put the previous handlers back (stop listening, in another thread)."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        with _listening:
+            _listeners.discard(self)
 
     @property
     def requested(self) -> bool:

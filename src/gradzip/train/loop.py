@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradzip.comm import replicas
 from gradzip.comm.method import LocalUpdateMethod, Method, SnooMethod, every_codec
 from gradzip.train import checkpoint as ckpt
 from gradzip.train import restart
@@ -164,6 +165,7 @@ class Trainer:
         self.kill_step = self._planned_kill()
         self.resume_from = self._find_resume()
         _set_seeds(t.seed)
+        seeded = torch.get_rng_state()
         self.data = parts.data if parts.data is not None else load_data(cfg, info)
         make_loader = parts.make_loader
         if make_loader is None:
@@ -174,7 +176,10 @@ class Trainer:
         self.no_eval = validation_problem(self.data, make_loader, cfg, info)
         self._size_vocab()
         self._write_run_files()
-        raw = parts.model(cfg.model).to(self.device)
+        with replicas.one_at_a_time():  # replica threads share torch's random generator
+            if replicas.current() is not None:
+                torch.set_rng_state(seeded)
+            raw = parts.model(cfg.model).to(self.device)
         self.n_params = sum(p.numel() for p in raw.parameters())  # tied weights once
         self.capture = self._make_capture(cleanup)
         self.par: Parallelism = parts.parallelize(
@@ -214,9 +219,14 @@ class Trainer:
         cleanup.callback(self.log.close)
         # the job's: every rank, and under torchft every replica group (each has a shard)
         self.tokens_per_step = d.batch_size * d.seq_len * o.grad_accum * train_shard(info)[1]
+        #: seconds: the wall, or under --replicas this replica's CPU time (its link's
+        #: time is the link model's, added per step by ``metrics``)
+        self.replica = replicas.current()
+        self.clock = self.replica.clock.now if self.replica is not None else time.perf_counter
         self.metrics = RunMetrics(r.timing_warmup, self.tokens_per_step, self.par.comm_stats,
-                                  o.grad_clip)
-        self.timer = PhaseTimer(self.device)
+                                  o.grad_clip,
+                                  link=self.replica.link if self.replica else None)
+        self.timer = PhaseTimer(self.device, self.clock)
         self._announce()
         self._note_restart()
 
@@ -325,7 +335,8 @@ class Trainer:
         cfg, info, d, o, t = self.cfg, self.info, self.cfg.data, self.cfg.optim, self.cfg.train
         where = (f"resuming {self.resume_from}" if self.resume_from else f"run {self.run_dir}")
         self.log.info(f"{where}: model {cfg.model.name} ({self.n_params / 1e6:.2f}M params), "
-                      f"{info.world_size} rank(s) x {d.batch_size}x{d.seq_len} tokens x "
+                      f"{info.world_size} {'replicas' if self.replica else 'rank(s)'} x "
+                      f"{d.batch_size}x{d.seq_len} tokens x "
                       f"{o.grad_accum} accum, parallel {t.parallel}, codec {t.codec!r}, "
                       f"{t.dtype} on {self.device}")
         for message in self.skipped_checkpoints:
@@ -395,6 +406,7 @@ class Trainer:
                 while step < t.max_steps:
                     step += 1
                     t0 = self.step_began = time.perf_counter()
+                    c0 = self.clock()
                     if self.capture is not None:
                         self.capture.begin_step(step, epoch=getattr(self.loader, "epoch", 0))
                     loss_sum, lr, grad_norm = self.train_step(step)
@@ -405,8 +417,8 @@ class Trainer:
                     if self.capture is not None:
                         self.capture.end_step()
                     phases = self.timer.end_step()
-                    step_ms = (time.perf_counter() - t0) * 1e3
-                    self.metrics.end_step(step_ms, phases, grad_norm)
+                    step_ms = self.metrics.end_step((self.clock() - c0) * 1e3, phases,
+                                                    grad_norm)
                     self.progress["train_time_s"] += self._step_seconds(t0, step_ms)
                     profiler.step(step, phases, step_ms)
                     last = step == t.max_steps or self._out_of_time(clock0)
@@ -645,6 +657,8 @@ class Trainer:
                                    if collective else None),
             # a collective that failed and ended the run (``_end_on_failure``)
             "failed": None,
+            # --replicas: simulated ranks, and how their time was measured
+            "replicas": replica_summary(self.replica),
             "compile_s": round(self.compile_s, 3),
             "capture": _capture_summary(self.capture),
             "outer": _outer_summary(self.par, self.method),
@@ -668,6 +682,19 @@ class Trainer:
             else torch.cuda.get_device_name(info.device),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+
+
+def replica_summary(replica: replicas.Replica | None) -> dict[str, Any] | None:
+    """What the record says of a run of replicas (None: real ranks)."""
+    if replica is None:
+        return None
+    link = replica.link
+    return {"count": replica.world_size, "simulated": True,
+            "link": None if link is None else link.rate,
+            "latency_us": None if link is None else round(link.latency_s * 1e6, 3),
+            "time": "each step: one replica's CPU time (its training and communication "
+                    "threads, one torch thread) plus the link model's time for its bytes "
+                    "and collectives"}
 
 
 def warm_codecs(method: Method) -> float:
@@ -710,7 +737,9 @@ def train_shard(info: DistInfo) -> tuple[int, int]:
 
 def resume_command(run_dir: Path, info: DistInfo) -> str:
     """The command that continues this run where it stopped (its options are read back
-    from the run directory's config.json)."""
+    from the run directory's config.json, --replicas included)."""
+    if replicas.current() is not None:
+        return f"gradzip train --resume --out {run_dir}"
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
     nodes = f"--nnodes {info.world_size // per_node} ... " if per_node < info.world_size else ""
     launch = (f"torchrun {nodes}--nproc_per_node {per_node} -m gradzip train"

@@ -22,7 +22,7 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,21 +42,23 @@ class PhaseTimer:
     communication runs inside backward, overlapped with it.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.cuda = device.type == "cuda"
+        self.clock = clock  # seconds: the wall, or a replica's CPU time (--replicas)
         self.current: dict[str, float] = defaultdict(float)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         if self.cuda:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             yield
         finally:
             if self.cuda:
                 torch.cuda.synchronize()
-            self.current[name] += (time.perf_counter() - t0) * 1e3
+            self.current[name] += (self.clock() - t0) * 1e3
 
     def add(self, name: str, ms: float) -> None:
         self.current[name] += ms
@@ -91,9 +93,13 @@ class RunMetrics:
     out of the timing statistics (allocator and cache warm-up) but not of the totals.
     """
 
-    def __init__(self, warmup: int, tokens_per_step: int, comm: Any, grad_clip: float) -> None:
+    def __init__(self, warmup: int, tokens_per_step: int, comm: Any, grad_clip: float,
+                 link: Any = None) -> None:
         self.warmup, self.tokens_per_step = warmup, tokens_per_step
         self.comm, self.grad_clip = comm, grad_clip
+        #: --replicas: the link model (``replicas.LinkModel``) whose time for the step's
+        #: bytes and collectives is the step's communication time
+        self.link = link
         self.steps_seen = 0
         self.step_ms: list[float] = []
         #: when each step ended (Unix seconds, ms resolution): places events outside the
@@ -107,12 +113,19 @@ class RunMetrics:
         self._interval_ms, self._interval_tokens = 0.0, 0
 
     def end_step(self, step_ms: float, phases: dict[str, float],
-                 grad_norm: float | None) -> None:
-        """Close a step: its communication (from ``CommStats``), time and counters."""
+                 grad_norm: float | None) -> float:
+        """Close a step: its communication (from ``CommStats``), time and counters;
+        returns the step's time in ms (with a link model: ``step_ms`` plus the model's
+        time for the step's bytes)."""
         if self.comm is not None:
             self.comm.end_step()
             self.last_comm = self.comm.summary()
             phases["comm"] = self.last_comm["comm_ms"]
+        if self.link is not None:
+            c = self.last_comm
+            phases["comm"] = 1e3 * self.link.seconds(c.get("bytes_wire", 0),
+                                                     sum(c.get("calls_by_op", {}).values()))
+            step_ms += phases["comm"]
         if grad_norm is not None and not math.isfinite(grad_norm):
             self.nonfinite_steps += 1
         elif grad_norm is not None and 0 < self.grad_clip < grad_norm:
@@ -122,11 +135,12 @@ class RunMetrics:
         self._interval_ms += step_ms
         self._interval_tokens += self.tokens_per_step
         if self.steps_seen <= self.warmup:
-            return
+            return step_ms
         self.step_ms.append(step_ms)
         self.tokens += self.tokens_per_step
         for k, v in phases.items():
             self.phase_ms[k] += v
+        return step_ms
 
     def interval(self, loss: float, lr: float, step_ms: float, phases: dict[str, float],
                  grad_norm: float | None, device: torch.device) -> dict[str, Any]:

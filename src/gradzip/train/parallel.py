@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradzip.comm import replicas
 from gradzip.comm.method import (
     AutoMethod,
     CodecMethod,
@@ -68,7 +69,11 @@ def _free_port() -> int:
 
 def init_distributed(parallel: str, device: str, timeout_s: float = 600.0) -> DistInfo:
     """Join the torchrun group (or make a 1-rank one for ddp/fsdp) and pick the device;
-    a collective that takes longer than ``timeout_s`` fails on its rank."""
+    a collective that takes longer than ``timeout_s`` fails on its rank. A replica thread
+    (``--replicas``) is the rank of the threaded world it has joined, on the CPU."""
+    replica = replicas.current()
+    if replica is not None:
+        return DistInfo(replica.rank, replica.world_size, replica.rank, torch.device("cpu"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
