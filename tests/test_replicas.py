@@ -209,3 +209,30 @@ def test_ctrl_c_stops_every_replica_at_one_step_and_the_run_resumes(cache: Path,
     assert code == 0 and "2 replicas" in text, text
     resumed = last_result(out)
     assert resumed["resumed_from_step"] == step and resumed["replicas"]["count"] == 2
+
+
+@pytest.mark.dist
+def test_a_race_of_replicas_models_its_link_and_says_so(tmp_path: Path) -> None:
+    import json
+
+    from test_results_schema import documented_compare_fields
+
+    from gradzip.cli import main
+
+    out = tmp_path / "race"
+    assert main(["compare", "--replicas", "3", "--methods", "torch:none;int8", "--rate",
+                 "100mbit", "--steps", "8", "--out", str(out)]) == 0
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["compare"]["method"] for r in records] == ["torch:none", "int8"]
+    for r in records:
+        c = r["compare"]
+        assert c["link"] == "replicas" and c["ranks"] == 3 and c["shaped"]
+        assert set(c) == documented_compare_fields()
+        assert r["replicas"]["count"] == 3 and r["replicas"]["link"] == "100mbit"
+    # PyTorch's all-reduce sends the same bytes every step: the step's modelled link time
+    # is those bytes at 100 Mbit/s (and 50 us per collective, under 0.1% of it here)
+    ddp = records[0]
+    per_step = ddp["bytes_wire_total"] / ddp["steps"]
+    assert ddp["phase_ms_mean"]["comm"] == pytest.approx(1e3 * 8 * per_step / 1e8, rel=0.01)
+    assert ddp["step_time_ms_p50"] > ddp["phase_ms_mean"]["comm"]
+    assert "modelled" in (out / "report.md").read_text()

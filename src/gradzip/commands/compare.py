@@ -92,6 +92,10 @@ def register(sub: Any) -> None:
                         "warm-up (as the PowerSGD and DGC papers do); stated in each record")
     add_fault_options(p)
     p.add_argument("--ranks", default=None, metavar="W[,W]", help="ranks per run, e.g. 2,4")
+    p.add_argument("--replicas", default=None, metavar="W[,W]",
+                   help="run each run's ranks as W replicas in one process (gradzip train "
+                        "--replicas; --link replicas --ranks W): the link is modelled at "
+                        "each --rate, not emulated, so a machine with 2 cores races W = 8")
     p.add_argument("--seeds", type=int, default=None, help="seeds per method")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
     p.add_argument("--budget-s", type=float, default=None,
@@ -149,7 +153,16 @@ def runs_of(args: argparse.Namespace) -> list[Any]:
             except ValueError as e:
                 raise ValueError(f"--rate {r!r}: {e}") from None
             check_impairments(r)  # loss and delay need the kernel's sch_netem
+    if args.replicas is not None:
+        if args.link is not None or args.ranks is not None:
+            raise ValueError("--replicas W is --link replicas --ranks W: drop --link and "
+                             "--ranks")
+        args.link, args.ranks = "replicas", args.replicas
     links = tuple(k.strip() for k in (args.link or "shared").split(",") if k.strip())
+    if "replicas" in links and (None in rates or changing or args.ft or args.kill.strip()
+                                or args.script or args.parallel != "ddp"):
+        raise ValueError("replicas model a link of fixed --rate (not none, not one that "
+                         "changes) under --parallel ddp, without --ft, --kill or --script")
     if changing and links != ("shared",):
         raise ValueError("a rate that changes (RATE@SECONDS>RATE) or loses or delays "
                          "packets shapes the shared link for now: drop --link or use --link "
@@ -384,6 +397,9 @@ def _race(runs: list[Any], out: Path, budget_s: float | None,
 
 
 def _link_line(link: Any) -> str:
+    if link.kind == "replicas":
+        return (f"link {link.rate}, replicas: modelled (latency per collective + one "
+                "rank's bytes / rate), not emulated; ranks are replicas in one process")
     if link.shaped and link.kind.startswith("nodes="):
         return (f"link {link.rate}, {link.kind}: shaped uplink per node, measured "
                 f"{link.achieved_bits_per_s / 1e6:.1f} Mbit/s node to node; unshaped "

@@ -40,6 +40,10 @@ SHARED_LINK = ("one token bucket on the loopback of a network namespace, shared 
 PER_RANK_LINK = ("one network namespace per rank behind its own veth link, shaped to RATE "
                  "in each direction, all joined by a bridge: like one NIC per node on a "
                  "non-blocking switch (rate measured rank 0 -> rank 1, TCP payload)")
+REPLICAS_LINK = ("the ranks as replicas in one process (gradzip train --replicas): each "
+                 "step's time is one replica's CPU time plus the stated model's link time, "
+                 "a latency per collective and one rank's bytes over RATE (a NIC per "
+                 "rank); modelled, not emulated")
 NODES_LINK = ("nodes of several ranks: the ranks of a node on an unshaped bridge of their "
               "own, each node behind one uplink shaped to RATE in each direction (rate "
               "measured node to node, TCP payload)")
@@ -70,6 +74,10 @@ class Link:
     kind: str = "shared"  # matrix.LINK_KINDS
 
     def describe(self) -> dict[str, Any]:
+        if self.kind == "replicas":
+            return {"rate": self.rate, "shaped": True, "rate_changes": None,
+                    "link": "replicas", "achieved_rate_bits_per_s": self.achieved_bits_per_s,
+                    "link_model": REPLICAS_LINK}
         model = (PER_RANK_LINK if self.kind == "per-rank" else
                  NODES_LINK if nodes_of(self.kind) else SHARED_LINK)
         from gradzip.comm.netns import rate_changes
@@ -121,6 +129,10 @@ def open_link(rate: str | None, kind: str = "shared") -> Link:
         run_streaming,
     )
 
+    if kind == "replicas":  # modelled at the rate: nothing to shape or measure
+        if rate is None:
+            raise ValueError("--link replicas models the link at each --rate: give one")
+        return Link(rate, True, rate_bits_per_second(rate), kind=kind)
     if rate is None:
         return Link(None, False, None, "unlimited loopback asked for", kind)
     ok, why = _links_available(kind)
@@ -150,7 +162,10 @@ def execute(run: Run, link: Link, out: Path, cache: Path,
 
     run_dir = out / "runs" / run.slug
     change_log = (run_dir / "link_changes.txt").resolve()
-    if link.shaped:
+    if link.kind == "replicas":  # one process; the link is the trainer's model
+        proc = run_streaming(run.argv(run_dir, cache), env={**os.environ, **SHAPED_RUN_ENV},
+                             timeout=timeout, on_line=on_line)
+    elif link.shaped:
         assert link.rate is not None
         cmd, env = namespace_command(run.argv(run_dir, cache), link.rate, link.kind,
                                       run.ranks)
@@ -181,7 +196,8 @@ def execute(run: Run, link: Link, out: Path, cache: Path,
                          "faults": ({"kill": run.kill or None, "ft": run.uses_ft(),
                                      "survival": run.survival()}
                                     if run.kill or run.uses_ft() else None),
-                         "device": SHAPED_DEVICE if link.shaped else "default",
+                         "device": ("cpu: replicas in one process" if link.kind == "replicas"
+                                    else SHAPED_DEVICE if link.shaped else "default"),
                          "uplink_bytes": _uplinks(run, link, proc.stderr or "")}
     if record["compare"]["rate_changes"]:
         record["compare"]["rate_changes"] = place_rate_changes(

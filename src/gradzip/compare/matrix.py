@@ -27,8 +27,10 @@ def method_flags(method: str) -> list[str]:
 
 #: how the ranks of a run reach each other: one token bucket on a loopback shared by
 #: all ranks (``gradzip.comm.netns``), a shaped link per rank (``comm.rank_links``), or
-#: ``nodes=NxL``: N nodes of L ranks, unshaped inside a node, a shaped uplink per node
-LINK_KINDS = ("shared", "per-rank", "nodes=NxL")
+#: ``nodes=NxL``: N nodes of L ranks, unshaped inside a node, a shaped uplink per node;
+#: or ``replicas``: the ranks as replicas in one process (``gradzip train --replicas``),
+#: the link modelled at the rate, not emulated
+LINK_KINDS = ("shared", "per-rank", "nodes=NxL", "replicas")
 #: ``--ckpt-every`` of a run that torchrun restarts after a kill, unless its train flags
 #: set one (the steps since the last checkpoint are trained again)
 KILL_CKPT_EVERY = "25"
@@ -44,9 +46,10 @@ def nodes_of(link: str) -> tuple[int, int] | None:
 def check_link(link: str) -> None:
     """ValueError unless ``link`` is one of ``LINK_KINDS`` (``nodes=NxL``, N, L >= 1)."""
     nodes = nodes_of(link)
-    if link not in LINK_KINDS[:2] and (nodes is None or min(nodes) < 1 or nodes == (1, 1)):
-        raise ValueError(f"--link must be shared, per-rank or nodes=NxL (N nodes of L "
-                         f"ranks, e.g. nodes=2x2), got {link!r}")
+    if link not in ("shared", "per-rank", "replicas") and (
+            nodes is None or min(nodes) < 1 or nodes == (1, 1)):
+        raise ValueError(f"--link must be shared, per-rank, nodes=NxL (N nodes of L "
+                         f"ranks, e.g. nodes=2x2) or replicas, got {link!r}")
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,7 @@ class Run:
         rank launcher of a link that goes down, nothing on per-rank links (their own
         launcher) or under ``--ft`` (``gradzip train --ft`` starts its groups)."""
         if self.link != "shared" or self.uses_ft():
-            return []
+            return []  # (replicas: one process)
         if self.link_goes_down():
             return ["-m", "gradzip.comm.local_ranks", "--ranks", str(self.ranks), "--",
                     sys.executable]
@@ -254,7 +257,7 @@ class Run:
         # the survival flags first: a --ckpt-every of the train flags or a trial wins
         return [sys.executable, *torchrun, "-m", "gradzip", "train", *self._survival_flags(),
                 *self.train, *trial_flags(self.trial),
-                "--parallel", self.parallel, *self._node_flags(),
+                "--parallel", self.parallel, *self._node_flags(), *self._replica_flags(),
                 *method_flags(self.method), *self._start_flags(), "--seed", str(self.seed),
                 "--cache-dir", str(cache), "--out", str(out), "--no-progress",
                 "--no-tensorboard"]
@@ -273,6 +276,15 @@ class Run:
                 script.ENV_RUN_DIR: str(Path(out).resolve()),
                 script.ENV_NODE_SIZE: str(nodes[1]) if nodes else "",
                 script.ENV_START_STEP: str(self.compressed_from())}
+
+    def _replica_flags(self) -> list[str]:
+        """On a ``replicas`` link: the ranks as replicas of one process, the link
+        modelled at this run's rate."""
+        if self.link != "replicas":
+            return []
+        if self.rate is None:
+            raise ValueError("a replicas link is modelled at a rate: give --rate")
+        return ["--replicas", str(self.ranks), "--replica-link", self.rate]
 
     def _node_flags(self) -> list[str]:
         """On ``nodes=NxL`` links: L ranks per node, and DDP's gradzip codecs

@@ -85,6 +85,9 @@ LINK_KINDS = {
               "about RATE/W when all send)",
     "per-rank": "one shaped link per rank (a veth pair each, like one NIC per node)",
     "unshaped": "the loopback, not rate-limited",
+    "replicas": "modelled: the ranks are replicas in one process, each step's time one "
+                "replica's CPU time plus a latency per collective and one rank's bytes over "
+                "RATE (a NIC per rank); not emulated",
 }
 
 
@@ -203,7 +206,10 @@ def link_lines(summary: SettingSummary) -> list[str]:
     else:
         achieved = f"achieved {_rate(rates[0])} to {_rate(rates[-1])} (varies between runs)"
     shaped = sum(r.shaped for r in runs)
-    if shaped == len(runs):
+    if s.link == "replicas":
+        state, achieved = "modelled (not emulated: the validation across rates is the model's "\
+            "own arithmetic)", "the nominal rate"
+    elif shaped == len(runs):
         state = "shaped"
     elif shaped == 0:
         state = "**unshaped: results not representative of a slow link**"

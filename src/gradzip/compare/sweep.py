@@ -141,7 +141,9 @@ def fit_run(run: Run, target: float | None) -> Fit | None:
     train_s, steps, v = run.num("train_time_s"), run.steps_run(), bottleneck_bytes(run)
     if not (run.shaped and nominal and achieved and train_s and steps) or v is None:
         return None
-    c, beta = collectives_per_step(run), link_burst(run.setting.rate)
+    c = collectives_per_step(run)
+    # replicas model a real NIC (no token bucket): nothing is banked
+    beta = 0 if run.setting.link == "replicas" else link_burst(run.setting.rate)
     # the emulated link's own per-collective latency stays in t0 (tens of us on a
     # loopback); a real link's latency_s is added on top when projecting
     t0 = train_s / steps - 8 * max(0.0, v - beta) / achieved
