@@ -133,3 +133,33 @@ def test_by_length_fits_the_final_gap_of_runs_of_several_lengths(tmp_path: Path)
     assert "within 1% at 4,000 steps (measured)" in text  # snoo: never behind
     assert (tmp_path / "out" / "gap_length.png").stat().st_size > 10_000
     assert main(["report", "--by-length", files[0], "--out", str(tmp_path / "o")]) == 2
+
+
+def test_by_ranks_puts_the_final_gap_of_each_number_of_replicas_side_by_side(
+        tmp_path: Path) -> None:
+    import json
+
+    from gradzip.cli import main
+
+    files = []
+    for world in (2, 4, 8):
+        recs = []
+        for method in ("torch:none", "sparseloco"):
+            for seed in (0, 1):
+                rec = record(method, seed)
+                gap = 0.05 * world ** 0.5 if method == "sparseloco" else 0.0
+                rec["val_loss"] = ddp_loss(STEPS, seed) * (1 + gap)
+                rec["world_size"] = rec["compare"]["ranks"] = world
+                rec["compare"]["link"] = "replicas"
+                recs.append(rec)
+        path = tmp_path / f"w{world}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        files.append(str(path))
+    assert main(["report", "--by-ranks", *files, "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "ranks.md").read_text()
+    assert "| method | W = 2 | W = 4 | W = 8 | fit: a·W^b |" in text
+    assert "| sparseloco | +7.07% | +10.00% | +14.14% | 0.05·W^0.500 |" in text
+    assert "projected" not in text  # more ranks is not a horizon to extrapolate to
+    assert (tmp_path / "out" / "gap_ranks.png").stat().st_size > 10_000
+    assert main(["report", "--by-ranks", "--by-length", *files, "--out",
+                 str(tmp_path / "o")]) == 2

@@ -48,6 +48,10 @@ def register(sub: Any) -> None:
                    help="each results file is one run length (compare --steps N): write "
                         "OUT/lengths.md, each method's final gap to DDP against the length, "
                         "with a fitted trend and the length at which it would reach 1%%")
+    p.add_argument("--by-ranks", action="store_true",
+                   help="each results file is one number of ranks (or compare --replicas "
+                        "W; the same global batch): write OUT/ranks.md, each method's final "
+                        "gap to DDP against W, with its figure")
     p.add_argument("--quiet", action="store_true", help="do not print the tables")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     p.set_defaults(func=run)
@@ -63,8 +67,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.latency_us >= 0:
         raise ValueError(f"--latency-us must be >= 0, got {args.latency_us}")
     paths = [Path(p) for p in args.results]
-    if args.by_length:
-        return _by_length(paths, Path(args.out), args.budget_s)
+    if args.by_length and args.by_ranks:
+        raise ValueError("--by-length and --by-ranks each need their own results files: "
+                         "choose one")
+    if args.by_length or args.by_ranks:
+        return _by_length(paths, Path(args.out), args.budget_s, ranks=args.by_ranks)
     records, where = read_results(paths)
     summaries = summarize(records, args.budget_s, where)
     report = render(summaries, Path(args.out), [str(p) for p in paths],
@@ -75,22 +82,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _by_length(paths: list[Path], out: Path, budget_s: float | None) -> int:
-    """``--by-length``: one summary per results file (one length each)."""
-    from gradzip.compare.frontier_report import length_report
+def _by_length(paths: list[Path], out: Path, budget_s: float | None,
+               ranks: bool = False) -> int:
+    """``--by-length`` (``--by-ranks``): one summary per results file (one length, or
+    one number of ranks, each)."""
+    from gradzip.compare.frontier_report import LENGTH, RANKS, length_report
     from gradzip.compare.runs import read_results
     from gradzip.compare.summary import summarize
 
+    flag, what = ("--by-ranks", "number of ranks") if ranks else ("--by-length", "length")
     if len(paths) < 2:
-        raise ValueError("--by-length compares runs of several lengths: give one results "
-                         "file per length (two or more)")
+        raise ValueError(f"{flag} compares runs of several: give one results file per "
+                         f"{what} (two or more)")
     summaries = []
     for path in paths:
         records, where = read_results([path])
         found = summarize(records, budget_s, where)
         if len(found) != 1:
-            raise ValueError(f"{path}: --by-length needs one link setting per results "
+            raise ValueError(f"{path}: {flag} needs one link setting per results "
                              f"file, found {len(found)}")
         summaries += found
-    print(f"report written to {length_report(summaries, out, [str(p) for p in paths])}")
+    written = length_report(summaries, out, [str(p) for p in paths],
+                            RANKS if ranks else LENGTH)
+    print(f"report written to {written}")
     return 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gradzip.compare.runs import Run
@@ -231,13 +232,21 @@ def run_length(summary: SettingSummary) -> float | None:
     return max(steps) if steps else None
 
 
-def gaps_by_length(summaries: list[SettingSummary]) -> list[LengthGap]:
+def run_ranks(summary: SettingSummary) -> float | None:
+    """The ranks (or replicas) of the setting's runs."""
+    return float(summary.setting.ranks) if summary.setting.ranks else None
+
+
+def gaps_by_length(summaries: list[SettingSummary],
+                   x_of: Callable[[SettingSummary], float | None] = run_length
+                   ) -> list[LengthGap]:
     """Each method's final gap at each length (a summary per length: the runs of one
-    ``--steps``), in the order methods first appear, for methods raced at two lengths or
-    more; fitted where 3 or more lengths leave it behind DDP."""
+    ``--steps``; or per ``x_of``, e.g. ``run_ranks``), in the order methods first appear,
+    for methods raced at two lengths or more; fitted where 3 or more leave it behind
+    DDP."""
     points: dict[str, list[tuple[float, float]]] = {}
     for s in summaries:
-        steps = run_length(s)
+        steps = x_of(s)
         if steps is None:
             continue
         base = s.method(s.baseline) if s.baseline else None
@@ -257,4 +266,4 @@ def gaps_by_length(summaries: list[SettingSummary]) -> list[LengthGap]:
 
 __all__ = ["CLOSED", "FIT_FROM", "FRONTIER_RATES", "GAP_STEPS", "Frontier", "FrontierRow",
            "Gap", "GapFit", "LengthGap", "fit_gap", "frontier", "gap", "gaps_by_length",
-           "has_frontier", "method_kind", "paired_change", "run_length"]
+           "has_frontier", "method_kind", "paired_change", "run_length", "run_ranks"]

@@ -1,8 +1,11 @@
 """The frontier section of ``report.md`` (``frontier.py``): its tables and the figure
-of the gap to DDP against training length."""
+of the gap to DDP against training length; and the final gap against run length or
+ranks across results files (``gradzip report --by-length``, ``--by-ranks``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,8 @@ from gradzip.compare.frontier import (
     GapFit,
     LengthGap,
     gaps_by_length,
+    run_length,
+    run_ranks,
 )
 from gradzip.compare.report import fmt_bytes, fmt_pct, fmt_ratio, fmt_stat, markdown_table
 from gradzip.compare.summary import SettingSummary
@@ -171,6 +176,28 @@ def frontier_section(f: Frontier, out: Path, bound: set[str]) -> str:
     return "\n\n".join(parts)
 
 
+@dataclass(frozen=True)
+class Axis:
+    """What the final gaps are plotted against: run length, or ranks (replicas)."""
+
+    name: str  # the report's file: NAME.md
+    png: str  # its figure
+    title: str
+    label: str  # the x axis
+    column: str  # a column head, formatted with the value
+    symbol: str  # the variable of the fit: a·SYMBOL^b
+    x_of: Callable[[SettingSummary], float | None]
+    projects: bool  # whether reaching 1% further along the axis means anything
+
+
+LENGTH = Axis("lengths", "gap_length.png", "The gap to DDP against run length",
+              "run length (optimizer steps, each with its own schedule)", "{:,.0f} steps",
+              "s", run_length, True)
+RANKS = Axis("ranks", "gap_ranks.png", "The gap to DDP against the number of ranks",
+             "ranks (or replicas), the same global batch", "W = {:,.0f}",
+             "W", run_ranks, False)
+
+
 def _length_closes(g: LengthGap) -> str:
     last = g.points[-1]
     if last[1] <= CLOSED:
@@ -183,23 +210,26 @@ def _length_closes(g: LengthGap) -> str:
     return f"~{at:,.0f} steps (projected)" if at < 1e6 else f"~{at:.1e} steps (projected)"
 
 
-def length_rows(gaps: list[LengthGap]) -> tuple[list[str], list[list[str]]]:
+def length_rows(gaps: list[LengthGap], axis: Axis = LENGTH
+                ) -> tuple[list[str], list[list[str]]]:
     lengths = sorted({s for g in gaps for s, _ in g.points})
-    head = ["method", *(f"{s:,.0f} steps" for s in lengths), "fit: a·steps^b",
-            f"reaches {CLOSED:.0%}"]
+    head = ["method", *(axis.column.format(s) for s in lengths),
+            f"fit: a·{'steps' if axis.projects else axis.symbol}^b",
+            *([f"reaches {CLOSED:.0%}"] if axis.projects else [])]
     rows = []
     for g in gaps:
         at = dict(g.points)
         behind = g.points[-1][1] > CLOSED
-        fit = f"{g.fit.a:.3g}·s^{g.fit.b:.3f}" if g.fit and behind else "-"
+        fit = f"{g.fit.a:.3g}·{axis.symbol}^{g.fit.b:.3f}" if g.fit and behind else "-"
         rows.append([g.method, *(fmt_pct(100 * at[s]) if s in at else "-" for s in lengths),
-                     fit, _length_closes(g)])
+                     fit, *([_length_closes(g)] if axis.projects else [])])
     return head, rows
 
 
-def plot_length_gaps(gaps: list[LengthGap], baseline: str, path: Path) -> Path | None:
-    """Final gap to DDP against run length (markers), fits dashed to where they would
-    reach ``CLOSED`` (at most 100x the longest run)."""
+def plot_length_gaps(gaps: list[LengthGap], baseline: str, path: Path,
+                     axis: Axis = LENGTH) -> Path | None:
+    """Final gap to DDP against run length or ranks (markers), fits dashed (against
+    length: to where they would reach ``CLOSED``, at most 100x the longest run)."""
     from gradzip.compare.plots import figure, method_colors, save
 
     if not gaps:
@@ -212,30 +242,33 @@ def plot_length_gaps(gaps: list[LengthGap], baseline: str, path: Path) -> Path |
         xs, ys = zip(*g.points, strict=True)
         ax.plot(xs, [100 * y for y in ys], marker="o", color=colors[g.method], lw=1.0,
                 label=g.method)
-        if g.points[-1][1] > CLOSED:
+        if g.points[-1][1] > CLOSED and axis.projects:
             _draw_fit(ax, g.fit, first, last, colors[g.method])
-    _finish(ax, "run length (optimizer steps, each with its own schedule)",
-            f"final val loss vs {baseline} (%)", "Gap to DDP against run length (fits dashed)")
+    _finish(ax, axis.label, f"final val loss vs {baseline} (%)",
+            f"{axis.title}" + (" (fits dashed)" if axis.projects else ""))
     return save(fig, path)
 
 
 def length_report(summaries: list[SettingSummary], out: Path,
-                  sources: list[str]) -> Path:
-    """``out/lengths.md`` and its figure: the final gap to DDP of runs of several lengths,
-    one results file per length (``gradzip report --by-length``)."""
-    gaps = gaps_by_length(summaries)
+                  sources: list[str], axis: Axis = LENGTH) -> Path:
+    """``out/lengths.md`` (or ``ranks.md``) and its figure: the final gap to DDP of runs
+    of several lengths (or ranks), one results file each (``gradzip report --by-length``,
+    ``--by-ranks``)."""
+    gaps = gaps_by_length(summaries, axis.x_of)
     baseline = next((s.baseline for s in summaries if s.baseline), "DDP")
     out.mkdir(parents=True, exist_ok=True)
-    parts = ["# The gap to DDP against run length",
-             "From " + ", ".join(f"`{s}`" for s in sources) + ": one results file per "
-             f"length. Each method's final validation loss over {baseline}'s, seed by seed, "
-             "averaged; `a·steps^b` is fitted by least squares on logarithms over the "
-             f"lengths where the gap is positive, and the length at which it reaches "
-             f"{CLOSED:.0%} is an extrapolation of that trend, not a measurement.",
-             markdown_table(*length_rows(gaps))]
-    png = plot_length_gaps(gaps, baseline or "DDP", out / "gap_length.png")
+    what = "length" if axis.projects else "number of ranks"
+    parts = [f"# {axis.title}",
+             "From " + ", ".join(f"`{s}`" for s in sources) + f": one results file per "
+             f"{what}. Each method's final validation loss over {baseline}'s, seed by seed, "
+             f"averaged; `a·{axis.symbol}^b` is fitted by least squares on logarithms over the "
+             f"points where the gap is positive"
+             + (f", and the length at which it reaches {CLOSED:.0%} is an extrapolation of "
+                "that trend, not a measurement." if axis.projects else "."),
+             markdown_table(*length_rows(gaps, axis))]
+    png = plot_length_gaps(gaps, baseline or "DDP", out / axis.png, axis)
     if png is not None:
-        parts.append(f"![gap to DDP against run length]({png.name})")
-    path = out / "lengths.md"
+        parts.append(f"![{axis.title.lower()}]({png.name})")
+    path = out / f"{axis.name}.md"
     path.write_text("\n\n".join(parts) + "\n", encoding="utf-8")
     return path
