@@ -94,6 +94,11 @@ def test_sparseloco_is_diloco_with_its_outer_step_and_codec_spelled_out() -> Non
     assert "| stdbins(bins=4) | ans" in str(templar.codec)
     with pytest.raises(ValueError, match="values must be one of centroid, stdbins"):
         parse_method("sparseloco(values=uniform)")
+    # at many replicas an all-gather sends (W-1) payloads; two phases send about two
+    two = parse_method("sparseloco(aggregate=two_phase)")
+    assert str(two.codec).endswith("| ans | aggregate=two_phase")
+    with pytest.raises(ValueError, match="aggregate must be one of gather, two_phase, auto"):
+        parse_method("sparseloco(aggregate=tree)")
 
 
 def test_fragments_may_each_have_their_own_codec() -> None:
@@ -121,7 +126,7 @@ def test_snoo_is_ddp_with_an_outer_step() -> None:
 
 @pytest.mark.parametrize("text", [
     "sparseloco", "sparseloco(sync_every=10, density=0.05, ef_decay=0.9)",
-    "sparseloco(values=stdbins)",
+    "sparseloco(values=stdbins)", "sparseloco(aggregate=two_phase)",
     "snoo(sync_every=8, lr=0.5, momentum=0.5)", "snoo | int8",
     "diloco(sync_every=8, overlap=2, alpha=0.5) | centroid(bits=4)",
     "diloco(sync_every=8, fragments=2) | int8 / none",

@@ -76,12 +76,25 @@ def _value_quantizer(text: str) -> str:
     return text
 
 
+def _aggregation(text: str) -> str:
+    """``aggregate=``: how SparseLoCo's payloads cross the link."""
+    if text not in SPARSELOCO_AGGREGATIONS:
+        raise ValueError(f"aggregate must be one of {', '.join(SPARSELOCO_AGGREGATIONS)}, "
+                         f"got {text!r}")
+    return text
+
+
+#: ``sparseloco(aggregate=...)``: all-gathered as the paper does (``gather``: each rank
+#: sends (W-1) payloads' worth), or reduced in two phases (each rank's chunk summed by
+#: its owner and sent on re-encoded: about two payloads' worth at any W, and a second
+#: lossy step), or whichever the link byte model says sends less (``auto``)
+SPARSELOCO_AGGREGATIONS = ("gather", "two_phase", "auto")
 #: ``sparseloco(values=...)``: gradzip's equal-count bins (``centroid``, the default) or
 #: templar's bins over a multiple of the std with a table of bin means (``stdbins``)
 VALUE_QUANTIZERS = ("centroid", "stdbins")
 SPARSELOCO_KEYS: dict[str, Callable[[str], Any]] = {
     "k": int, "density": float, "chunk": int, "tile": int, "bits": int, "ef_decay": float,
-    "values": _value_quantizer}
+    "values": _value_quantizer, "aggregate": _aggregation}
 #: ``snoo(...)`` keys: its own outer step, no fragments
 SNOO_KEYS = ("sync_every", "lr", "momentum")
 #: the defaults each kind starts from (SparseLoCo's public configuration: H=30, outer
@@ -91,23 +104,24 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "sparseloco": {"sync_every": 30, "lr": 1.0, "momentum": 0.0},
 }
 SPARSELOCO_CODEC = {"k": 64, "density": None, "chunk": 4096, "tile": None, "bits": 2,
-                    "ef_decay": 0.95, "values": "centroid"}
+                    "ef_decay": 0.95, "values": "centroid", "aggregate": "gather"}
 
 
 def sparseloco_codec(k: int | None = 64, density: float | None = None, chunk: int = 4096,
                      bits: int = 2, ef_decay: float = 0.95, tile: int | None = None,
-                     values: str = "centroid") -> str:
+                     values: str = "centroid", aggregate: str = "gather") -> str:
     """SparseLoCo's pseudo-gradient codec as a gradzip chain: error feedback decayed by
     ``ef_decay``, the top ``k`` (or ``density`` x ``chunk``) of every ``chunk`` entries
     (or, with ``tile``, of every tile x tile block of each matrix, as templar selects),
     their values in ``bits`` bits (``centroid``, or with ``values=stdbins`` templar's
     bins over 6 standard deviations), indices and values entropy-coded (``ans``),
-    payloads all-gathered as the paper does (no second lossy step)."""
+    payloads all-gathered as the paper does (no second lossy step; ``aggregate``:
+    ``SPARSELOCO_AGGREGATIONS``)."""
     keep = f"ratio={density:g}" if density is not None else f"k={k}"
     where = f"tile={tile}" if tile is not None else f"chunk={chunk}"
     quantize = f"centroid(bits={bits})" if values == "centroid" else f"stdbins(bins={2**bits})"
     return (f"ef(beta={ef_decay:g}) | topk({keep}, {where}) | {quantize} "
-            "| ans | aggregate=gather")
+            f"| ans | aggregate={aggregate}")
 
 
 @dataclass(frozen=True)
