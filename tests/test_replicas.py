@@ -236,3 +236,38 @@ def test_a_race_of_replicas_models_its_link_and_says_so(tmp_path: Path) -> None:
     assert ddp["phase_ms_mean"]["comm"] == pytest.approx(1e3 * 8 * per_step / 1e8, rel=0.01)
     assert ddp["step_time_ms_p50"] > ddp["phase_ms_mean"]["comm"]
     assert "modelled" in (out / "report.md").read_text()
+
+
+def test_a_replicas_record_times_its_link_by_the_model_not_by_the_threads() -> None:
+    from gradzip.train.metrics import RunMetrics
+
+    class Stats:  # one step of 1.25 MB in 2 collectives
+        def end_step(self) -> None:
+            pass
+
+        def summary(self) -> dict[str, Any]:
+            return {"comm_ms": 0.4, "bytes_raw": 2_500_000, "bytes_wire": 1_250_000,
+                    "calls_by_op": {"all_reduce": 2}}
+
+        def totals(self) -> dict[str, Any]:
+            return {"comm_ms": 0.4, "comm_ms_by_op": {"all_reduce": 0.4},
+                    "extra_collective_ms": 0.0, "bytes_raw": 2_500_000,
+                    "bytes_wire": 1_250_000, "bytes_handed": 1_250_000, "aggregation": {},
+                    "compression_ratio": 2.0, "encode_ms": 0.0, "decode_ms": 0.0,
+                    "extra_collectives": 1, "index_bytes": 0, "bits_per_kept_value": None,
+                    "density": None, "residual_norm": None, "grad_rel_error": None,
+                    "grad_cos_sim": None, "links": {}}
+
+        def steady_bytes(self) -> dict[str, int]:
+            return {"bytes_raw": 2_500_000, "bytes_wire": 1_250_000}
+
+    metrics = RunMetrics(0, 1024, Stats(), 0.0, link=LinkModel(1e8, 50e-6, "100mbit"))
+    phases: dict[str, float] = {"forward": 30.0}
+    step_ms = metrics.end_step(40.0, phases, None)
+    assert phases["comm"] == pytest.approx(100.1) and step_ms == pytest.approx(140.1)
+    fields = metrics.communication()
+    assert fields["comm_time_ms_total"] == pytest.approx(100.1)
+    assert fields["comm_time_ms_by_op"] is None
+    assert fields["effective_bandwidth_bytes_per_s"] == pytest.approx(1_250_000 / 0.1001)
+    interval = metrics.interval(1.0, 1e-3, step_ms, phases, None, torch.device("cpu"))
+    assert interval["comm/share(%)"] == pytest.approx(100 * 100.1 / 140.1)

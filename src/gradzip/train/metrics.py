@@ -100,6 +100,7 @@ class RunMetrics:
         #: --replicas: the link model (``replicas.LinkModel``) whose time for the step's
         #: bytes and collectives is the step's communication time
         self.link = link
+        self.link_ms_total = 0.0
         self.steps_seen = 0
         self.step_ms: list[float] = []
         #: when each step ended (Unix seconds, ms resolution): places events outside the
@@ -121,10 +122,12 @@ class RunMetrics:
             self.comm.end_step()
             self.last_comm = self.comm.summary()
             phases["comm"] = self.last_comm["comm_ms"]
-        if self.link is not None:
+        if self.link is not None:  # the link's time is the model's, not the threads' wait
             c = self.last_comm
             phases["comm"] = 1e3 * self.link.seconds(c.get("bytes_wire", 0),
                                                      sum(c.get("calls_by_op", {}).values()))
+            self.last_comm = {**c, "comm_ms": phases["comm"]}
+            self.link_ms_total += phases["comm"]
             step_ms += phases["comm"]
         if grad_norm is not None and not math.isfinite(grad_norm):
             self.nonfinite_steps += 1
@@ -194,8 +197,15 @@ class RunMetrics:
         }
 
     def communication(self) -> dict[str, Any]:
-        """The record's communication fields, totals over every step of this process."""
-        return communication_fields(self.comm)
+        """The record's communication fields, totals over every step of this process
+        (with a link model, its time: replicas' collectives are copies between threads)."""
+        fields = communication_fields(self.comm)
+        if self.link is not None and self.comm is not None:
+            seconds = self.link_ms_total / 1e3
+            fields.update(comm_time_ms_total=self.link_ms_total, comm_time_ms_by_op=None,
+                          effective_bandwidth_bytes_per_s=(
+                              fields["bytes_wire_total"] / seconds if seconds else None))
+        return fields
 
     def counters(self) -> dict[str, int]:
         return {"nonfinite_grad_steps": self.nonfinite_steps,
