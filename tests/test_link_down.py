@@ -122,8 +122,9 @@ def test_local_ranks_set_what_torchrun_sets_and_pass_on_the_first_failure(
     # rank 1 fails only once rank 0 has printed (a loaded machine may start rank 0 late,
     # and the first failure stops the other rank)
     printed = tmp_path / "rank0-printed"
-    show = ("import os, sys, time, pathlib; r = os.environ['RANK']; "
-            "print(r, os.environ['WORLD_SIZE'], os.environ['MASTER_ADDR'], flush=True); "
+    show = ("import os, sys, time, pathlib; r = os.environ['RANK']; "  # one write per rank
+            "os.write(1, f\"{r} {os.environ['WORLD_SIZE']} {os.environ['MASTER_ADDR']}\\n\""
+            ".encode()); "
             f"p = pathlib.Path({str(printed)!r}); p.touch() if r == '0' else None; "
             "[time.sleep(0.05) for _ in range(1200) if r == '1' and not p.exists()]; "
             "sys.exit(3 if r == '1' else 0)")
