@@ -246,6 +246,10 @@ def plot_length_gaps(gaps: list[LengthGap], baseline: str, path: Path,
             _draw_fit(ax, g.fit, first, last, colors[g.method])
     _finish(ax, axis.label, f"final val loss vs {baseline} (%)",
             f"{axis.title}" + (" (fits dashed)" if axis.projects else ""))
+    if not axis.projects:  # a few numbers of ranks: each one a labelled tick
+        ranks = sorted({s for g in gaps for s, _ in g.points})
+        ax.set_xticks(ranks, [f"{w:g}" for w in ranks])
+        ax.minorticks_off()
     return save(fig, path)
 
 
