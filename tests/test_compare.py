@@ -91,6 +91,7 @@ def test_race_of_two_methods_writes_records_report_and_plots(tmp_path: Path) -> 
     (["--link", "nic"], "--link must be shared, per-rank, nodes=NxL"),
     (["--replicas", "2", "--rate", "none"], "replicas model a link of fixed --rate"),
     (["--replicas", "2", "--ranks", "2"], "--replicas W is --link replicas --ranks W"),
+    (["--replicas", "eight"], "--replicas must be integers"),
     (["--link", "nodes=2"], "nodes=NxL (N nodes of L ranks"),
     (["--link", "nodes=1x1"], "nodes=NxL"),
     (["--methods", "torch:qsgd"], "unknown PyTorch hook"),

@@ -157,6 +157,9 @@ def runs_of(args: argparse.Namespace) -> list[Any]:
         if args.link is not None or args.ranks is not None:
             raise ValueError("--replicas W is --link replicas --ranks W: drop --link and "
                              "--ranks")
+        if not all(w.strip().isdigit() for w in args.replicas.split(",")):
+            raise ValueError(f"--replicas must be integers separated by ',', got "
+                             f"{args.replicas!r}")
         args.link, args.ranks = "replicas", args.replicas
     links = tuple(k.strip() for k in (args.link or "shared").split(",") if k.strip())
     if "replicas" in links and (None in rates or changing or args.ft or args.kill.strip()

@@ -176,10 +176,7 @@ class Trainer:
         self.no_eval = validation_problem(self.data, make_loader, cfg, info)
         self._size_vocab()
         self._write_run_files()
-        with replicas.one_at_a_time():  # replica threads share torch's random generator
-            if replicas.current() is not None:
-                torch.set_rng_state(seeded)
-            raw = parts.model(cfg.model).to(self.device)
+        raw = self._build_model(parts, seeded)
         self.n_params = sum(p.numel() for p in raw.parameters())  # tied weights once
         self.capture = self._make_capture(cleanup)
         self.par: Parallelism = parts.parallelize(
@@ -219,18 +216,29 @@ class Trainer:
         cleanup.callback(self.log.close)
         # the job's: every rank, and under torchft every replica group (each has a shard)
         self.tokens_per_step = d.batch_size * d.seq_len * o.grad_accum * train_shard(info)[1]
-        #: seconds: the wall, or under --replicas this replica's CPU time (its link's
-        #: time is the link model's, added per step by ``metrics``)
-        self.replica = replicas.current()
-        self.clock = self.replica.clock.now if self.replica is not None else time.perf_counter
-        self.metrics = RunMetrics(r.timing_warmup, self.tokens_per_step, self.par.comm_stats,
-                                  o.grad_clip,
-                                  link=self.replica.link if self.replica else None)
-        self.timer = PhaseTimer(self.device, self.clock)
+        self._start_clocks()
         self._announce()
         self._note_restart()
 
     # ------------------------------------------------------------ setup helpers
+    def _build_model(self, parts: Components, seeded: torch.Tensor) -> torch.nn.Module:
+        """The model on this rank's device; replica threads build theirs in turns from the
+        generator state just seeded (they share torch's one random generator)."""
+        with replicas.one_at_a_time():
+            if replicas.current() is not None:
+                torch.set_rng_state(seeded)
+            return parts.model(self.cfg.model).to(self.device)
+
+    def _start_clocks(self) -> None:
+        """Step and phase timing: the wall, or under --replicas this replica's CPU time
+        (its link's time is the link model's, added per step by ``metrics``)."""
+        self.replica = replicas.current()
+        self.clock = self.replica.clock.now if self.replica is not None else time.perf_counter
+        self.metrics = RunMetrics(self.cfg.run.timing_warmup, self.tokens_per_step,
+                                  self.par.comm_stats, self.cfg.optim.grad_clip,
+                                  link=self.replica.link if self.replica else None)
+        self.timer = PhaseTimer(self.device, self.clock)
+
     def _find_resume(self) -> Path | None:
         """The checkpoint to resume from (``--resume``, or a restart by torchrun of a run
         that saved one); a fresh run must not mix with an old one."""
