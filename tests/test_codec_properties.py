@@ -155,6 +155,18 @@ def _topk(c, x, dtype):
         assert int((y != 0).sum()) <= keep_count(x.numel(), 0.01, None)
 
 
+def _sharedtopk(c, x, dtype):
+    """Alone it keeps the top 64 of every 4,096 entries, their values in fp16 (saturated)."""
+    y = c.decode(c.encode(x, "w")).float().reshape(-1)
+    flat = x.float().reshape(-1)
+    sent = flat.clamp(-65504, 65504).half().float()
+    assert bool(((y == sent) | (y == 0)).all()), str(c)
+    for start in range(0, flat.numel(), 4096):
+        part, got = flat[start:start + 4096], y[start:start + 4096]
+        assert int((got != 0).sum()) <= 64
+        _largest_kept(got, part)
+
+
 def _threshold(c, x, dtype):
     y = c.decode(c.encode(x, "w"))
     xf = x.float()
@@ -226,7 +238,7 @@ BOUNDS = {
     "powersgd": _projection, "gradiveq": _projection, "sketch": _sketch, "demo": _demo,
     # stochastic codecs: the support of the output (their mean is checked below)
     "natural": _natural, "qsgd": _qsgd, "terngrad": _terngrad, "centroid": _centroid,
-    "stdbins": _stdbins,
+    "stdbins": _stdbins, "sharedtopk": _sharedtopk,
 }
 
 SHAPES = st.sampled_from([(), (0,), (1,), (7,), (3, 5), (24, 20), (300, 40), (2, 3, 64)])

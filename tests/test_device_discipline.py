@@ -37,6 +37,7 @@ HOST = {
     "natural": "the largest exponent goes into the header (1 host read)",
     "efsignsgd": "per-tensor scales retried in float64 on overflow (1 host read)",
     "onebit": "per-column means retried in float64 on overflow (1 host read)",
+    "sharedtopk": "decode validates the received positions (1 host read)",
     "demo": "decode validates the received positions (1 host read per tensor)",
     "int8 | ans": "entropy coders run on the host (numba): one round trip per field",
     "lossless": "the lossless float coder runs on the host (numba, zstd)",

@@ -31,6 +31,7 @@ REDUCE_SPECS = [
     "threshold(v=0.5)", "none | zstd", "int8 | ans", "ef | topk(ratio=0.05) | eg",  # auto
     "qsgd | aggregate=gather", "ef | qsgd | aggregate=two_phase",  # forced paths
     "ef | powersgd(rank=2)", "signsgd", "terngrad", "sketch", "int8(shared=narrow)",  # rounds
+    "ef | sharedtopk(k=16, chunk=1024)",
 ]
 #: FSDP's reduce-scatter: summable, exchanged, multi-round
 SCATTER_SPECS = ["fp16", "ef | fp16", "ef | qsgd", "threshold(v=0.5) | zstd",

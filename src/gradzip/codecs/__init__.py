@@ -17,6 +17,7 @@ from gradzip.codecs import (  # noqa: F401
     gradiveq,
     powersgd,
     quantize,
+    sharedtopk,
     sign,
     sketch,
     sparse,

@@ -1,6 +1,6 @@
 """The Communicator: how multi-round codecs talk to their peers, counting every byte.
 
-Codecs never import torch.distributed. They call these four collectives; the real
+Codecs never import torch.distributed. They call these collectives; the real
 implementation (``gradzip.comm``) maps them onto a process group, and the simulated
 one (``gradzip.collectives.simulated``) runs N virtual workers in threads of one process.
 
@@ -127,6 +127,15 @@ class Communicator(ABC):
     def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` (shape ``[world_size, n]``) over ranks and return row ``rank``."""
 
+    def _broadcast(self, t: torch.Tensor, src: int) -> tuple[torch.Tensor, str]:
+        """(rank ``src``'s ``t`` on every rank, the collective that moved it).
+
+        A transport with a broadcast of its own overrides this. The default is an
+        all-reduce of ``t`` on ``src`` and zeros elsewhere, and it is counted as the
+        all-reduce it is: 2 (W-1)/W of ``t`` per rank, not a broadcast's (W-1)/W."""
+        sent = t if self.rank == src else torch.zeros_like(t)
+        return self._all_reduce(sent, "sum"), "all_reduce"
+
     # ------------------------------------------------------------ a flag on the next call
     def carry_flag(self, raised: bool, error: Callable[[], Exception],
                    device: torch.device) -> None:
@@ -217,6 +226,18 @@ class Communicator(ABC):
         out = self._reduce_scatter(t.reshape(self.world_size, -1))
         self.counter.add("reduce_scatter", _nbytes(t), time.perf_counter() - start)
         return out.reshape(t.shape[1:])
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank ``src``'s ``t`` on every rank (``t``: the same shape and dtype on all;
+        its values matter on ``src`` only, and it is left unchanged)."""
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast source must be in [0, {self.world_size}), got {src}")
+        if self.world_size == 1:
+            return t.clone()
+        start = time.perf_counter()
+        out, op = self._broadcast(t, src)
+        self.counter.add(op, _nbytes(t), time.perf_counter() - start)
+        return out
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's tensor; shapes must agree across ranks."""

@@ -72,6 +72,13 @@ class SimulatedCommunicator(Communicator):
         parts = self._ex.swap(self.rank, [c.clone() for c in chunks])
         return [parts[src][self.rank].clone() for src in range(self.world_size)]
 
+    def _broadcast(self, t: torch.Tensor, src: int) -> tuple[torch.Tensor, str]:
+        parts = self._ex.swap(self.rank, t.clone())
+        if tuple(parts[src].shape) != tuple(t.shape):
+            raise RuntimeError(f"broadcast shapes differ: {tuple(parts[src].shape)} from "
+                               f"rank {src}, {tuple(t.shape)} here")
+        return parts[src].clone(), "broadcast"
+
 
 def simulated_group(world_size: int, timeout: float = 60.0) -> list[SimulatedCommunicator]:
     """``world_size`` communicators that talk to each other (use one per thread)."""

@@ -115,6 +115,13 @@ class TorchCommunicator(Communicator):
             dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=self.group)
         return out
 
+    def _broadcast(self, t: torch.Tensor, src: int) -> tuple[torch.Tensor, str]:
+        out = t.clone(memory_format=torch.contiguous_format)  # ``t`` stays as it was
+        root = src if self.group is None else dist.get_global_rank(self.group, src)
+        with self._collective("broadcast", t):
+            dist.broadcast(out, src=root, group=self.group)
+        return out, "broadcast"
+
 
 class HostCommunicator(TorchCommunicator):
     """The same collectives on a gloo group, for tensors on any device: each one's
@@ -138,3 +145,7 @@ class HostCommunicator(TorchCommunicator):
 
     def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         return super()._reduce_scatter(t.cpu()).to(t.device)
+
+    def _broadcast(self, t: torch.Tensor, src: int) -> tuple[torch.Tensor, str]:
+        out, op = super()._broadcast(t.cpu(), src)
+        return out.to(t.device), op

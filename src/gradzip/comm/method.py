@@ -87,8 +87,13 @@ def _aggregation(text: str) -> str:
 #: ``sparseloco(aggregate=...)``: all-gathered as the paper does (``gather``: each rank
 #: sends (W-1) payloads' worth), or reduced in two phases (each rank's chunk summed by
 #: its owner and sent on re-encoded: about two payloads' worth at any W, and a second
-#: lossy step), or whichever the link byte model says sends less (``auto``)
-SPARSELOCO_AGGREGATIONS = ("gather", "two_phase", "auto")
+#: lossy step), or whichever the link byte model says sends less (``auto``), or
+#: ``shared``: one rotating rank's positions for every rank, the values all-reduced in
+#: 16 bits (``sharedtopk``, ScaleCom's CLT-k: one position and 2 (W-1)/W values per
+#: kept entry at any W, no second lossy step; ``bits`` and ``values`` do not apply)
+SPARSELOCO_AGGREGATIONS = ("gather", "two_phase", "auto", "shared")
+#: ``sparseloco(...)`` keys that describe the gathered payload, refused with ``shared``
+GATHER_ONLY_KEYS = ("tile", "bits", "values")
 #: ``sparseloco(values=...)``: gradzip's equal-count bins (``centroid``, the default) or
 #: templar's bins over a multiple of the std with a table of bin means (``stdbins``)
 VALUE_QUANTIZERS = ("centroid", "stdbins")
@@ -116,7 +121,10 @@ def sparseloco_codec(k: int | None = 64, density: float | None = None, chunk: in
     their values in ``bits`` bits (``centroid``, or with ``values=stdbins`` templar's
     bins over 6 standard deviations), indices and values entropy-coded (``ans``),
     payloads all-gathered as the paper does (no second lossy step; ``aggregate``:
-    ``SPARSELOCO_AGGREGATIONS``)."""
+    ``SPARSELOCO_AGGREGATIONS``; ``shared`` builds ``ef | sharedtopk`` instead)."""
+    if aggregate == "shared":
+        kept = k if density is None else max(1, round(density * chunk))
+        return f"ef(beta={ef_decay:g}) | sharedtopk(k={kept}, chunk={chunk})"
     keep = f"ratio={density:g}" if density is not None else f"k={k}"
     where = f"tile={tile}" if tile is not None else f"chunk={chunk}"
     quantize = f"centroid(bits={bits})" if values == "centroid" else f"stdbins(bins={2**bits})"
@@ -475,6 +483,11 @@ def _local_params(text: str, outer: str, params: str) -> tuple[dict[str, Any], d
             sparse[key] = parsed
         else:
             values[LOCAL_KEYS[key][0]] = parsed
+    if sparse.get("aggregate") == "shared" and set(GATHER_ONLY_KEYS) & set(sparse):
+        given = ", ".join(k + "=" for k in GATHER_ONLY_KEYS if k in sparse)
+        raise ValueError(f"method {text!r}: aggregate=shared sums the kept values in 16 "
+                         f"bits of one shared set of positions per chunk; {given} "
+                         "describe a gathered payload and do not apply")
     if "density" in sparse:
         sparse.setdefault("k", None)
         if sparse["k"] is not None:

@@ -1,0 +1,125 @@
+"""``sharedtopk``: one rotating leader's positions for every rank, the values summed.
+
+Over simulated groups of 3 and 5 ranks (where W matters): every rank gets the same mean,
+which is the exact mean of the inputs (to the 16-bit sum) at the leader's top-k of every
+chunk and zero elsewhere; the leader rotates; error feedback keeps the rest; the link
+bytes per rank do not grow with W; bytes from a peer are checked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradzip
+from gradzip.aggregation import reduce
+from gradzip.codecs.payload import Payload, PayloadError
+from gradzip.codecs.sharedtopk import kept_per_chunk, leader_of, position_bits
+from gradzip.codecs.sparse import chunked_topk_positions
+from gradzip.collectives.linkmodel import link_bytes
+from gradzip.collectives.simulated import run_simulated
+
+N, K, CHUNK = 5000, 8, 1024
+
+
+def _inputs(world: int, step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(10 * step + world)
+    return [torch.randn(N, generator=g) for _ in range(world)]
+
+
+@pytest.mark.parametrize("world", [3, 5])
+def test_every_rank_gets_the_mean_at_the_leaders_positions(world: int) -> None:
+    xs = _inputs(world, 0)
+    leader = leader_of("w", 0, world)
+
+    def work(rank, comm):
+        c = gradzip.codec(f"sharedtopk(k={K}, chunk={CHUNK}, values=fp32)", rank=rank)
+        return reduce(c, xs[rank], "w", comm, want_local=True)
+
+    results = run_simulated(world, work)
+    where = chunked_topk_positions(xs[leader], CHUNK, K)
+    expected = torch.zeros(N)
+    expected[where] = torch.stack(xs)[:, where].mean(0)
+    for rank, (mean, local) in enumerate(results):
+        assert torch.equal(mean, results[0][0])
+        torch.testing.assert_close(mean, expected, rtol=1e-6, atol=1e-7)
+        own = torch.zeros(N)
+        own[where] = xs[rank][where]
+        torch.testing.assert_close(local, own, rtol=1e-6, atol=1e-7)
+    assert int((results[0][0] != 0).sum()) == sum(k for _, _, k in kept_per_chunk(N, CHUNK, K))
+
+
+def test_the_leader_turns_with_every_exchange_and_differs_between_tensors() -> None:
+    assert [leader_of("w", step, 4) for step in range(8)] == \
+        [(leader_of("w", 0, 4) + step) % 4 for step in range(8)]
+    assert len({leader_of(f"bucket{j}", 0, 7) for j in range(20)}) > 1
+
+
+def test_error_feedback_sends_every_rank_s_large_entry_in_turn() -> None:
+    """Each rank has its own large entry, given once; under ``ef`` each is sent in full
+    when its rank leads (within W exchanges), and then nothing is left behind."""
+    world = 3
+
+    def work(rank, comm):
+        c = gradzip.codec(f"ef | sharedtopk(k=1, chunk={N}, values=fp32)", rank=rank)
+        x = torch.zeros(N)
+        x[100 * (rank + 1)] = 1.0
+        total = torch.zeros(N)
+        for step in range(world):
+            total += reduce(c, x if step == 0 else torch.zeros(N), "w", comm)[0]
+        return total, float(c.residual_sq("w").sum())
+
+    results = run_simulated(world, work)
+    spikes = [100 * (rank + 1) for rank in range(world)]
+    for total, left in results:
+        assert torch.equal(total, results[0][0]) and left == 0.0
+        assert total[spikes].tolist() == pytest.approx([1 / world] * world)
+        assert int((total != 0).sum()) == world
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+def test_link_bytes_per_rank_do_not_grow_with_the_number_of_ranks(world: int) -> None:
+    def work(rank, comm):
+        c = gradzip.codec(f"sharedtopk(k={K}, chunk={CHUNK})", rank=rank)
+        reduce(c, _inputs(world, 1)[rank], "w", comm)
+        return dict(comm.counter.wire)
+
+    wire = run_simulated(world, work)[0]
+    kept = sum(k for _, _, k in kept_per_chunk(N, CHUNK, K))
+    index_bytes = (kept * position_bits(N, CHUNK) + 7) // 8
+    assert wire == {"broadcast": link_bytes("broadcast", index_bytes, world),
+                    "all_reduce": link_bytes("all_reduce", 2 * kept, world)}
+    assert sum(wire.values()) < index_bytes + 4 * kept  # < one position and 2 values each
+
+
+def test_alone_it_is_a_chunked_top_k_in_sixteen_bits() -> None:
+    x = _inputs(1, 2)[0]
+    c = gradzip.codec(f"sharedtopk(k={K}, chunk={CHUNK})")
+    p = c.encode(x, "w")
+    y = c.decode(Payload.deserialize(p.serialize()))
+    where = chunked_topk_positions(x, CHUNK, K)
+    assert torch.equal(y[where], x[where].half().float())
+    assert int((y != 0).sum()) == where.numel()
+
+
+def test_positions_from_a_peer_are_checked() -> None:
+    c = gradzip.codec(f"sharedtopk(k={K}, chunk={CHUNK})")
+    x = torch.randn(1100)  # a full chunk and a short one of 76 entries
+    p = c.encode(x, "w")
+    bad = p.tensor("positions").clone()
+    bad[-2:] = 255  # offsets past the short chunk's end
+    with pytest.raises(PayloadError, match="beyond the end of its chunk"):
+        c.decode(Payload({**p.fields, "positions": bad}, dict(p.meta)))
+    with pytest.raises(PayloadError, match="position bytes"):
+        c.decode(Payload({**p.fields, "positions": bad[:-1]}, dict(p.meta)))
+
+
+def test_sixteen_bit_sums_saturate_instead_of_overflowing() -> None:
+    world = 4
+
+    def work(rank, comm):
+        c = gradzip.codec("sharedtopk(k=4, chunk=64)", rank=rank)
+        return reduce(c, torch.full((64,), 1e5), "w", comm)[0]  # 1e5 / 4 > 65504 / 4
+
+    mean = run_simulated(world, work)[0]
+    assert torch.isfinite(mean).all() and float(mean.max()) == pytest.approx(65504, rel=1e-3)
