@@ -244,7 +244,8 @@ def _truncated(p, path):
     return Payload({**p.fields, path[0]: cut}, dict(p.meta))
 
 
-@pytest.mark.parametrize("name", COMPRESSORS + ["topk | qsgd | ans", "randomk | fp16"])
+@pytest.mark.parametrize("name", COMPRESSORS + ["topk | qsgd | ans", "randomk | fp16",
+                                  "sharedtopk(values=int8)"])
 def test_mismatched_payloads_raise_payload_errors(name):
     """A payload that does not fit (another shape, a field cut short) raises PayloadError
     or still decodes to a finite tensor of the asked shape; never another exception."""

@@ -123,3 +123,47 @@ def test_sixteen_bit_sums_saturate_instead_of_overflowing() -> None:
 
     mean = run_simulated(world, work)[0]
     assert torch.isfinite(mean).all() and float(mean.max()) == pytest.approx(65504, rel=1e-3)
+
+
+@pytest.mark.parametrize("world", [3, 8])
+def test_int8_values_share_a_scale_per_chunk_and_cannot_overflow(world: int) -> None:
+    """``values=int8``: every rank rounds against the chunk's largest magnitude over all
+    ranks to 127 // W levels, so the int8 sum stays in range; the mean errs by at most
+    half a step; each rank's ``local`` is what it sent (error feedback keeps the rest)."""
+    xs = _inputs(world, 3)
+    xs[0][7] = 1e3  # one rank's outlier sets chunk 0's scale for all
+
+    def work(rank, comm):
+        c = gradzip.codec(f"sharedtopk(k={K}, chunk={CHUNK}, values=int8)", rank=rank)
+        return reduce(c, xs[rank], "w", comm, want_local=True), dict(comm.counter.wire)
+
+    results = run_simulated(world, work)
+    where = chunked_topk_positions(xs[leader_of("w", 0, world)], CHUNK, K)
+    stacked = torch.stack(xs)[:, where]
+    chunk_of = where // CHUNK
+    amax = torch.zeros(-(-N // CHUNK)).scatter_reduce(0, chunk_of, stacked.abs().amax(0),
+                                                      "amax")
+    step = (amax / (127 // world))[chunk_of]
+    for rank, ((mean, local), _) in enumerate(results):
+        assert torch.equal(mean, results[0][0][0])
+        assert bool(((mean[where] - stacked.mean(0)).abs() <= step / 2 + 1e-6).all())
+        assert bool(((local[where] - xs[rank][where]).abs() <= step / 2 + 1e-6).all())
+    kept = where.numel()
+    wire = results[0][1]
+    assert wire["all_reduce"] == link_bytes("all_reduce", kept, world) + \
+        link_bytes("all_reduce", 4 * amax.numel(), world)
+
+
+def test_int8_values_alone_decode_from_their_scales_and_refuse_bad_ones() -> None:
+    c = gradzip.codec(f"sharedtopk(k={K}, chunk={CHUNK}, values=int8)")
+    x = _inputs(1, 4)[0]
+    p = c.encode(x, "w")
+    y = c.decode(Payload.deserialize(p.serialize()))
+    where = chunked_topk_positions(x, CHUNK, K)
+    step = p.tensor("scale")[where // CHUNK]
+    assert bool(((y[where] - x[where]).abs() <= step / 2 + 1e-7).all())
+    assert int((y != 0).sum()) <= where.numel()
+    bad = p.tensor("scale").clone()
+    bad[0] = float("inf")
+    with pytest.raises(PayloadError, match="finite float32"):
+        c.decode(Payload({**p.fields, "scale": bad}, dict(p.meta)))

@@ -8,14 +8,18 @@ sends every rank's positions and values to every other rank: (W-1) payloads per 
 so its bytes grow with the number of ranks. Here one rank, the leader, takes the top k
 of every ``chunk`` consecutive entries of its own (error-fed) tensor; the positions are
 broadcast (``ceil(log2 chunk)`` bits each), every rank reads its own values at them,
-and those are all-reduced in 16 bits (divided by W first, as PyTorch's fp16 hook does).
-Per rank that is about one position and 2 (W-1)/W values per kept entry, whatever W.
+and those are all-reduced in 16 bits (divided by W first, as PyTorch's fp16 hook does),
+or with ``values=int8`` as integers against a scale per chunk that every rank shares
+(one max all-reduce of a float per chunk first; each rank rounds to ``127 // W``
+levels so that the int8 sum cannot overflow: 63 at W = 2, 15 at W = 8, 7 at W = 16;
+what rounding loses stays in the error-feedback residual). Per rank that is about one
+position and 2 (W-1)/W values per kept entry, whatever W.
 The leader rotates every exchange (and differs between tensors), so every rank's
 gradient picks the positions in turn; positions another rank would have kept stay in
 its error-feedback residual (``ef | sharedtopk``) until they are chosen.
 
 Alone (one rank, ``encode``/``decode``) it is a chunked top-k whose payload is the
-packed positions and the 16-bit values.
+packed positions and the values (16 bits, or int8 with a float scale per chunk).
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from gradzip.codecs.registry import Param, at_least, register
 from gradzip.codecs.sparse import chunked_topk_positions
 from gradzip.collectives.communicator import Communicator
 
-#: the dtypes the kept values may be summed in
+#: the float dtypes the kept values may be summed in (or ``int8``, with shared scales)
 VALUE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+#: int8's levels on one side of zero; W ranks each use ``INT8_LEVELS // W``
+INT8_LEVELS = 127
 
 
 def position_bits(numel: int, chunk: int) -> int:
@@ -64,8 +70,9 @@ class SharedTopK(Compressor):
     PARAMS = (
         Param("k", int, 64, "entries kept per chunk (SparseLoCo: 64 of 4096)", at_least(1)),
         Param("chunk", int, 4096, "consecutive entries each k is taken from", at_least(1)),
-        Param("values", str, "fp16", "the dtype the kept values are summed in",
-              choices=tuple(VALUE_DTYPES)),
+        Param("values", str, "fp16", "how the kept values are summed: a float dtype, or "
+              "int8 against a scale per chunk shared by every rank",
+              choices=(*VALUE_DTYPES, "int8")),
     )
     multi_round = True  # a broadcast, then an all-reduce
     summable = False
@@ -94,30 +101,68 @@ class SharedTopK(Compressor):
                                f"of uint8 for {count} positions of {bits} bits")
         flags = unpack_bits(packed.reshape(-1), count * bits).view(count, bits).long()
         offsets = (flags << torch.arange(bits, device=flags.device)).sum(1)
-        full, per_full = numel // chunk, min(self.params["k"], chunk)
-        which = (torch.arange(count, device=offsets.device) // per_full).clamp_(max=full)
+        full = numel // chunk
+        which = self._chunk_of_each(count, numel, offsets.device)
         starts = which * chunk  # entry j's chunk; a short last chunk is number ``full``
         lengths = torch.where(which < full, chunk, numel - full * chunk)
         if count and bool((offsets >= lengths).any()):
             raise PayloadError("sharedtopk: a position lies beyond the end of its chunk")
         return starts + offsets
 
+    def _chunk_of_each(self, count: int, numel: int, device: torch.device) -> torch.Tensor:
+        """The chunk each of the ``count`` kept entries (in position order) lies in."""
+        full, per_full = numel // self.params["chunk"], min(self.params["k"],
+                                                            self.params["chunk"])
+        return (torch.arange(count, device=device) // per_full).clamp_(max=full)
+
+    def _chunks(self, numel: int) -> int:
+        return -(-numel // self.params["chunk"])
+
+    def _int8_scales(self, values: torch.Tensor, numel: int, levels: int,
+                     comm: Communicator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each kept entry's chunk's step, its inverse): the chunk's largest magnitude
+        (the largest over ranks, with ``comm``) over ``levels``."""
+        which = self._chunk_of_each(values.numel(), numel, values.device)
+        amax = torch.zeros(self._chunks(numel), device=values.device).scatter_reduce_(
+            0, which, values.abs(), "amax")
+        if comm is not None and comm.world_size > 1:
+            (amax,) = comm.all_reduce([amax], op="max")
+        step = amax / levels
+        inverse = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
+        return step, inverse[which]
+
     # ------------------------------------------------------------ standalone
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
         flat = x.detach().reshape(-1).float()
         positions = self._positions(flat)
-        return Payload({"positions": self._pack(positions, flat.numel()),
-                        "values": self._cast(flat[positions], 1)})
+        packed, kept = self._pack(positions, flat.numel()), flat[positions]
+        if self.params["values"] != "int8":
+            return Payload({"positions": packed, "values": self._cast(kept, 1)})
+        step, inverse = self._int8_scales(kept, flat.numel(), INT8_LEVELS, None)
+        return Payload({"positions": packed, "values": _rounded(kept, inverse, INT8_LEVELS),
+                        "scale": step})
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:
-        positions = self._unpack(p.tensor("positions"), shape.numel())
+        numel = shape.numel()
+        positions = self._unpack(p.tensor("positions"), numel)
         values = p.tensor("values")
+        integers = self.params["values"] == "int8"
         if values.dim() != 1 or values.numel() != positions.numel() \
-                or not values.dtype.is_floating_point:
+                or values.dtype.is_floating_point == integers \
+                or (integers and values.dtype != torch.int8):
             raise PayloadError(f"sharedtopk: {values.numel()} values of {values.dtype} "
-                               f"for {positions.numel()} positions")
-        out = torch.zeros(shape.numel(), dtype=torch.float32, device=values.device)
-        out[positions.to(values.device)] = values.float()
+                               f"for {positions.numel()} positions ({self.params['values']})")
+        decoded = values.float()
+        if integers:
+            scale = p.tensor("scale")
+            if scale.dtype != torch.float32 or scale.numel() != self._chunks(numel) \
+                    or not bool(torch.isfinite(scale).all()):
+                raise PayloadError(f"sharedtopk: {scale.numel()} scales of {scale.dtype}, "
+                                   f"expected {self._chunks(numel)} finite float32")
+            decoded = decoded * scale[self._chunk_of_each(values.numel(), numel,
+                                                          values.device)]
+        out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+        out[positions.to(values.device)] = decoded
         return out.reshape(shape)
 
     # ------------------------------------------------------------ distributed
@@ -137,15 +182,32 @@ class SharedTopK(Compressor):
             packed = torch.zeros(packed_bits_len(self._count(n) * position_bits(
                 n, self.params["chunk"])), dtype=torch.uint8, device=flat.device)
         positions = self._unpack(comm.broadcast(packed, leader), n)
-        sent = self._cast(flat[positions] / world, world)
-        (summed,) = comm.all_reduce([sent])
+        summed, own = self._sum_values(flat[positions], n, comm)
         mean = torch.zeros_like(flat)
-        mean[positions] = summed.float()
+        mean[positions] = summed
         local = None
         if want_local:  # what this rank put in: its residual keeps the rest
             local = torch.zeros_like(flat)
-            local[positions] = sent.float() * world
+            local[positions] = own
         return mean.reshape(x.shape), (local.reshape(x.shape) if local is not None else None)
+
+    def _sum_values(self, kept: torch.Tensor, numel: int, comm: Communicator
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the mean over ranks of ``kept``, this rank's ``kept`` as it was sent)."""
+        world = comm.world_size
+        if self.params["values"] != "int8":
+            sent = self._cast(kept / world, world)
+            (summed,) = comm.all_reduce([sent])
+            return summed.float(), sent.float() * world
+        levels = INT8_LEVELS // world
+        if levels < 1:
+            raise ValueError(f"sharedtopk(values=int8) sums int8 over at most "
+                             f"{INT8_LEVELS} ranks, got {world}; use values=fp16")
+        step, inverse = self._int8_scales(kept, numel, levels, comm)
+        q = _rounded(kept, inverse, levels)
+        each = step[self._chunk_of_each(kept.numel(), numel, kept.device)]
+        (total,) = comm.all_reduce([q])
+        return total.float() * each / world, q.float() * each
 
     def _cast(self, values: torch.Tensor, world: int) -> torch.Tensor:
         """``values`` in the summing dtype, saturated so that ``world`` of them still
@@ -157,3 +219,8 @@ class SharedTopK(Compressor):
     def _count(self, numel: int) -> int:
         return sum(kept for _, _, kept in kept_per_chunk(numel, self.params["chunk"],
                                                           self.params["k"]))
+
+
+def _rounded(values: torch.Tensor, inverse: torch.Tensor, levels: int) -> torch.Tensor:
+    """``values`` x ``inverse`` rounded to the nearest of +-``levels`` integers, int8."""
+    return (values * inverse).round_().clamp_(-levels, levels).to(torch.int8)

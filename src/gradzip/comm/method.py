@@ -90,10 +90,13 @@ def _aggregation(text: str) -> str:
 #: lossy step), or whichever the link byte model says sends less (``auto``), or
 #: ``shared``: one rotating rank's positions for every rank, the values all-reduced in
 #: 16 bits (``sharedtopk``, ScaleCom's CLT-k: one position and 2 (W-1)/W values per
-#: kept entry at any W, no second lossy step; ``bits`` and ``values`` do not apply)
+#: kept entry at any W, no second lossy step; ``bits=8`` sums int8 against a scale
+#: per chunk shared by every rank instead; ``tile`` and ``values`` do not apply)
 SPARSELOCO_AGGREGATIONS = ("gather", "two_phase", "auto", "shared")
 #: ``sparseloco(...)`` keys that describe the gathered payload, refused with ``shared``
-GATHER_ONLY_KEYS = ("tile", "bits", "values")
+GATHER_ONLY_KEYS = ("tile", "values")
+#: ``sparseloco(aggregate=shared, bits=...)``: the bits of a summed value -> sharedtopk's
+SHARED_VALUE_BITS = {16: "fp16", 8: "int8"}
 #: ``sparseloco(values=...)``: gradzip's equal-count bins (``centroid``, the default) or
 #: templar's bins over a multiple of the std with a table of bin means (``stdbins``)
 VALUE_QUANTIZERS = ("centroid", "stdbins")
@@ -124,7 +127,9 @@ def sparseloco_codec(k: int | None = 64, density: float | None = None, chunk: in
     ``SPARSELOCO_AGGREGATIONS``; ``shared`` builds ``ef | sharedtopk`` instead)."""
     if aggregate == "shared":
         kept = k if density is None else max(1, round(density * chunk))
-        return f"ef(beta={ef_decay:g}) | sharedtopk(k={kept}, chunk={chunk})"
+        summed = SHARED_VALUE_BITS.get(bits, "fp16")  # the gather's 2 bits: the default
+        return (f"ef(beta={ef_decay:g}) | sharedtopk(k={kept}, chunk={chunk}, "
+                f"values={summed})")
     keep = f"ratio={density:g}" if density is not None else f"k={k}"
     where = f"tile={tile}" if tile is not None else f"chunk={chunk}"
     quantize = f"centroid(bits={bits})" if values == "centroid" else f"stdbins(bins={2**bits})"
@@ -483,16 +488,27 @@ def _local_params(text: str, outer: str, params: str) -> tuple[dict[str, Any], d
             sparse[key] = parsed
         else:
             values[LOCAL_KEYS[key][0]] = parsed
-    if sparse.get("aggregate") == "shared" and set(GATHER_ONLY_KEYS) & set(sparse):
-        given = ", ".join(k + "=" for k in GATHER_ONLY_KEYS if k in sparse)
-        raise ValueError(f"method {text!r}: aggregate=shared sums the kept values in 16 "
-                         f"bits of one shared set of positions per chunk; {given} "
-                         "describe a gathered payload and do not apply")
+    if sparse.get("aggregate") == "shared":
+        _check_shared(text, sparse)
     if "density" in sparse:
         sparse.setdefault("k", None)
         if sparse["k"] is not None:
             raise ValueError(f"method {text!r}: give k (per chunk) or density, not both")
     return values, sparse
+
+
+def _check_shared(text: str, sparse: dict[str, Any]) -> None:
+    """``sparseloco(aggregate=shared, ...)`` takes only the keys that mean something to
+    values summed at one shared set of positions."""
+    if set(GATHER_ONLY_KEYS) & set(sparse):
+        given = ", ".join(k + "=" for k in GATHER_ONLY_KEYS if k in sparse)
+        raise ValueError(f"method {text!r}: aggregate=shared sums the kept values at one "
+                         f"shared set of positions per chunk; {given} describe a gathered "
+                         "payload and do not apply")
+    if sparse.get("bits", 16) not in SHARED_VALUE_BITS:
+        raise ValueError(f"method {text!r}: aggregate=shared sums values in 16 bits "
+                         f"(fp16) or 8 (int8 against a shared scale): bits must be one of "
+                         f"{', '.join(map(str, SHARED_VALUE_BITS))}, got {sparse['bits']}")
 
 
 def local_method(outer: str, *, sync_every: int, lr: float, momentum: float,
