@@ -101,11 +101,18 @@ def test_sparseloco_is_diloco_with_its_outer_step_and_codec_spelled_out() -> Non
         parse_method("sparseloco(aggregate=tree)")
     # one rotating rank's positions for all, the values summed: bytes independent of W
     shared = parse_method("sparseloco(aggregate=shared, k=32)")
-    assert str(shared.codec) == "ef(beta=0.95) | sharedtopk(k=32, chunk=4096, values=fp16)"
+    assert str(shared.codec) == ("ef(beta=0.95) | sharedtopk(k=32, chunk=4096, values=fp16, "
+                                 "select=leader)")
     dense_shared = parse_method("sparseloco(aggregate=shared, density=0.01, chunk=2048, "
                                 "bits=8)")
     assert str(dense_shared.codec) == ("ef(beta=0.95) | sharedtopk(k=20, chunk=2048, "
-                                       "values=int8)")
+                                       "values=int8, select=leader)")
+    each = parse_method("sparseloco(aggregate=shared, select=each)")
+    assert str(each.codec).endswith("select=each)")
+    with pytest.raises(ValueError, match="select= picks the positions of aggregate=shared"):
+        parse_method("sparseloco(select=each)")
+    with pytest.raises(ValueError, match="select must be one of leader, each"):
+        parse_method("sparseloco(aggregate=shared, select=all)")
     with pytest.raises(ValueError, match="tile=, values= describe a gathered payload"):
         parse_method("sparseloco(aggregate=shared, tile=64, values=stdbins)")
     with pytest.raises(ValueError, match="bits must be one of 16, 8, got 3"):
@@ -138,7 +145,7 @@ def test_snoo_is_ddp_with_an_outer_step() -> None:
 @pytest.mark.parametrize("text", [
     "sparseloco", "sparseloco(sync_every=10, density=0.05, ef_decay=0.9)",
     "sparseloco(values=stdbins)", "sparseloco(aggregate=two_phase)",
-    "sparseloco(aggregate=shared)", "sparseloco(aggregate=shared, bits=8)",
+    "sparseloco(aggregate=shared)", "sparseloco(aggregate=shared, bits=8, select=each)",
     "snoo(sync_every=8, lr=0.5, momentum=0.5)", "snoo | int8",
     "diloco(sync_every=8, overlap=2, alpha=0.5) | centroid(bits=4)",
     "diloco(sync_every=8, fragments=2) | int8 / none",

@@ -167,3 +167,31 @@ def test_int8_values_alone_decode_from_their_scales_and_refuse_bad_ones() -> Non
     bad[0] = float("inf")
     with pytest.raises(PayloadError, match="finite float32"):
         c.decode(Payload({**p.fields, "scale": bad}, dict(p.meta)))
+
+
+@pytest.mark.parametrize("world", [3, 5])
+def test_select_each_uses_the_union_of_every_rank_s_share(world: int) -> None:
+    """``select=each``: every rank's own top ceil(k / W) of each chunk, all-gathered;
+    the mean is exact on the union and zero elsewhere, the same on every rank."""
+    xs = _inputs(world, 5)
+
+    def work(rank, comm):
+        c = gradzip.codec(f"sharedtopk(k={K}, chunk={CHUNK}, values=fp32, select=each)",
+                          rank=rank)
+        return reduce(c, xs[rank], "w", comm, want_local=True), dict(comm.counter.wire)
+
+    results = run_simulated(world, work)
+    share = -(-K // world)
+    union = torch.unique(torch.cat([chunked_topk_positions(x, CHUNK, share) for x in xs]))
+    expected = torch.zeros(N)
+    expected[union] = torch.stack(xs)[:, union].mean(0)
+    for rank, ((mean, local), _) in enumerate(results):
+        assert torch.equal(mean, results[0][0][0])
+        torch.testing.assert_close(mean, expected, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(local[union], xs[rank][union])
+        assert int((local != 0).sum()) == union.numel()
+    packed = (sum(k for _, _, k in kept_per_chunk(N, CHUNK, share))
+              * position_bits(N, CHUNK) + 7) // 8
+    flag = 1  # the agreed non-finite flag rides on the first collective, one byte here
+    assert results[0][1] == {"all_gather": link_bytes("all_gather", packed + flag, world),
+                             "all_reduce": link_bytes("all_reduce", 4 * union.numel(), world)}

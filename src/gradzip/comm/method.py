@@ -35,6 +35,7 @@ from typing import Any, ClassVar, cast
 
 from gradzip.codecs.chain import Codec
 from gradzip.codecs.registry import SpecError
+from gradzip.codecs.sharedtopk import SELECTIONS
 from gradzip.comm.attach import refuse_flat, unit_group
 from gradzip.comm.auto import AutoOptions, is_auto
 from gradzip.comm.outer import OUTER_KINDS, check_options
@@ -76,6 +77,13 @@ def _value_quantizer(text: str) -> str:
     return text
 
 
+def _selection(text: str) -> str:
+    """``select=``: who picks ``aggregate=shared``'s positions (``sharedtopk``)."""
+    if text not in SELECTIONS:
+        raise ValueError(f"select must be one of {', '.join(SELECTIONS)}, got {text!r}")
+    return text
+
+
 def _aggregation(text: str) -> str:
     """``aggregate=``: how SparseLoCo's payloads cross the link."""
     if text not in SPARSELOCO_AGGREGATIONS:
@@ -102,7 +110,7 @@ SHARED_VALUE_BITS = {16: "fp16", 8: "int8"}
 VALUE_QUANTIZERS = ("centroid", "stdbins")
 SPARSELOCO_KEYS: dict[str, Callable[[str], Any]] = {
     "k": int, "density": float, "chunk": int, "tile": int, "bits": int, "ef_decay": float,
-    "values": _value_quantizer, "aggregate": _aggregation}
+    "values": _value_quantizer, "aggregate": _aggregation, "select": _selection}
 #: ``snoo(...)`` keys: its own outer step, no fragments
 SNOO_KEYS = ("sync_every", "lr", "momentum")
 #: the defaults each kind starts from (SparseLoCo's public configuration: H=30, outer
@@ -112,24 +120,27 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "sparseloco": {"sync_every": 30, "lr": 1.0, "momentum": 0.0},
 }
 SPARSELOCO_CODEC = {"k": 64, "density": None, "chunk": 4096, "tile": None, "bits": 2,
-                    "ef_decay": 0.95, "values": "centroid", "aggregate": "gather"}
+                    "ef_decay": 0.95, "values": "centroid", "aggregate": "gather",
+                    "select": "leader"}
 
 
 def sparseloco_codec(k: int | None = 64, density: float | None = None, chunk: int = 4096,
                      bits: int = 2, ef_decay: float = 0.95, tile: int | None = None,
-                     values: str = "centroid", aggregate: str = "gather") -> str:
+                     values: str = "centroid", aggregate: str = "gather",
+                     select: str = "leader") -> str:
     """SparseLoCo's pseudo-gradient codec as a gradzip chain: error feedback decayed by
     ``ef_decay``, the top ``k`` (or ``density`` x ``chunk``) of every ``chunk`` entries
     (or, with ``tile``, of every tile x tile block of each matrix, as templar selects),
     their values in ``bits`` bits (``centroid``, or with ``values=stdbins`` templar's
     bins over 6 standard deviations), indices and values entropy-coded (``ans``),
     payloads all-gathered as the paper does (no second lossy step; ``aggregate``:
-    ``SPARSELOCO_AGGREGATIONS``; ``shared`` builds ``ef | sharedtopk`` instead)."""
+    ``SPARSELOCO_AGGREGATIONS``; ``shared`` builds ``ef | sharedtopk`` instead, whose
+    positions ``select`` picks)."""
     if aggregate == "shared":
         kept = k if density is None else max(1, round(density * chunk))
         summed = SHARED_VALUE_BITS.get(bits, "fp16")  # the gather's 2 bits: the default
         return (f"ef(beta={ef_decay:g}) | sharedtopk(k={kept}, chunk={chunk}, "
-                f"values={summed})")
+                f"values={summed}, select={select})")
     keep = f"ratio={density:g}" if density is not None else f"k={k}"
     where = f"tile={tile}" if tile is not None else f"chunk={chunk}"
     quantize = f"centroid(bits={bits})" if values == "centroid" else f"stdbins(bins={2**bits})"
@@ -490,6 +501,9 @@ def _local_params(text: str, outer: str, params: str) -> tuple[dict[str, Any], d
             values[LOCAL_KEYS[key][0]] = parsed
     if sparse.get("aggregate") == "shared":
         _check_shared(text, sparse)
+    elif "select" in sparse:
+        raise ValueError(f"method {text!r}: select= picks the positions of "
+                         "aggregate=shared; add aggregate=shared or leave select out")
     if "density" in sparse:
         sparse.setdefault("k", None)
         if sparse["k"] is not None:
