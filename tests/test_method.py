@@ -102,13 +102,13 @@ def test_sparseloco_is_diloco_with_its_outer_step_and_codec_spelled_out() -> Non
     # one rotating rank's positions for all, the values summed: bytes independent of W
     shared = parse_method("sparseloco(aggregate=shared, k=32)")
     assert str(shared.codec) == ("ef(beta=0.95) | sharedtopk(k=32, chunk=4096, values=fp16, "
-                                 "select=leader)")
+                                 "select=each)")
     dense_shared = parse_method("sparseloco(aggregate=shared, density=0.01, chunk=2048, "
                                 "bits=8)")
     assert str(dense_shared.codec) == ("ef(beta=0.95) | sharedtopk(k=20, chunk=2048, "
-                                       "values=int8, select=leader)")
-    each = parse_method("sparseloco(aggregate=shared, select=each)")
-    assert str(each.codec).endswith("select=each)")
+                                       "values=int8, select=each)")
+    leader = parse_method("sparseloco(aggregate=shared, select=leader)")
+    assert str(leader.codec).endswith("select=leader)")
     with pytest.raises(ValueError, match="select= picks the positions of aggregate=shared"):
         parse_method("sparseloco(select=each)")
     with pytest.raises(ValueError, match="select must be one of leader, each"):

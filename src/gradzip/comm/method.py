@@ -96,8 +96,9 @@ def _aggregation(text: str) -> str:
 #: sends (W-1) payloads' worth), or reduced in two phases (each rank's chunk summed by
 #: its owner and sent on re-encoded: about two payloads' worth at any W, and a second
 #: lossy step), or whichever the link byte model says sends less (``auto``), or
-#: ``shared``: one rotating rank's positions for every rank, the values all-reduced in
-#: 16 bits (``sharedtopk``, ScaleCom's CLT-k: one position and 2 (W-1)/W values per
+#: ``shared``: positions every rank shares (the union of each rank's top ceil(k/W), or
+#: with ``select=leader`` one rotating rank's), the values all-reduced in
+#: 16 bits (``sharedtopk``: one position and 2 (W-1)/W values per
 #: kept entry at any W, no second lossy step; ``bits=8`` sums int8 against a scale
 #: per chunk shared by every rank instead; ``tile`` and ``values`` do not apply)
 SPARSELOCO_AGGREGATIONS = ("gather", "two_phase", "auto", "shared")
@@ -121,13 +122,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 SPARSELOCO_CODEC = {"k": 64, "density": None, "chunk": 4096, "tile": None, "bits": 2,
                     "ef_decay": 0.95, "values": "centroid", "aggregate": "gather",
-                    "select": "leader"}
+                    "select": "each"}
 
 
 def sparseloco_codec(k: int | None = 64, density: float | None = None, chunk: int = 4096,
                      bits: int = 2, ef_decay: float = 0.95, tile: int | None = None,
                      values: str = "centroid", aggregate: str = "gather",
-                     select: str = "leader") -> str:
+                     select: str = "each") -> str:
     """SparseLoCo's pseudo-gradient codec as a gradzip chain: error feedback decayed by
     ``ef_decay``, the top ``k`` (or ``density`` x ``chunk``) of every ``chunk`` entries
     (or, with ``tile``, of every tile x tile block of each matrix, as templar selects),
