@@ -14,10 +14,12 @@ import torch
 import gradzip
 from gradzip.aggregation import reduce
 from gradzip.codecs.payload import Payload, PayloadError
-from gradzip.codecs.sharedtopk import kept_per_chunk, leader_of, position_bits
+from gradzip.codecs.sharedtopk import kept_count, kept_per_chunk, leader_of, position_bits
 from gradzip.codecs.sparse import chunked_topk_positions
+from gradzip.collectives.communicator import Communicator
 from gradzip.collectives.linkmodel import link_bytes
-from gradzip.collectives.simulated import run_simulated
+from gradzip.collectives.simulated import SimulatedCommunicator, run_simulated, simulated_group
+from gradzip.comm.method import sparseloco_codec
 
 N, K, CHUNK = 5000, 8, 1024
 
@@ -46,7 +48,7 @@ def test_every_rank_gets_the_mean_at_the_leaders_positions(world: int) -> None:
         own = torch.zeros(N)
         own[where] = xs[rank][where]
         torch.testing.assert_close(local, own, rtol=1e-6, atol=1e-7)
-    assert int((results[0][0] != 0).sum()) == sum(k for _, _, k in kept_per_chunk(N, CHUNK, K))
+    assert int((results[0][0] != 0).sum()) == kept_count(N, CHUNK, K)
 
 
 def test_the_leader_turns_with_every_exchange_and_differs_between_tensors() -> None:
@@ -85,7 +87,7 @@ def test_link_bytes_per_rank_do_not_grow_with_the_number_of_ranks(world: int) ->
         return dict(comm.counter.wire)
 
     wire = run_simulated(world, work)[0]
-    kept = sum(k for _, _, k in kept_per_chunk(N, CHUNK, K))
+    kept = kept_count(N, CHUNK, K)
     index_bytes = (kept * position_bits(N, CHUNK) + 7) // 8
     assert wire == {"broadcast": link_bytes("broadcast", index_bytes, world),
                     "all_reduce": link_bytes("all_reduce", 2 * kept, world)}
@@ -195,3 +197,39 @@ def test_select_each_uses_the_union_of_every_rank_s_share(world: int) -> None:
     flag = 1  # the agreed non-finite flag rides on the first collective, one byte here
     assert results[0][1] == {"all_gather": link_bytes("all_gather", packed + flag, world),
                              "all_reduce": link_bytes("all_reduce", 4 * union.numel(), world)}
+
+
+def test_kept_per_chunk_cuts_a_short_last_chunk() -> None:
+    assert kept_per_chunk(2100, 1024, 64) == [(0, 1024, 64), (1024, 1024, 64), (2048, 52, 52)]
+    assert kept_count(2100, 1024, 64) == 180 and kept_count(0, 1024, 64) == 0
+
+
+def test_a_transport_without_a_broadcast_sends_and_counts_an_all_reduce() -> None:
+    """torchft's transport has no broadcast: the base class's stand-in must deliver the
+    source's tensor and count the all-reduce's bytes, not a broadcast's."""
+
+    class NoBroadcast(SimulatedCommunicator):
+        _broadcast = Communicator._broadcast
+
+    def work(rank, comm):
+        plain = NoBroadcast(rank, comm._ex)
+        out = plain.broadcast(torch.full((40,), float(rank + 1)), src=2)
+        return out, dict(plain.counter.wire)
+
+    results = run_simulated(3, work)
+    for out, wire in results:
+        assert torch.equal(out, torch.full((40,), 3.0))
+        assert wire == {"all_reduce": link_bytes("all_reduce", 160, 3)}
+
+
+def test_broadcast_refuses_a_source_outside_the_group() -> None:
+    comm = simulated_group(2)[0]
+    with pytest.raises(ValueError, match=r"broadcast source must be in \[0, 2\), got 2"):
+        comm.broadcast(torch.zeros(3), src=2)
+    assert torch.equal(simulated_group(1)[0].broadcast(torch.ones(2), 0), torch.ones(2))
+
+
+def test_the_sparseloco_builder_refuses_bits_it_cannot_sum() -> None:
+    assert sparseloco_codec(aggregate="shared", bits=8).endswith("values=int8, select=each)")
+    with pytest.raises(ValueError, match="sums values in 16 or 8 bits, got 3"):
+        sparseloco_codec(aggregate="shared", bits=3)

@@ -57,8 +57,13 @@ def position_bits(numel: int, chunk: int) -> int:
 def kept_per_chunk(numel: int, chunk: int, k: int) -> list[tuple[int, int, int]]:
     """(start, length, kept) of every chunk of ``numel`` entries: each keeps ``k`` (a
     chunk shorter than ``k`` keeps all of it), as ``chunked_topk_positions`` selects."""
-    out = [(start, min(chunk, numel - start), 0) for start in range(0, numel, chunk)]
-    return [(s, n, min(k, n)) for s, n, _ in out]
+    lengths = [(start, min(chunk, numel - start)) for start in range(0, numel, chunk)]
+    return [(start, n, min(k, n)) for start, n in lengths]
+
+
+def kept_count(numel: int, chunk: int, k: int) -> int:
+    """How many entries a top ``k`` of every chunk keeps."""
+    return sum(kept for _, _, kept in kept_per_chunk(numel, chunk, k))
 
 
 def leader_of(key: str, step: int, world: int) -> int:
@@ -101,14 +106,14 @@ class SharedTopK(Compressor):
         return pack_bits((((positions % chunk).unsqueeze(1) >> shifts) & 1).bool())
 
     def _packed_len(self, numel: int, k: int) -> int:
-        count = sum(kept for _, _, kept in kept_per_chunk(numel, self.params["chunk"], k))
+        count = kept_count(numel, self.params["chunk"], k)
         return packed_bits_len(count * position_bits(numel, self.params["chunk"]))
 
     def _unpack(self, packed: torch.Tensor, numel: int, k: int) -> torch.Tensor:
         """The positions ``_pack`` packed of a top ``k``; bytes from a peer are checked,
         not trusted."""
         chunk, bits = self.params["chunk"], position_bits(numel, self.params["chunk"])
-        count = sum(kept for _, _, kept in kept_per_chunk(numel, chunk, k))
+        count = kept_count(numel, chunk, k)
         if packed.dtype != torch.uint8 or packed.numel() != packed_bits_len(count * bits):
             raise PayloadError(f"sharedtopk: {packed.numel()} position bytes of "
                                f"{packed.dtype}, expected {packed_bits_len(count * bits)} "

@@ -138,8 +138,11 @@ def sparseloco_codec(k: int | None = 64, density: float | None = None, chunk: in
     ``SPARSELOCO_AGGREGATIONS``; ``shared`` builds ``ef | sharedtopk`` instead, whose
     positions ``select`` picks)."""
     if aggregate == "shared":
+        if bits not in SHARED_VALUE_BITS and bits != SPARSELOCO_CODEC["bits"]:
+            raise ValueError(f"aggregate=shared sums values in "
+                             f"{' or '.join(map(str, SHARED_VALUE_BITS))} bits, got {bits}")
         kept = k if density is None else max(1, round(density * chunk))
-        summed = SHARED_VALUE_BITS.get(bits, "fp16")  # the gather's 2 bits: the default
+        summed = SHARED_VALUE_BITS.get(bits, "fp16")  # the gather's default 2: fp16
         return (f"ef(beta={ef_decay:g}) | sharedtopk(k={kept}, chunk={chunk}, "
                 f"values={summed}, select={select})")
     keep = f"ratio={density:g}" if density is not None else f"k={k}"
