@@ -78,3 +78,19 @@ def test_break_evens_follow_the_stated_time_model() -> None:
     assert got["slow"] == "never wins"  # more bytes and more time
     assert got["none"].startswith("wins only above")  # more bytes, less codec time
     assert rows[1]["encode_of_copy"] == "50%" and rows[1]["decode_of_copy"] == "25%"
+
+
+def test_a_chain_with_a_device_format_is_compared_with_that_format_on_the_cpu() -> None:
+    """On a GPU ``ans`` writes its lanes format: ``equal_cpu`` encodes the CPU's payload
+    with ``ans(backend=lanes)``, and a chain counts as deterministic (and as having a
+    kernel) by all of its stages, not by the first name of the spec."""
+    from gradzip.bench.gpu_speed import DETERMINISTIC, KERNEL_STAGES, cpu_twin, stage_names
+
+    assert stage_names("ef | topk(ratio=0.01) | ans") == ["ef", "topk", "ans"]
+    assert cpu_twin("int8 | ans") == "int8 | ans(backend=lanes)"
+    assert cpu_twin("int8(block=64) | ans(chunk=4096)") == \
+        "int8(block=64) | ans(backend=lanes, chunk=4096)"
+    assert cpu_twin("int8 | ans(backend=constriction)") == "int8 | ans(backend=constriction)"
+    assert set(stage_names("int8 | ans")) <= set(DETERMINISTIC)
+    assert not set(stage_names("qsgd | eg")) <= set(DETERMINISTIC)
+    assert "ans" in KERNEL_STAGES

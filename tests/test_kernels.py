@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import gradzip
-from gradzip.codecs import kernels
+from gradzip.codecs import Payload, kernels
 from gradzip.codecs.layout import block_stats, tensor_layout
 from gradzip.codecs.quantize import quantize_layout, safe_inverse
 
@@ -322,3 +322,62 @@ def test_a_trit_byte_past_242_is_refused_or_flagged() -> None:
 @pytest.mark.parametrize("spec", ["terngrad", "ef | terngrad", "terngrad(shared=false)"])
 def test_terngrad_equals_the_torch_path(spec: str) -> None:
     _paths_agree(spec, [3_000, 0, 41, 500], seed=8)
+
+
+# ---------------------------------------------------------------- ans on the device
+def _rans_case(dtype: torch.dtype, n: int, spread: float = 30.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(n)
+    if dtype == torch.uint8:  # one symbol: the whole scale, no words
+        return torch.full((n,), 9, dtype=dtype)
+    return (torch.randn(n, generator=g) * spread).round().clamp(-3000, 3000).to(dtype)
+
+
+@pytest.mark.parametrize(("dtype", "n"), [(torch.int8, 16_384 + 100), (torch.int16, 300),
+                                          (torch.uint8, 50)])
+def test_rans_kernels_write_the_references_words(dtype: torch.dtype, n: int) -> None:
+    """Histogram, encode and decode kernels against ``entropy/lanes.py``: two blocks
+    (the second short), two byte planes, a one-symbol plane."""
+    from gradzip.codecs.entropy import lanes
+    from gradzip.codecs.kernels import rans
+
+    planes = lanes.planes_of(_rans_case(dtype, n))
+    counts = rans.histogram(planes)
+    assert torch.equal(counts, lanes.histogram(planes))
+    freq = lanes.quantize(counts)
+    coded, total = rans.encode(planes, freq)
+    want = lanes.encode(planes, freq)
+    for name in ("freq", "words", "states", "sums", "data"):
+        assert torch.equal(getattr(coded, name), getattr(want, name)), name
+    assert total == want.data.numel()
+    out, sound = rans.decode(want, n)
+    assert bool(sound) and torch.equal(out, planes)
+
+
+def test_the_rans_decode_kernel_flags_corrupt_blocks_and_stays_in_bounds() -> None:
+    from gradzip.codecs.entropy import lanes
+    from gradzip.codecs.kernels import rans
+
+    planes = lanes.planes_of(_rans_case(torch.int8, 2_000))
+    good = lanes.encode(planes, lanes.quantize(lanes.histogram(planes)))
+    flipped = good.data.clone()
+    flipped[5] ^= 1
+    for bad in (lanes.Coded(good.freq, good.words, good.states, good.sums, flipped),
+                lanes.Coded(good.freq, torch.full_like(good.words, 2**31 - 1), good.states,
+                            good.sums, good.data)):
+        out, sound = rans.decode(bad, 2_000)
+        assert not bool(sound) and out.shape == planes.shape
+
+
+def test_ans_picks_the_kernel_by_device_and_both_sides_decode_it() -> None:
+    """``ans`` (default backend) on a device tensor writes the lanes format with the
+    kernel: the same payload as ``backend=lanes`` on the CPU, decoded by either."""
+    from gradzip.codecs.entropy import ans
+
+    t = _rans_case(torch.int8, 5_000, spread=4.0)  # compresses: coded, not raw
+    with kernels.interpreted():
+        fused = ans.encode(t)
+        assert torch.equal(ans.decode(fused), t)
+    cpu = ans.encode(t, backend="lanes")
+    assert fused.meta["m"] == "lanes"
+    assert Payload({"f": fused}).serialize() == Payload({"f": cpu}).serialize()
+    assert torch.equal(ans.decode(fused), t)

@@ -41,10 +41,31 @@ from gradzip.compare.sweep import weigh
 
 #: ranks of the break-even model (one 8-GPU node's worth, each on its own link)
 WORLD = 8
-#: stages with a fused kernel: timed with the kernels off as well
-KERNEL_STAGES = ("int8", "qsgd", "fp8")
-#: stages whose payload does not depend on random draws: compared with the CPU's
-DETERMINISTIC = ("none", "fp16", "bf16", "int8", "fp8", "topk", "signsgd")
+#: stages with a fused kernel: a chain with one is timed with the kernels off as well
+KERNEL_STAGES = ("int8", "qsgd", "fp8", "ans")
+#: stages whose payload does not depend on random draws: a chain of only these is
+#: compared with the CPU's
+DETERMINISTIC = ("none", "fp16", "bf16", "int8", "fp8", "topk", "signsgd", "ef", "ans")
+#: stages whose device backend writes another of their formats than the host's
+#: default, and the option that asks a CPU for it (``ans``'s lanes, ``entropy/lanes.py``)
+DEVICE_FORMAT = {"ans": "backend=lanes"}
+
+
+def stage_names(spec: str) -> list[str]:
+    """The stage names of a chain spec, in order (``"int8 | ans"``: int8, ans)."""
+    return [part.split("(")[0].strip() for part in spec.split("|")]
+
+
+def cpu_twin(spec: str) -> str:
+    """The spec whose CPU payload a GPU's payload of ``spec`` must equal."""
+    parts = []
+    for part in (p.strip() for p in spec.split("|")):
+        name, _, args = part.partition("(")
+        option = DEVICE_FORMAT.get(name.strip())
+        if option and "backend" not in args:
+            part = f"{name.strip()}({option}{', ' + args if args.strip(') ') else ')'}"
+        parts.append(part)
+    return " | ".join(parts)
 
 
 class SyncBox(list[int]):
@@ -146,10 +167,10 @@ def _equal_cpu(spec: str, x: torch.Tensor, shapes: list[torch.Size], payload: An
     payload depends on draws, which differ between devices by design)."""
     import gradzip
 
-    if spec.split("(")[0].strip() not in DETERMINISTIC:
+    if not set(stage_names(spec)) <= set(DETERMINISTIC):
         return "random"
     mine = dict(payload.leaves())
-    cpu = dict(gradzip.codec(spec).encode(x.cpu(), "b", shapes).leaves())
+    cpu = dict(gradzip.codec(cpu_twin(spec)).encode(x.cpu(), "b", shapes).leaves())
     return mine.keys() == cpu.keys() and all(
         mine[k].dtype == cpu[k].dtype and torch.equal(mine[k].cpu(), cpu[k]) for k in cpu)
 
@@ -182,7 +203,7 @@ def speed_row(spec: str, x: torch.Tensor, shapes: list[torch.Size],
         if on_device[0] and on_device[1]:
             row.update(device_encode_gbps=round(n * 4 / on_device[0] / 1e9, 1),
                        device_decode_gbps=round(n * 4 / on_device[1] / 1e9, 1))
-        if spec.split("(")[0].strip() in KERNEL_STAGES:
+        if set(stage_names(spec)) & set(KERNEL_STAGES):
             with _kernels_off():
                 t_enc, t_dec, _, _ = _speeds(spec, x, shapes, repeat)
             row.update(torch_encode_gbps=round(n * 4 / t_enc / 1e9, 2),

@@ -295,8 +295,11 @@ class LosslessCoder(Stage):
         """
 
     @abstractmethod
-    def decode_field(self, p: Payload) -> torch.Tensor:
-        """Rebuild the exact tensor ``encode_field`` was given."""
+    def decode_field(self, p: Payload, device: torch.device | None = None) -> torch.Tensor:
+        """Rebuild the exact tensor ``encode_field`` was given.
+
+        ``device``: where the caller wants it; a coder that decodes on a device may
+        decode there (``ans``'s lanes format), the others decode on the host."""
 
 
 Encode = Callable[[torch.Tensor], Payload]

@@ -453,7 +453,7 @@ class Codec:
         for name, value in p.fields.items():
             if isinstance(value, Payload):
                 if value.meta.get(_CODED) == index:
-                    fields[name] = coder.decode_field(value).to(device)
+                    fields[name] = coder.decode_field(value, device).to(device)
                 else:
                     fields[name] = self._undo_recode(value, index, coder, device)
             else:

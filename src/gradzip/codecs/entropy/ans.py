@@ -12,6 +12,11 @@ the identical model. Two backends, both exact, chosen by ``backend``:
 * ``constriction``: ``constriction``'s ``stack.AnsCoder`` (Bamler 2022) with a
   ``Categorical`` model of the exact counts — the reference implementation, about
   half the speed. Both spend within ~0.1% of the entropy on large streams.
+* ``lanes``: the device format (``ans_lanes.py``): blocks of 16,384 symbols, each
+  coded by 32 interleaved rANS states in lock step, as DietGPU codes on a GPU. A field
+  on a CUDA device is coded this way by the ``rans`` backend too (a Triton kernel, the
+  payload staying on the device); ``lanes`` asks for the format everywhere (on a CPU,
+  a vectorised torch reference at ~40 MB/s). Either side decodes either's payloads.
 
 Large streams are coded in chunks of ``chunk`` symbols (one model, a word count per
 chunk in the header), which bounds working memory and lets a decoder stop early; the
@@ -34,8 +39,16 @@ import constriction
 import numpy as np
 import torch
 
+from gradzip.codecs import kernels
 from gradzip.codecs.base import LosslessCoder, Slot
-from gradzip.codecs.entropy import _frame, _kernels, _rans, _rans_vector, _rans_vector_decode
+from gradzip.codecs.entropy import (
+    _frame,
+    _kernels,
+    _rans,
+    _rans_vector,
+    _rans_vector_decode,
+    ans_lanes,
+)
 from gradzip.codecs.payload import MetaValue, Payload
 from gradzip.codecs.registry import Param, in_range, register
 
@@ -44,7 +57,7 @@ ALPHABET_SPAN = 1 << 16
 #: the rANS backend codes directly at most this many distinct symbols
 RANS_SYMBOLS = 4096
 DEFAULT_CHUNK = 1 << 16
-BACKENDS = ("rans", "constriction")
+BACKENDS = ("rans", "constriction", "lanes")
 #: the rANS coders: eight states in one SIMD register where the host has AVX2 (the
 #: decoder four chunks at a time), else one state after another; the same words either way
 RANS_ENCODER = _rans_vector if _rans_vector.AVAILABLE else _rans
@@ -91,15 +104,16 @@ class Ans(LosslessCoder):
     PARAMS: ClassVar[tuple[Param, ...]] = (
         Param("chunk", int, DEFAULT_CHUNK, "symbols per independently coded chunk",
               check=in_range(1024, 1 << 30)),
-        Param("backend", str, "rans", "rans (numba, fast) or constriction (reference)",
-              choices=BACKENDS),
+        Param("backend", str, "rans",
+              "rans (numba on a host, a Triton kernel on a GPU), constriction (reference) "
+              "or lanes (the GPU's format everywhere)", choices=BACKENDS),
     )
 
     def encode_field(self, t: torch.Tensor, slot: Slot | None = None) -> Payload:
         return encode(t, self.params["chunk"], self.params["backend"])
 
-    def decode_field(self, p: Payload) -> torch.Tensor:
-        return decode(p)
+    def decode_field(self, p: Payload, device: torch.device | None = None) -> torch.Tensor:
+        return decode(p, device)
 
 
 def encode(t: torch.Tensor, chunk: int = DEFAULT_CHUNK, backend: str = "rans") -> Payload:
@@ -108,6 +122,8 @@ def encode(t: torch.Tensor, chunk: int = DEFAULT_CHUNK, backend: str = "rans") -
         raise TypeError(f"ans codes integer tensors, got {t.dtype}")
     if backend not in BACKENDS:
         raise ValueError(f"ans backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "lanes" or (backend == "rans" and kernels.runs_on(t)):
+        return ans_lanes.encode(t)
     return _frame.pick(_code(_frame.to_numpy(t), t, chunk, backend), t)
 
 
@@ -261,8 +277,13 @@ def _decode_rans(mode: str, words: np.ndarray, freq: np.ndarray, values: np.ndar
         offset += size
 
 
-def decode(p: Payload) -> torch.Tensor:
-    """Rebuild the exact tensor from an ``ans`` coded field; raises on corruption."""
+def decode(p: Payload, device: torch.device | None = None) -> torch.Tensor:
+    """Rebuild the exact tensor from an ``ans`` coded field; raises on corruption.
+
+    ``device``: where the tensor is wanted. A lanes-format field decodes there (the
+    kernel on a GPU); the host formats decode on the host."""
+    if p.meta.get("m") in ans_lanes.MODES:
+        return ans_lanes.decode(p, device)
     _frame.check(p, "ans")
     mode = p.meta.get("m")
     if mode == _frame.STORED:

@@ -43,7 +43,7 @@ class _ByteCoder(LosslessCoder):
                          "lvl": int(self.params["level"])})
         return _frame.pick(coded, t)
 
-    def decode_field(self, p: Payload) -> torch.Tensor:
+    def decode_field(self, p: Payload, device: torch.device | None = None) -> torch.Tensor:
         _frame.check(p, self.name)
         if p.meta.get("m") == _frame.STORED:
             return _frame.unstore(p, self.name, _frame.WIRE_DTYPES)

@@ -76,7 +76,7 @@ class ExpGolomb(LosslessCoder):
     def encode_field(self, t: torch.Tensor, slot: Slot | None = None) -> Payload:
         return encode(t, self.params["k"], self.params["mapping"])
 
-    def decode_field(self, p: Payload) -> torch.Tensor:
+    def decode_field(self, p: Payload, device: torch.device | None = None) -> torch.Tensor:
         return decode(p)
 
 

@@ -1,0 +1,117 @@
+"""``ans``'s lanes format as a payload: coded on the device, decoded on either side.
+
+A field on a CUDA device is coded there (``codecs/kernels/rans.py``) and its payload's
+tensors stay there: the table, each block's word count, final states and checksum, and
+the words. The only host read is the word count that sizes the payload. The same
+payload decodes with the kernel on a GPU or with the CPU reference (``lanes.py``) on
+a host, to the same tensor: which side wrote it does not matter, the format is one.
+
+Where coding does not pay (a short field, random bytes) the field travels as its raw
+bytes in a tensor (mode ``rawt``), still on the device, with a checksum of them.
+
+The payload's tensors are not covered by ``_frame``'s host checksum (hashing them would
+copy them to the host): each block carries its own checksum, checked by the decoder
+with its final states and word count. Every header value is checked against the
+tensors' shapes; the table and counts, whose checks need their values, are checked
+with the blocks' results, at once (one host read) or under deferred checks
+(``validation.py``) as a flag on the device, the output then being made from safe
+reads whatever the bytes said.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradzip.codecs import kernels
+from gradzip.codecs.entropy import _frame, lanes
+from gradzip.codecs.payload import MetaValue, Payload
+from gradzip.codecs.validation import deferring
+
+#: the format's mode names: coded by lanes, or the raw bytes as a tensor
+LANES, RAW = "lanes", "rawt"
+MODES = (LANES, RAW)
+
+
+def encode(t: torch.Tensor) -> Payload:
+    """Code an integer tensor in the lanes format where ``t`` is (kernel on a GPU,
+    reference on a CPU); its raw bytes where coding does not pay."""
+    meta: dict[str, MetaValue] = {"dt": _frame.dtype_code(t), "sh": tuple(t.shape)}
+    if not t.numel():
+        return _raw(t, meta)
+    planes = lanes.planes_of(t)
+    fused = kernels.runs_on(t)
+    if fused:
+        from gradzip.codecs.kernels import rans
+        coded, _ = rans.encode(planes, lanes.quantize(rans.histogram(planes)))
+    else:
+        coded = lanes.encode(planes, lanes.quantize(lanes.histogram(planes)))
+    payload = Payload({"t": coded.freq, "w": coded.words, "s": coded.states,
+                       "h": coded.sums, "d": coded.data},
+                      {"m": LANES, **meta, "np": planes.shape[0], "ck": lanes.BLOCK})
+    return _raw(t, meta) if payload.wire_bytes >= _frame.stored_wire_bytes(t) else payload
+
+
+def _raw(t: torch.Tensor, meta: dict[str, MetaValue]) -> Payload:
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return Payload({"d": raw, "h": lanes.byte_checksum(raw)}, {"m": RAW, **meta})
+
+
+def decode(p: Payload, device: torch.device | None = None) -> torch.Tensor:
+    """The exact tensor of a lanes-format field, on ``device`` (default: where its
+    tensors are); raises ``EntropyCodingError`` on a malformed or corrupt field (under
+    deferred checks: records the check and returns a tensor of the right shape)."""
+    dtype, shape, numel = _frame.header(p)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if p.meta.get("m") == RAW:
+        raw = _tensor(p, "d", torch.uint8, (numel * itemsize,))
+        raw = raw.to(device or raw.device)
+        want = _tensor(p, "h", torch.int32, (1,)).to(raw.device)
+        _require((lanes.byte_checksum(raw) == want).all())
+        return raw.view(dtype).reshape(shape)
+    nplanes = _frame.meta_int(p, "np", "ans")
+    if nplanes != itemsize or _frame.meta_int(p, "ck", "ans") != lanes.BLOCK:
+        raise _frame.EntropyCodingError(
+            f"ans: lanes field of {nplanes} planes in blocks of {p.meta.get('ck')}; this "
+            f"gradzip reads {itemsize} planes in blocks of {lanes.BLOCK}")
+    rows = nplanes * lanes.blocks_of(numel)
+    coded = lanes.Coded(
+        _tensor(p, "t", torch.int16, (nplanes, 256)), _tensor(p, "w", torch.int32, (rows,)),
+        _tensor(p, "s", torch.int32, (rows, lanes.LANES)),
+        _tensor(p, "h", torch.int32, (rows,)), _tensor(p, "d", torch.int16, None))
+    where = torch.device(device) if device is not None else coded.data.device
+    coded = lanes.Coded(*(x.to(where) for x in (coded.freq, coded.words, coded.states,
+                                                  coded.sums, coded.data)))
+    if kernels.runs_on(coded.data):
+        from gradzip.codecs.kernels import rans
+        planes, sound = rans.decode(coded, numel)
+    else:
+        planes, sound = lanes.decode(coded, numel)
+    counts = coded.words.to(torch.int64)
+    ok = (sound & lanes.table_ok(coded.freq) & (counts >= 0).all()
+          & (counts <= lanes.BLOCK).all() & (counts.sum() == coded.data.numel()))
+    _require(ok)
+    return lanes.from_planes(planes, dtype).reshape(shape)
+
+
+def _require(ok: torch.Tensor) -> None:
+    """Raise unless ``ok`` (one host read), or record it under deferred checks."""
+    what = "ans: lanes field decodes soundly (table, word counts, states, checksums)"
+    checks = deferring()
+    if checks is not None:
+        checks.require(ok, what)
+    elif not bool(ok):
+        raise _frame.EntropyCodingError("ans: lanes field is corrupt or truncated (its "
+                                        "table, word counts, states or checksums do not "
+                                        "match its data)")
+
+
+def _tensor(p: Payload, name: str, dtype: torch.dtype,
+            shape: tuple[int, ...] | None) -> torch.Tensor:
+    """Field ``name``: a tensor of ``dtype`` and ``shape`` (1-D of any length: None)."""
+    value = p.fields.get(name)
+    if not isinstance(value, torch.Tensor) or value.dtype != dtype or (
+            value.dim() != 1 if shape is None else tuple(value.shape) != shape):
+        raise _frame.EntropyCodingError(
+            f"ans: lanes field {name!r} must be a {dtype} tensor of shape "
+            f"{shape if shape is not None else '(n,)'}")
+    return value
