@@ -14,6 +14,7 @@ import gradzip
 from gradzip.codecs import Payload, PayloadError
 from gradzip.codecs.entropy import _frame, _kernels, ans, bytecoders, measures
 from gradzip.codecs.entropy.floatcodec import LosslessFloat, join_planes, split_planes
+from gradzip.codecs.payload import DTYPE_CODE
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -291,3 +292,40 @@ def test_exponent_planes_that_do_not_shrink_are_stored(size):
     assert p.child("p0").meta["m"] == _frame.STORED
     assert torch.equal(LosslessFloat().decode(p, x.shape, None).view(torch.int16),
                        x.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@given(data=st.data())
+def test_the_device_split_is_the_host_split(dtype, data):
+    """``floatcodec_device`` splits and joins by torch ops what numba does on the host:
+    the same planes for any bit pattern (NaN payloads, infinities, subnormals, -0)."""
+    from gradzip.codecs.entropy import floatcodec_device
+
+    width = torch.empty(0, dtype=dtype).element_size()
+    raw = data.draw(st.binary(min_size=0, max_size=64 * width))
+    raw = raw[: len(raw) // width * width]
+    x = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype) if raw else \
+        torch.empty(0, dtype=dtype)
+    planes = floatcodec_device.split(x)
+    assert [p.numpy().tobytes() for p in planes] == [p.tobytes() for p in split_planes(x)]
+    assert torch.equal(bits(floatcodec_device.join(planes, dtype)), bits(x))
+
+
+def test_a_payload_with_device_planes_decodes_on_the_host():
+    """A plane in the device's raw form (``rawt``) beside host-coded ones decodes, and a
+    flipped bit in it is caught."""
+    from gradzip.codecs.entropy import ans_lanes, floatcodec_device
+
+    x = grad_like(5000)
+    fields = floatcodec_device.encode_planes(x)  # on a CPU: ans's host format for p0
+    assert [fields[f"p{i}"].meta["m"] for i in range(1, 4)] == [ans_lanes.RAW] * 3
+    c = LosslessFloat()
+    meta = {"fl": DTYPE_CODE[torch.float32]}
+    p = _frame.seal(Payload(dict(fields), meta))
+    wire = Payload.deserialize(p.serialize())
+    assert torch.equal(bits(c.decode(wire, x.shape, None)), bits(x))
+    data = fields["p3"].fields["d"].clone()
+    data[10] ^= 1
+    bad = {**fields, "p3": Payload({**fields["p3"].fields, "d": data}, fields["p3"].meta)}
+    with pytest.raises(PayloadError):
+        c.decode(_frame.seal(Payload(bad, meta)), x.shape, None)

@@ -381,3 +381,19 @@ def test_ans_picks_the_kernel_by_device_and_both_sides_decode_it() -> None:
     assert fused.meta["m"] == "lanes"
     assert Payload({"f": fused}).serialize() == Payload({"f": cpu}).serialize()
     assert torch.equal(ans.decode(fused), t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lossless_codes_its_exponent_plane_with_the_kernel(dtype: torch.dtype) -> None:
+    """``lossless`` on a device tensor: planes split by torch, the exponent plane by the
+    lanes kernel, the rest raw; exact where it is decoded, and on a host."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(12_000, generator=g) * torch.randn(12_000, generator=g).exp()).to(dtype)
+    codec = gradzip.codec("lossless")
+    with kernels.interpreted():
+        p = codec.encode(x, "k")
+        assert torch.equal(codec.decode(p, "k").view(torch.uint8), x.view(torch.uint8))
+    assert [p.child(f"p{i}").meta["m"] for i in range(len(p.fields))][:2] == ["lanes", "rawt"]
+    assert p.wire_bytes < x.numel() * x.element_size()
+    y = gradzip.codec("lossless").decode(Payload.deserialize(p.serialize()), "k")
+    assert torch.equal(y.view(torch.uint8), x.view(torch.uint8))

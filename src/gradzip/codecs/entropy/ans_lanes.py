@@ -37,7 +37,7 @@ def encode(t: torch.Tensor) -> Payload:
     reference on a CPU); its raw bytes where coding does not pay."""
     meta: dict[str, MetaValue] = {"dt": _frame.dtype_code(t), "sh": tuple(t.shape)}
     if not t.numel():
-        return _raw(t, meta)
+        return raw(t)
     planes = lanes.planes_of(t)
     fused = kernels.runs_on(t)
     if fused:
@@ -48,12 +48,15 @@ def encode(t: torch.Tensor) -> Payload:
     payload = Payload({"t": coded.freq, "w": coded.words, "s": coded.states,
                        "h": coded.sums, "d": coded.data},
                       {"m": LANES, **meta, "np": planes.shape[0], "ck": lanes.BLOCK})
-    return _raw(t, meta) if payload.wire_bytes >= _frame.stored_wire_bytes(t) else payload
+    return raw(t) if payload.wire_bytes >= _frame.stored_wire_bytes(t) else payload
 
 
-def _raw(t: torch.Tensor, meta: dict[str, MetaValue]) -> Payload:
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return Payload({"d": raw, "h": lanes.byte_checksum(raw)}, {"m": RAW, **meta})
+def raw(t: torch.Tensor) -> Payload:
+    """``t``'s bytes as a tensor where ``t`` is, with their checksum (mode ``rawt``): the
+    form of a field that coding would not shrink, kept on the device."""
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return Payload({"d": data, "h": lanes.byte_checksum(data)},
+                   {"m": RAW, "dt": _frame.dtype_code(t), "sh": tuple(t.shape)})
 
 
 def decode(p: Payload, device: torch.device | None = None) -> torch.Tensor:
@@ -63,11 +66,11 @@ def decode(p: Payload, device: torch.device | None = None) -> torch.Tensor:
     dtype, shape, numel = _frame.header(p)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     if p.meta.get("m") == RAW:
-        raw = _tensor(p, "d", torch.uint8, (numel * itemsize,))
-        raw = raw.to(device or raw.device)
-        want = _tensor(p, "h", torch.int32, (1,)).to(raw.device)
-        _require((lanes.byte_checksum(raw) == want).all())
-        return raw.view(dtype).reshape(shape)
+        data = _tensor(p, "d", torch.uint8, (numel * itemsize,))
+        data = data.to(device or data.device)
+        want = _tensor(p, "h", torch.int32, (1,)).to(data.device)
+        _require((lanes.byte_checksum(data) == want).all())
+        return data.view(dtype).reshape(shape)
     nplanes = _frame.meta_int(p, "np", "ans")
     if nplanes != itemsize or _frame.meta_int(p, "ck", "ans") != lanes.BLOCK:
         raise _frame.EntropyCodingError(

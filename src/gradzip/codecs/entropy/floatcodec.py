@@ -29,6 +29,11 @@ payloads still decode. Every plane is exact and checksummed, and so is the whole
 payload (dtype code, raw bytes of small tensors, the planes' checksums), so the codec is
 lossless for any input, including inf/NaN bit patterns, any rank can decode any
 payload, and a damaged one raises instead of decoding to other values.
+
+On a CUDA device (``exponent=auto`` or ``ans``, ``rest=auto`` or ``raw``) the planes
+are split and the exponent plane coded there (``floatcodec_device``: ``ans``'s lanes
+kernel, the other planes raw), the payload staying on the device; either side decodes
+either's payloads.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from gradzip.codecs import kernels
 from gradzip.codecs.base import Compressor, Slot
 from gradzip.codecs.entropy import (
     _frame,
@@ -48,6 +54,7 @@ from gradzip.codecs.entropy import (
     _zstd_plane,
     ans,
     bytecoders,
+    floatcodec_device,
 )
 from gradzip.codecs.payload import DTYPE_CODE, DTYPES, MetaValue, Payload, PayloadError
 from gradzip.codecs.registry import Param, in_range, register
@@ -162,6 +169,8 @@ class LosslessFloat(Compressor):
         flat = x.detach().reshape(-1)
         if flat.numel() < MIN_NUMEL:
             return _frame.seal(Payload({"raw": _frame.stored(flat)["d"]}, meta))
+        if self._on_device(flat):
+            return _frame.seal(Payload(dict(floatcodec_device.encode_planes(flat)), meta))
         planes, counts = split_with_counts(flat)
         fields: dict[str, Payload] = {}
         coder = self.params["exponent"]
@@ -173,6 +182,14 @@ class LosslessFloat(Compressor):
                                                ACCELERATION[x.dtype])
         # the checksum covers the dtype code, raw bytes and each plane's own checksum
         return _frame.seal(Payload(dict(fields), meta))
+
+    def _on_device(self, flat: torch.Tensor) -> bool:
+        """Whether ``flat`` is coded where it is (``floatcodec_device``): on a device the
+        ``ans`` kernel runs on, with settings that path keeps (the host's Huffman, zstd
+        and sampled estimates stay on the host)."""
+        return (flat.dtype in floatcodec_device.DTYPES and kernels.runs_on(flat)
+                and self.params["exponent"] in ("auto", "ans")
+                and self.params["rest"] in ("auto", "raw"))
 
     def _code_plane(self, plane: np.ndarray, counts: np.ndarray, exponent: str | None,
                     acceleration: int) -> Payload:
@@ -216,6 +233,9 @@ class LosslessFloat(Compressor):
         count = _PLANES[dtype]
         if dtype == torch.float16 and f"p{_FP16_V1_PLANES - 1}" in p.fields:
             count = _FP16_V1_PLANES
+        if floatcodec_device.is_device_format(p, count):
+            flat = floatcodec_device.decode_planes(p, dtype, numel, count)
+            return flat.reshape(shape)
         planes = [_decode_plane(p.child(f"p{i}"), numel) for i in range(count)]
         if count == _FP16_V1_PLANES:
             words = np.empty(numel, np.uint16)
