@@ -397,3 +397,21 @@ def test_lossless_codes_its_exponent_plane_with_the_kernel(dtype: torch.dtype) -
     assert p.wire_bytes < x.numel() * x.element_size()
     y = gradzip.codec("lossless").decode(Payload.deserialize(p.serialize()), "k")
     assert torch.equal(y.view(torch.uint8), x.view(torch.uint8))
+
+
+def test_ans_on_the_device_reads_the_host_once_to_encode_and_never_to_decode() -> None:
+    """The host-read budget of the lanes path (issue 44 item 1), counted as a GPU would
+    make them: encode reads the word count that sizes the payload; a decode under
+    deferred checks reads nothing (its flag is read with the reduction's others)."""
+    from gradzip.bench.devicecheck import count_host_syncs
+    from gradzip.codecs.entropy import ans
+    from gradzip.codecs.validation import deferred_checks
+
+    t = _rans_case(torch.int8, 5_000, spread=4.0)
+    with kernels.interpreted():
+        with count_host_syncs() as encoding:
+            p = ans.encode(t)
+        with deferred_checks() as checks, count_host_syncs() as decoding:
+            y = ans.decode(p)
+    assert encoding.total == 1 and decoding.total == 0, (encoding.counts, decoding.counts)
+    assert torch.equal(y, t) and not bool(checks.failed(torch.device("cpu")))

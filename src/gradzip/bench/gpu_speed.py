@@ -42,7 +42,7 @@ from gradzip.compare.sweep import weigh
 #: ranks of the break-even model (one 8-GPU node's worth, each on its own link)
 WORLD = 8
 #: stages with a fused kernel: a chain with one is timed with the kernels off as well
-KERNEL_STAGES = ("int8", "qsgd", "fp8", "ans")
+KERNEL_STAGES = ("int8", "qsgd", "fp8", "ans", "lossless")
 #: stages whose payload does not depend on random draws: a chain of only these is
 #: compared with the CPU's
 DETERMINISTIC = ("none", "fp16", "bf16", "int8", "fp8", "topk", "signsgd", "ef", "ans")
