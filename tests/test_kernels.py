@@ -344,11 +344,10 @@ def test_rans_kernels_write_the_references_words(dtype: torch.dtype, n: int) -> 
     counts = rans.histogram(planes)
     assert torch.equal(counts, lanes.histogram(planes))
     freq = lanes.quantize(counts)
-    coded, total = rans.encode(planes, freq)
+    coded = rans.encode(planes, freq)
     want = lanes.encode(planes, freq)
     for name in ("freq", "words", "states", "sums", "data"):
         assert torch.equal(getattr(coded, name), getattr(want, name)), name
-    assert total == want.data.numel()
     out, sound = rans.decode(want, n)
     assert bool(sound) and torch.equal(out, planes)
 

@@ -39,10 +39,9 @@ def encode(t: torch.Tensor) -> Payload:
     if not t.numel():
         return raw(t)
     planes = lanes.planes_of(t)
-    fused = kernels.runs_on(t)
-    if fused:
+    if kernels.runs_on(t):
         from gradzip.codecs.kernels import rans
-        coded, _ = rans.encode(planes, lanes.quantize(rans.histogram(planes)))
+        coded = rans.encode(planes, lanes.quantize(rans.histogram(planes)))
     else:
         coded = lanes.encode(planes, lanes.quantize(lanes.histogram(planes)))
     payload = Payload({"t": coded.freq, "w": coded.words, "s": coded.states,

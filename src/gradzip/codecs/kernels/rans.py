@@ -141,9 +141,9 @@ def histogram(planes: torch.Tensor) -> torch.Tensor:
     return hist.to(torch.int64)
 
 
-def encode(planes: torch.Tensor, freq: torch.Tensor) -> tuple[lanes.Coded, int]:
-    """Code ``[planes, n]`` uint8 planes with their tables; the payload's tensors and
-    its word count (the one host read)."""
+def encode(planes: torch.Tensor, freq: torch.Tensor) -> lanes.Coded:
+    """Code ``[planes, n]`` uint8 planes with their tables: the payload's tensors, sized
+    by the one host read (the word count)."""
     p, n = planes.shape
     blocks = lanes.blocks_of(n)
     rows, device = p * blocks, planes.device
@@ -160,7 +160,7 @@ def encode(planes: torch.Tensor, freq: torch.Tensor) -> tuple[lanes.Coded, int]:
     data = torch.empty(total, dtype=torch.int16, device=device)
     if total:
         _copy_kernel[(rows,)](stack, words, _offsets(words), data, BLOCK=BLOCK, COPY=_COPY)
-    return lanes.Coded(freq.to(torch.int16), words, states, sums, data), total
+    return lanes.Coded(freq.to(torch.int16), words, states, sums, data)
 
 
 def _offsets(words: torch.Tensor) -> torch.Tensor:
