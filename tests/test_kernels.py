@@ -414,3 +414,30 @@ def test_ans_on_the_device_reads_the_host_once_to_encode_and_never_to_decode() -
             y = ans.decode(p)
     assert encoding.total == 1 and decoding.total == 0, (encoding.counts, decoding.counts)
     assert torch.equal(y, t) and not bool(checks.failed(torch.device("cpu")))
+
+
+@pytest.mark.parametrize(("n", "seed"), [(10_000, 5), (4_097, 2**40 + 17), (3, 2**63 - 1)])
+def test_randomk_hash_keys_equal_the_cpu_paths(n: int, seed: int) -> None:
+    from gradzip.codecs.kernels import hashk
+    from gradzip.codecs.sparse import hash_keys
+
+    with kernels.interpreted():
+        got = hashk.keys(n, seed, CPU)
+    assert torch.equal(got.to(torch.int64), hash_keys(n, seed))
+
+
+def test_randomk_chooses_its_positions_on_the_device_and_any_side_decodes() -> None:
+    """On the kernel path ``randomk`` keeps the k largest hashed keys (the radix select,
+    no host work); the payload says so, and the CPU rebuilds the same positions."""
+    from gradzip.codecs.sparse import hash_positions
+
+    x = torch.randn(20_000, generator=torch.Generator().manual_seed(6))
+    codec = gradzip.codec("randomk(ratio=0.01)")
+    with kernels.interpreted():
+        p = codec.encode(x, "k")
+        fused = codec.decode(p, "k")
+        on_device = hash_positions(20_000, 200, p.int("seed"), x)
+    assert p.meta["gen"] == "hash"
+    assert torch.equal(on_device, hash_positions(20_000, 200, p.int("seed"), x))
+    cpu = gradzip.codec("randomk(ratio=0.01)").decode(Payload.deserialize(p.serialize()), "k")
+    assert torch.equal(cpu, fused) and torch.equal(cpu[on_device], x[on_device])

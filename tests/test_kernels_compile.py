@@ -33,7 +33,7 @@ if not kernels.interpreter_on():
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 #: every codec with a device kernel, as the hooks run it (encode, then decode)
-SPECS = ["int8", "qsgd", "fp8", "fp8(format=e5m2)", "topk(ratio=0.01)",
+SPECS = ["int8", "qsgd", "fp8", "fp8(format=e5m2)", "topk(ratio=0.01)", "randomk(ratio=0.01)",
          "ef | topk(ratio=0.01)", "signsgd(vote=false)", "efsignsgd", "onebit", "terngrad",
          "int8 | ans", "lossless"]
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
@@ -125,7 +125,7 @@ def test_every_launched_kernel_compiles_for_sm90() -> None:
     names = {c["name"] for c in launches}
     assert {"_quantize_kernel", "_dequantize_kernel", "_fp8_encode_kernel", "_pack_kernel",
             "_unpack_kernel", "_pack_trits_kernel", "_hist_kernel", "_write_kernel",
-            "_encode_kernel", "_decode_kernel", "_copy_kernel"} <= names, names
+            "_encode_kernel", "_decode_kernel", "_copy_kernel", "_keys_kernel"} <= names, names
     cases = []
     for case in launches:
         fixed = _constexpr_names(case)

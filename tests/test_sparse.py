@@ -395,3 +395,43 @@ def test_chunked_topk_takes_a_ratio_per_chunk_and_round_trips_its_spec():
     y, p = wire(c, x)
     assert int((y != 0).count_nonzero()) == 3 * 64
     assert gradzip.codec(str(c)).stages[-1].params["chunk"] == 4096
+
+
+def test_hash_positions_are_a_uniform_random_subset():
+    """The device's generator of randomk positions (the k largest keyed hashes), on the
+    CPU: k distinct ascending positions; over many seeds every position is kept about
+    k/n of the time, and neighbours are kept together as often as independent draws."""
+    from gradzip.codecs.sparse import hash_positions
+
+    n, k, seeds = 1000, 50, 400
+    like = torch.empty(0)
+    counts = torch.zeros(n)
+    together = 0
+    for seed in range(seeds):
+        pos = hash_positions(n, k, seed * 0x9E3779B97F4A7C15 % 2**63, like)
+        assert pos.numel() == k and bool((pos[1:] > pos[:-1]).all())
+        assert int(pos.min()) >= 0 and int(pos.max()) < n
+        counts[pos] += 1
+        together += int((pos[1:] - pos[:-1] == 1).sum())
+    expected = seeds * k / n  # 20 per position
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < n + 5 * (2 * n) ** 0.5, chi2  # n - 1 degrees of freedom, 5 sigma
+    pairs = seeds * (n - 1) * k * (k - 1) / (n * (n - 1))  # 49 expected
+    assert 0.5 * pairs < together < 1.6 * pairs, (together, pairs)
+
+
+def test_a_randomk_payload_names_its_generator():
+    """A payload whose positions came from the device's hash decodes on the CPU to
+    those positions; an unknown generator is refused, not guessed."""
+    from gradzip.codecs.sparse import hash_positions
+
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(0))
+    stage = gradzip.codec("randomk(ratio=0.01)").compressors[0][1]
+    seed = 123456789012345
+    pos = hash_positions(5000, 50, seed, x)
+    y = stage.decode(Payload({"values": x[pos]}, {"seed": seed, "gen": "hash"}),
+                     torch.Size((5000,)), None)
+    assert torch.equal(y[pos], x[pos]) and int((y != 0).sum()) == 50
+    with pytest.raises(PayloadError, match="unknown generator"):
+        stage.decode(Payload({"values": x[pos]}, {"seed": seed, "gen": "mt19937"}),
+                     torch.Size((5000,)), None)

@@ -309,6 +309,50 @@ def _random_positions(n: int, k: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(np.flatnonzero(keep))
 
 
+#: ``randomk``'s generators, by the payload's ``gen`` meta: the CPU generator's draws
+#: (no ``gen``: every payload before the device generator) or the keyed hash's k largest
+DRAWS, HASH = "draws", "hash"
+#: the hash's multiplier (odd: a bijection mod 2**32; below 2**31, so products fit int64)
+HASH_MULTIPLIER = 0x45D9F3B
+_HASH_GOLDEN = 0x9E3779B9
+_MASK32 = 0xFFFFFFFF
+
+
+def hash_round_keys(seed: int) -> tuple[int, int, int]:
+    """The hash's three 32-bit round keys: each half of the 64-bit seed, then both and a
+    constant (2**32 over the golden ratio)."""
+    lo, hi = seed & _MASK32, (seed >> 32) & _MASK32
+    return lo, hi, lo ^ hi ^ _HASH_GOLDEN
+
+
+def hash_keys(n: int, seed: int) -> torch.Tensor:
+    """The 31-bit keys of positions ``0..n-1`` under ``seed`` (``kernels/hashk.py``'s,
+    in torch ops on the CPU): three keyed rounds of xor-shift and multiply, in int64."""
+    x = torch.arange(n, dtype=torch.int64) & _MASK32
+    for key in hash_round_keys(seed):
+        x = x ^ key
+        for _ in range(2):
+            x = (((x >> 16) ^ x) * HASH_MULTIPLIER) & _MASK32
+        x = (x >> 16) ^ x
+    return x >> 1
+
+
+def hash_positions(n: int, k: int, seed: int, like: torch.Tensor) -> torch.Tensor:
+    """Ascending int64 positions, on ``like``'s device, of the ``k`` largest
+    ``hash_keys`` (ties to the lowest position): where ``like`` takes the kernel path by
+    the radix select (``kernels/hashk.py``), elsewhere by ``topk`` over keys made unique
+    by their position (the same positions; the host's way is O(n), for decoding)."""
+    if k >= n:
+        return torch.arange(n, device=like.device)
+    if k <= 0:
+        return torch.zeros(0, dtype=torch.int64, device=like.device)
+    if kernels.runs_on(like):
+        from gradzip.codecs.kernels import hashk
+        return hashk.positions(n, k, seed, like.device)
+    unique = (hash_keys(n, seed) << 32) | (n - 1 - torch.arange(n, dtype=torch.int64))
+    return upload(unique.topk(k, sorted=False).indices.sort().values, like.device)
+
+
 @register("randomk")
 class RandomK(Compressor):
     """Random-k with a shared seed: every rank keeps the same k random positions.
@@ -319,6 +363,11 @@ class RandomK(Compressor):
     ranks can be all-reduced. With ``scale=true`` decoded values are multiplied by
     d/k so E[decode(encode(x))] = x (unbiased, Wangni et al. 2018), at the price of
     a d/k-fold larger variance; leave it off under ``ef`` (Stich et al. 2018).
+
+    The positions come from a CPU generator (uploaded to the data's device), or, where
+    the data is on a GPU, from the k largest of a keyed hash of each position, chosen
+    on the device (``kernels/hashk.py``; meta ``gen``: ``hash``): any device rebuilds
+    either from the seed.
     """
 
     summary = "random-k with a shared seed: only values travel, summable (Stich et al. 2018)"
@@ -340,6 +389,9 @@ class RandomK(Compressor):
         n = flat.numel()
         k = keep_count(n, self.params["ratio"], self.params["k"])
         seed = slot.seed(shared=True)
+        if kernels.runs_on(flat):  # chosen on the device (kernels/hashk.py)
+            positions = hash_positions(n, k, seed, flat)
+            return Payload({"values": flat[positions]}, {"seed": seed, "gen": HASH})
         positions = upload(random_positions(n, k, seed), flat.device)
         return Payload({"values": flat[positions]}, {"seed": seed})
 
@@ -352,10 +404,16 @@ class RandomK(Compressor):
         want = keep_count(n, self.params["ratio"], self.params["k"])
         if k != want:
             raise PayloadError(f"randomk payload has {k} values; {self.spec} keeps {want} of {n}")
-        positions = random_positions(n, k, p.int("seed"))
+        generator = p.meta.get("gen", DRAWS)
+        if generator == HASH:
+            positions = hash_positions(n, k, p.int("seed"), values)
+        elif generator == DRAWS:
+            positions = upload(random_positions(n, k, p.int("seed")), values.device)
+        else:
+            raise PayloadError(f"randomk payload names an unknown generator {generator!r}")
         if self.params["scale"] and k:
             values = values * (n / k)
-        return Selection(n, indices=upload(positions, values.device)).scatter(values).reshape(shape)
+        return Selection(n, indices=positions).scatter(values).reshape(shape)
 
 
 # ---------------------------------------------------------------- threshold
