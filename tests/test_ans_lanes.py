@@ -58,6 +58,8 @@ def test_property_any_integer_stream_round_trips(data):
     t = t.reshape(shape)
     y = ans.decode(_wire(t))
     assert y.dtype == t.dtype and y.shape == t.shape and torch.equal(y, t)
+    # coding is kept only where it is smaller than the raw form, sized exactly
+    assert ans.encode(t, backend="lanes").wire_bytes <= ans_lanes.raw(t).wire_bytes
 
 
 def test_tables_are_integer_and_sum_to_the_scale():

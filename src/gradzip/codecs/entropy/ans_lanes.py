@@ -20,6 +20,8 @@ reads whatever the bytes said.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from gradzip.codecs import kernels
@@ -47,14 +49,22 @@ def encode(t: torch.Tensor) -> Payload:
     payload = Payload({"t": coded.freq, "w": coded.words, "s": coded.states,
                        "h": coded.sums, "d": coded.data},
                       {"m": LANES, **meta, "np": planes.shape[0], "ck": lanes.BLOCK})
-    return raw(t) if payload.wire_bytes >= _frame.stored_wire_bytes(t) else payload
+    return raw(t) if payload.wire_bytes >= _raw_form(t, None).wire_bytes else payload
 
 
 def raw(t: torch.Tensor) -> Payload:
     """``t``'s bytes as a tensor where ``t`` is, with their checksum (mode ``rawt``): the
     form of a field that coding would not shrink, kept on the device."""
+    return _raw_form(t, lanes.byte_checksum)
+
+
+def _raw_form(t: torch.Tensor,
+              checksum: Callable[[torch.Tensor], torch.Tensor] | None) -> Payload:
+    """The raw form; with no ``checksum`` a stand-in of its shape (for its size only:
+    ``wire_bytes`` depends on shapes, not values)."""
     data = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return Payload({"d": data, "h": lanes.byte_checksum(data)},
+    digest = checksum(data) if checksum else torch.zeros(1, dtype=torch.int32)
+    return Payload({"d": data, "h": digest},
                    {"m": RAW, "dt": _frame.dtype_code(t), "sh": tuple(t.shape)})
 
 
