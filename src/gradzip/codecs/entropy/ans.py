@@ -16,7 +16,7 @@ the identical model. Two backends, both exact, chosen by ``backend``:
   coded by 32 interleaved rANS states in lock step, as DietGPU codes on a GPU. A field
   on a CUDA device is coded this way by the ``rans`` backend too (a Triton kernel, the
   payload staying on the device); ``lanes`` asks for the format everywhere (on a CPU,
-  a vectorised torch reference at ~40 MB/s). Either side decodes either's payloads.
+  a vectorised torch reference at 12-20 MB/s). Either side decodes either's payloads.
 
 Large streams are coded in chunks of ``chunk`` symbols (one model, a word count per
 chunk in the header), which bounds working memory and lets a decoder stop early; the

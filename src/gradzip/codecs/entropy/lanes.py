@@ -26,7 +26,7 @@ its positions ``i`` (mod 2**32), checked after decoding: with the final states a
 stack's exact use, a corrupt word cannot decode to a silently wrong tensor.
 
 This module is the format's reference on the CPU, in vectorised torch ops (all lanes of
-all blocks of all planes step together; ~40 MB/s here): the Triton kernels
+all blocks of all planes step together; 12-20 MB/s here): the Triton kernels
 (``codecs/kernels/rans.py``) write the same words, bit for bit (``tests/test_kernels``).
 """
 
