@@ -329,3 +329,21 @@ def test_a_payload_with_device_planes_decodes_on_the_host():
     bad = {**fields, "p3": Payload({**fields["p3"].fields, "d": data}, fields["p3"].meta)}
     with pytest.raises(PayloadError):
         c.decode(_frame.seal(Payload(bad, meta)), x.shape, None)
+
+
+def test_a_device_format_payload_with_a_short_plane_is_refused():
+    """Every plane in a device format (lanes or raw), one of them shorter than the
+    tensor: a clear PayloadError, not a join of mismatched planes."""
+    from gradzip.codecs.entropy import ans_lanes, floatcodec_device
+
+    x = grad_like(3000)
+    planes = floatcodec_device.split(x)
+    fields = {f"p{i}": ans_lanes.raw(plane[:-1] if i == 2 else plane)
+              for i, plane in enumerate(planes)}
+    assert floatcodec_device.is_device_format(Payload(dict(fields)), 4)
+    p = _frame.seal(Payload(dict(fields), {"fl": DTYPE_CODE[torch.float32]}))
+    with pytest.raises(PayloadError, match="wrong size"):
+        LosslessFloat().decode(p, x.shape, None)
+    whole = {f"p{i}": ans_lanes.raw(plane) for i, plane in enumerate(planes)}
+    good = _frame.seal(Payload(whole, {"fl": DTYPE_CODE[torch.float32]}))
+    assert torch.equal(bits(LosslessFloat().decode(good, x.shape, None)), bits(x))

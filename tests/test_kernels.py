@@ -441,3 +441,13 @@ def test_randomk_chooses_its_positions_on_the_device_and_any_side_decodes() -> N
     assert torch.equal(on_device, hash_positions(20_000, 200, p.int("seed"), x))
     cpu = gradzip.codec("randomk(ratio=0.01)").decode(Payload.deserialize(p.serialize()), "k")
     assert torch.equal(cpu, fused) and torch.equal(cpu[on_device], x[on_device])
+
+
+def test_lossless_keeps_the_host_coders_it_was_asked_for_on_a_device() -> None:
+    """``exponent=huff`` or ``rest=zstd`` name host coders: the device path is not
+    taken for them (it codes the exponent with ans and sends the rest raw)."""
+    x = torch.randn(4_000, generator=torch.Generator().manual_seed(4))
+    for spec in ("lossless(exponent=huff)", "lossless(rest=zstd)"):
+        with kernels.interpreted():
+            p = gradzip.codec(spec).encode(x, "k")
+        assert all(p.child(name).meta["m"] not in ("lanes", "rawt") for name in p.fields)
