@@ -20,8 +20,6 @@ reads whatever the bytes said.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from gradzip.codecs import kernels
@@ -49,21 +47,26 @@ def encode(t: torch.Tensor) -> Payload:
     payload = Payload({"t": coded.freq, "w": coded.words, "s": coded.states,
                        "h": coded.sums, "d": coded.data},
                       {"m": LANES, **meta, "np": planes.shape[0], "ck": lanes.BLOCK})
-    return raw(t) if payload.wire_bytes >= _raw_form(t, None).wire_bytes else payload
+    return raw(t) if payload.wire_bytes >= _raw_size(t) else payload
 
 
 def raw(t: torch.Tensor) -> Payload:
     """``t``'s bytes as a tensor where ``t`` is, with their checksum (mode ``rawt``): the
     form of a field that coding would not shrink, kept on the device."""
-    return _raw_form(t, lanes.byte_checksum)
+    data = _bytes_of(t)
+    return _raw_payload(t, data, lanes.byte_checksum(data))
 
 
-def _raw_form(t: torch.Tensor,
-              checksum: Callable[[torch.Tensor], torch.Tensor] | None) -> Payload:
-    """The raw form; with no ``checksum`` a stand-in of its shape (for its size only:
-    ``wire_bytes`` depends on shapes, not values)."""
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    digest = checksum(data) if checksum else torch.zeros(1, dtype=torch.int32)
+def _raw_size(t: torch.Tensor) -> int:
+    """``raw(t).wire_bytes`` without the checksum's pass (sizes depend on shapes only)."""
+    return _raw_payload(t, _bytes_of(t), torch.zeros(1, dtype=torch.int32)).wire_bytes
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _raw_payload(t: torch.Tensor, data: torch.Tensor, digest: torch.Tensor) -> Payload:
     return Payload({"d": data, "h": digest},
                    {"m": RAW, "dt": _frame.dtype_code(t), "sh": tuple(t.shape)})
 
