@@ -451,3 +451,72 @@ def test_lossless_keeps_the_host_coders_it_was_asked_for_on_a_device() -> None:
         with kernels.interpreted():
             p = gradzip.codec(spec).encode(x, "k")
         assert all(p.child(name).meta["m"] not in ("lanes", "rawt") for name in p.fields)
+
+
+#: centroid's options the kernel branches on: 1 to 64 levels, no Lloyd step or several,
+#: buckets of one value, of a power of two and not, and one cut short at the end
+CENTROID_SPECS = ["centroid", "centroid(bits=4, lloyd=0)", "centroid(bits=3, bucket=100, lloyd=2)",
+                  "centroid(bits=1)", "centroid(bits=7, bucket=64, lloyd=1)",
+                  "centroid(bucket=1)"]
+
+
+@pytest.mark.parametrize("spec", CENTROID_SPECS)
+@pytest.mark.parametrize("sizes", [[1000, 0, 7, 300], [33, 64, 1]])
+def test_centroid_equals_the_torch_path(spec: str, sizes: list[int]) -> None:
+    _paths_agree(spec, sizes)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_centroid_equals_the_torch_path_on_heavy_tails_and_ties(seed: int) -> None:
+    """Magnitudes 2**40 apart in one bucket (float64 sums in another order), runs of
+    equal magnitudes split by a bin edge (ranks tie to the lower position), zeros."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1500, generator=g) * torch.exp(4 * torch.randn(1500, generator=g))
+    x[100:400] = torch.where(torch.rand(300, generator=g) < 0.5, 0.25, -0.25)
+    x[600:700] = 0.0
+    for spec in ("centroid", "centroid(bits=4)", "centroid(bits=3, lloyd=0)"):
+        shapes = [torch.Size((x.numel(),))]
+        codec = gradzip.codec(spec)
+        expected = codec.encode(x, "b", shapes)
+        with kernels.interpreted():
+            fused = codec.encode(x, "b", shapes)
+        for (name, a), (_, b) in zip(sorted(expected.leaves()), sorted(fused.leaves()),
+                                     strict=True):
+            assert torch.equal(a, b), f"{spec}: field {name} differs"
+
+
+@pytest.mark.parametrize("bad", [3, -3, -128])
+def test_the_centroid_decode_kernel_refuses_or_flags_a_code_past_its_bins(bad: int) -> None:
+    """2 bits: codes -2..2. Read at once, a code past them is refused; under deferred
+    checks it is flagged and decoded clamped, reading nothing out of bounds."""
+    from gradzip.codecs.validation import deferred_checks
+
+    sizes = [600]
+    p = _payload("centroid", _bucket(sizes), sizes, True)
+    p.fields["q"] = p.tensor("q").clone()
+    p.tensor("q")[517] = bad
+    for fused in (False, True):
+        with pytest.raises(gradzip.PayloadError, match="centroid payload"):
+            _decoded("centroid", p, sizes, fused)
+    with kernels.interpreted(), deferred_checks() as checks:
+        out = gradzip.codec("centroid").decode(p, "b", [torch.Size((600,))])
+    assert bool(checks.failed(CPU)) and out.isfinite().all()
+
+
+def test_centroid_on_the_device_reads_the_host_only_to_check_a_received_payload() -> None:
+    """The stage's encode reads nothing; its decode reads its flags once, or not at all
+    under deferred checks (issue 44 item 1, counted as a GPU would count them; a
+    chain's own check for non-finite input is the hooks' one read per reduction)."""
+    from gradzip.bench.devicecheck import count_host_syncs
+    from gradzip.codecs.centroid import Centroid
+    from gradzip.codecs.validation import deferred_checks
+
+    stage, x = Centroid(bits=4), _bucket([3040])
+    with kernels.interpreted():
+        with count_host_syncs() as encoding:
+            p = stage.encode(x, None)
+        with count_host_syncs() as checked:
+            stage.decode(p, x.shape, None)
+        with deferred_checks(), count_host_syncs() as deferred:
+            stage.decode(p, x.shape, None)
+    assert (encoding.total, checked.total, deferred.total) == (0, 1, 0)

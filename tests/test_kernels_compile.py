@@ -35,7 +35,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 #: every codec with a device kernel, as the hooks run it (encode, then decode)
 SPECS = ["int8", "qsgd", "fp8", "fp8(format=e5m2)", "topk(ratio=0.01)", "randomk(ratio=0.01)",
          "ef | topk(ratio=0.01)", "signsgd(vote=false)", "efsignsgd", "onebit", "terngrad",
-         "int8 | ans", "lossless"]
+         "int8 | ans", "lossless", "centroid", "centroid(bits=4, bucket=100)"]
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
           torch.float64: "fp64", torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16",
           torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}

@@ -62,7 +62,8 @@ from gradzip.bench.gpu_speed import COLUMNS, codec_speed, host_syncs, launch_row
 SPECS = ["none", "fp16", "bf16", "randomk(ratio=0.01)", "topk(ratio=0.01)",
          "ef | topk(ratio=0.01)", "int8", "qsgd", "terngrad", "natural", "signsgd",
          "efsignsgd", "onebit", "dgc", "powersgd(rank=4)", "sketch", "demo", "gradiveq",
-         "fp8", "fp8(format=e5m2)", "int8 | ans", "qsgd | eg", "none | zstd", "lossless"]
+         "fp8", "fp8(format=e5m2)", "centroid", "centroid(bits=4) | ans", "int8 | ans",
+         "qsgd | eg", "none | zstd", "lossless"]
 #: exact codecs: DDP on one rank must equal eager training bit for bit
 LOSSLESS = {"none", "none | zstd", "lossless", "none | lz4"}
 #: the 25 MB bucket of the speed table: two matrices and a bias (6,553,600 fp32 values)

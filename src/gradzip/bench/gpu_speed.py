@@ -42,10 +42,11 @@ from gradzip.compare.sweep import weigh
 #: ranks of the break-even model (one 8-GPU node's worth, each on its own link)
 WORLD = 8
 #: stages with a fused kernel: a chain with one is timed with the kernels off as well
-KERNEL_STAGES = ("int8", "qsgd", "fp8", "ans", "lossless")
+KERNEL_STAGES = ("int8", "qsgd", "fp8", "centroid", "ans", "lossless")
 #: stages whose payload does not depend on random draws: a chain of only these is
 #: compared with the CPU's
-DETERMINISTIC = ("none", "fp16", "bf16", "int8", "fp8", "topk", "signsgd", "ef", "ans")
+DETERMINISTIC = ("none", "fp16", "bf16", "int8", "fp8", "topk", "signsgd", "ef", "centroid",
+                 "ans")
 #: stages whose device backend writes another of their formats than the host's
 #: default, and the option that asks a CPU for it (``ans``'s lanes, ``entropy/lanes.py``)
 DEVICE_FORMAT = {"ans": "backend=lanes"}

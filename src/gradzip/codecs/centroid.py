@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import torch
 
+from gradzip.codecs import kernels
 from gradzip.codecs.base import Compressor, Slot
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, at_least, in_range, register
-from gradzip.codecs.validation import codes_below
+from gradzip.codecs.validation import codes_below, deferring
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -118,6 +119,11 @@ class Centroid(Compressor):
         if n == 0:
             return Payload({"q": torch.zeros(0, dtype=torch.int8, device=flat.device),
                             "centroids": flat.new_zeros(0)})
+        if kernels.runs_on(flat, bucket):
+            from gradzip.codecs.kernels import centroid as fused
+            q, centroids = fused.encode(flat.contiguous(), bucket, levels,
+                                        int(self.params["lloyd"]))
+            return Payload({"q": q, "centroids": centroids})
         mag = flat.abs()
         ids, nb = _bucket_ids(n, bucket, flat.device), _nbuckets(n, bucket)
         bins = magnitude_ranks(mag, bucket).mul_(levels)
@@ -139,10 +145,27 @@ class Centroid(Compressor):
         if centroids.dtype != torch.float32 or centroids.numel() != nb * levels:
             raise PayloadError(f"centroid payload: {centroids.numel()} {centroids.dtype} "
                                f"bin means, {n} values need {nb * levels} float32")
-        q = q.reshape(-1)
-        mag = q.abs().long()
-        mag = codes_below(mag, levels + 1, f"centroid payload ({levels} bins)", PayloadError)
+        q, what = q.reshape(-1), f"centroid payload ({levels} bins)"
+        if kernels.runs_on(q, int(self.params["bucket"])):
+            return self._decode_fused(q, centroids.reshape(-1), what).reshape(shape)
+        mag = q.long().abs()  # int8's abs leaves -128 negative
+        mag = codes_below(mag, levels + 1, what, PayloadError)
         ids = _bucket_ids(n, int(self.params["bucket"]), q.device)
         cell = ids * levels + (mag - 1).clamp(min=0)
         out = centroids.reshape(-1)[cell] * q.sign().float()
         return out.reshape(shape)
+
+    def _decode_fused(self, q: torch.Tensor, centroids: torch.Tensor,
+                      what: str) -> torch.Tensor:
+        """The fused decode; its flags of codes past the levels read at once (one host
+        read) or recorded under deferred checks, as ``codes_below`` does."""
+        from gradzip.codecs.kernels import centroid as fused
+        out, bad = fused.decode(q.contiguous(), centroids.contiguous(),
+                                int(self.params["bucket"]), self.levels)
+        checks = deferring()
+        if checks is None:
+            if bool(bad.any()):
+                raise PayloadError(f"{what}: a code's magnitude exceeds {self.levels}")
+        else:
+            checks.require(~bad.any(), f"{what} below {self.levels + 1}")
+        return out

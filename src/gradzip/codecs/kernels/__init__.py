@@ -3,9 +3,10 @@
 A kernel is not a second codec: ``int8``, ``qsgd`` and ``fp8`` keep one registered
 stage and one spec, and run their fused kernel where the data is on a CUDA device and
 Triton is installed, the torch path everywhere else; ``topk`` selects its positions
-with a radix select on the device (``select.py``), and the sign codecs and TernGrad
+with a radix select on the device (``select.py``), the sign codecs and TernGrad
 pack and unpack their bits and trits with one kernel each (``bits.py``, behind
-``bitpack``). The torch path on a GPU is a
+``bitpack``), and ``centroid`` bins, averages and refines each bucket in one program
+(``centroid.py``). The torch path on a GPU is a
 dozen full passes and launches per bucket (abs-max, the inverse in float64, multiply,
 round, clamp, cast; 38 GB/s for ``int8`` on an H200 against 452 for a copy); a
 kernel reads each value once and writes its code once.
