@@ -13,6 +13,7 @@ import torch
 
 import gradzip
 from gradzip.aggregation import reduce
+from gradzip.codecs.chain import CodecObserver
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.sharedtopk import kept_count, kept_per_chunk, leader_of, position_bits
 from gradzip.codecs.sparse import chunked_topk_positions
@@ -233,3 +234,48 @@ def test_the_sparseloco_builder_refuses_bits_it_cannot_sum() -> None:
     assert sparseloco_codec(aggregate="shared", bits=8).endswith("values=int8, select=each)")
     with pytest.raises(ValueError, match="sums values in 16 or 8 bits, got 3"):
         sparseloco_codec(aggregate="shared", bits=3)
+
+
+
+class _Sent(CodecObserver):
+    """What a codec told its observer (the hooks' statistics) it encoded."""
+
+    def __init__(self) -> None:
+        self.payloads: list[tuple[int, Payload]] = []
+
+    def encoded(self, numel: int, payload: Payload, seconds: float) -> None:
+        self.payloads.append((numel, payload))
+
+
+@pytest.mark.parametrize("world", [3, 5])
+@pytest.mark.parametrize(("select", "values"), [("each", "int8"), ("leader", "fp16")])
+def test_each_rank_reports_what_it_sent_for_the_statistics(world: int, select: str,
+                                                            values: str) -> None:
+    """The statistics' bits per kept value and density come from the payload a rank
+    reports (``Slot.sent``): its own positions (each: its top ceil(k/W) of every chunk;
+    leader: all k, or none), the values it put into the all-reduce at the agreed
+    positions, and with int8 its float scale per chunk."""
+    xs = _inputs(world, 1)
+    spec = f"ef | sharedtopk(k={K}, chunk={CHUNK}, select={select}, values={values})"
+
+    def work(rank: int, comm: Communicator) -> tuple[torch.Tensor, list]:
+        c = gradzip.codec(spec, rank=rank)
+        c.observer = _Sent()
+        mean, _ = reduce(c, xs[rank], "w", comm, want_local=False)
+        return mean, c.observer.payloads
+
+    results = run_simulated(world, work)
+    agreed = int((results[0][0] != 0).sum())
+    bits, chunks = position_bits(N, CHUNK), -(-N // CHUNK)
+    leader = leader_of("w", 0, world)
+    for rank, (_, reported) in enumerate(results):
+        [(numel, sent)] = reported
+        assert numel == N and sent.tensor("values").numel() == agreed
+        assert sent.tensor("values").dtype == (torch.int8 if values == "int8"
+                                               else torch.float16)
+        own = kept_count(N, CHUNK, -(-K // world)) if select == "each" else \
+            kept_count(N, CHUNK, K) if rank == leader else 0
+        assert sent.tensor("positions").numel() == -(-own * bits // 8)
+        if values == "int8":
+            assert sent.tensor("scale").numel() == chunks
+

@@ -87,6 +87,10 @@ class Slot:
     def __init__(self, state: CodecState, stage: int, key: str, record: dict[str, Any]):
         self._state, self._stage, self.key = state, stage, key
         self._record = record
+        #: what a multi-round stage's ``reduce`` put on the wire from this rank, as a
+        #: payload (for the statistics: its index and value bytes and kept values);
+        #: None where it does not say. This call's only: never saved.
+        self.sent: Payload | None = None
 
     @property
     def data(self) -> dict[str, Any]:

@@ -90,6 +90,7 @@ class SharedTopK(Compressor):
               "k, or the union of each rank's top ceil(k / W)", choices=SELECTIONS),
     )
     multi_round = True  # positions (a broadcast or an all-gather), then an all-reduce
+    values_field = "values"  # the kept values (the statistics' count of what was kept)
     summable = False
     unbiased = False
 
@@ -127,17 +128,22 @@ class SharedTopK(Compressor):
             raise PayloadError("sharedtopk: a position lies beyond the end of its chunk")
         return which * chunk + offsets  # a short last chunk is number ``full``
 
-    def _agreed(self, flat: torch.Tensor, slot: Slot, comm: Communicator) -> torch.Tensor:
-        """The ascending positions every rank uses this exchange (``select``)."""
+    def _agreed(self, flat: torch.Tensor, slot: Slot, comm: Communicator
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the ascending positions every rank uses this exchange (``select``), the
+        packed positions this rank sent toward them: empty for a non-leader)."""
         n, world, k = flat.numel(), comm.world_size, self.params["k"]
         if self.params["select"] == "each":
             share = -(-k // world)
-            picked = comm.all_gather(self._pack(self._positions(flat, share), n))
-            return torch.unique(torch.cat([self._unpack(p, n, share) for p in picked]))
+            mine = self._pack(self._positions(flat, share), n)
+            picked = comm.all_gather(mine)
+            return torch.unique(torch.cat([self._unpack(p, n, share) for p in picked])), mine
         leader = leader_of(slot.key, slot.step, world)
+        nothing = torch.zeros(0, dtype=torch.uint8, device=flat.device)
         packed = self._pack(self._positions(flat, k), n) if comm.rank == leader else \
             torch.zeros(self._packed_len(n, k), dtype=torch.uint8, device=flat.device)
-        return self._unpack(comm.broadcast(packed, leader), n, k)
+        mine = packed if comm.rank == leader else nothing
+        return self._unpack(comm.broadcast(packed, leader), n, k), mine
 
     # ------------------------------------------------------------ values
     def _int8_scales(self, values: torch.Tensor, chunks: torch.Tensor, numel: int,
@@ -153,21 +159,23 @@ class SharedTopK(Compressor):
         return amax / levels, inverse[chunks]
 
     def _sum_values(self, kept: torch.Tensor, chunks: torch.Tensor, numel: int,
-                    comm: Communicator) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the mean over ranks of ``kept``, this rank's ``kept`` as it was sent)."""
+                    comm: Communicator
+                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(the mean over ranks of ``kept``, this rank's ``kept`` as it was sent, the
+        fields it sent: the values, and with int8 the scales whose maximum it took)."""
         world = comm.world_size
         if self.params["values"] != "int8":
             sent = self._cast(kept / world, world)
             (summed,) = comm.all_reduce([sent])
-            return summed.float(), sent.float() * world
+            return summed.float(), sent.float() * world, {"values": sent}
         levels = INT8_LEVELS // world
         if levels < 1:
             raise ValueError(f"sharedtopk(values=int8) sums int8 over at most "
                              f"{INT8_LEVELS} ranks, got {world}; use values=fp16")
         step, inverse = self._int8_scales(kept, chunks, numel, levels, comm)
-        q, step = _rounded(kept, inverse, levels), step[chunks]
+        q, scales, step = _rounded(kept, inverse, levels), step, step[chunks]
         (total,) = comm.all_reduce([q])
-        return total.float() * step / world, q.float() * step
+        return total.float() * step / world, q.float() * step, {"values": q, "scale": scales}
 
     def _cast(self, values: torch.Tensor, world: int) -> torch.Tensor:
         """``values`` in the summing dtype, saturated so that ``world`` of them still
@@ -219,9 +227,11 @@ class SharedTopK(Compressor):
         flat = x.detach().reshape(-1).float()
         mean, local = torch.zeros_like(flat), torch.zeros_like(flat) if want_local else None
         if flat.numel():
-            positions = self._agreed(flat, slot, comm)
-            summed, own = self._sum_values(flat[positions], positions // self.params["chunk"],
-                                           flat.numel(), comm)
+            positions, mine = self._agreed(flat, slot, comm)
+            summed, own, sent = self._sum_values(flat[positions],
+                                                 positions // self.params["chunk"],
+                                                 flat.numel(), comm)
+            slot.sent = Payload({"positions": mine, **sent})
             mean[positions] = summed
             if local is not None:  # what this rank put in: its residual keeps the rest
                 local[positions] = own
