@@ -94,3 +94,22 @@ def test_a_chain_with_a_device_format_is_compared_with_that_format_on_the_cpu() 
     assert set(stage_names("int8 | ans")) <= set(DETERMINISTIC)
     assert not set(stage_names("qsgd | eg")) <= set(DETERMINISTIC)
     assert {"ans", "lossless"} <= set(KERNEL_STAGES)
+
+
+def test_a_centroid_payload_that_differs_by_its_sums_is_counted_not_failed() -> None:
+    """``centroid``'s kernel adds its bin means in a tree: a mean that rounds the other
+    way is reported as what differs (``SUM_ORDER``); any other stage's is False."""
+    import torch
+
+    import gradzip
+    from gradzip.bench.gpu_speed import payload_equals_cpu
+
+    shapes = [torch.Size((1000,))]
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    for spec, field in (("centroid", "centroids"), ("int8", "scale")):
+        payload = gradzip.codec(spec).encode(x, "b", shapes)
+        assert payload_equals_cpu(spec, x, shapes, payload) is True
+        payload.fields[field] = payload.tensor(field).clone()
+        payload.tensor(field)[1] = payload.tensor(field)[1].nextafter(torch.tensor(9.0))
+        expected = "sum order: centroids 1 of 8" if spec == "centroid" else False
+        assert payload_equals_cpu(spec, x, shapes, payload) == expected

@@ -279,3 +279,16 @@ def test_each_rank_reports_what_it_sent_for_the_statistics(world: int, select: s
         if values == "int8":
             assert sent.tensor("scale").numel() == chunks
 
+
+
+def test_the_statistics_count_a_multi_round_payload_by_its_tensors_not_framing() -> None:
+    """A multi-round stage sends its tensors raw through collectives: the serialised
+    payload's framing (magic, digest, field names) never crosses, so it is not counted
+    as value bits; a payload that is serialised is counted as it crosses."""
+    from gradzip.comm.reducer import Reducer
+    from gradzip.comm.stats import CommStats
+
+    p = Payload({"positions": torch.zeros(3, dtype=torch.uint8),
+                 "values": torch.zeros(4, dtype=torch.float16)})
+    assert Reducer(gradzip.codec("ef | sharedtopk"), CommStats())._made_bytes(p) == 3 + 8
+    assert Reducer(gradzip.codec("int8"), CommStats())._made_bytes(p) == p.wire_bytes > 11

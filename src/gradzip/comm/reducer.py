@@ -102,6 +102,13 @@ class Reducer(CodecObserver):
                 return n
         return numel
 
+    def _made_bytes(self, p: Payload) -> int:
+        """A payload's bytes as they travel: serialised (framing included), or for a
+        multi-round stage, which sends its tensors raw through collectives, theirs."""
+        if not self.codec.multi_round:
+            return p.wire_bytes
+        return sum(t.numel() * t.element_size() for _, t in p.leaves())
+
     def _begin(self, comm: TorchCommunicator, x: torch.Tensor) -> float:
         comm.counter.reset()
         comm.events.clear()
@@ -130,7 +137,7 @@ class Reducer(CodecObserver):
         else:
             sent = sum(self.sent_values(n, p) for n, p in self._payloads)
             idx = sum(index_bytes(p) for _, p in self._payloads)
-            made = sum(p.wire_bytes for _, p in self._payloads)
+            made = sum(self._made_bytes(p) for _, p in self._payloads)
         reduction = Reduction(
             numel=numel, sent_values=sent, index_bytes=idx, payload_bytes=made,
             bytes_raw=link_bytes(baseline, numel * x.element_size(), comm.world_size,

@@ -13,7 +13,9 @@ kernel reads each value once and writes its code once.
 
 Every kernel computes what the torch path computes, bit for bit (the same float32
 multiply, the same float64 inverse, round half to even, the same random bits), so a
-payload made on a GPU decodes on a CPU to the same tensor. ``make test`` checks that on
+payload made on a GPU decodes on a CPU to the same tensor; where a kernel sums in a
+tree (``qsgd``'s norms, ``centroid``'s bin means) the sum may round by an ulp where the
+torch path's one-by-one sum does not (each module says when). ``make test`` checks that on
 the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set before ``triton`` is
 imported, as ``tests/conftest.py`` does where there is no GPU): ``interpreted()`` lets
 CPU tensors take the kernel path there. ``GRADZIP_KERNELS=off`` keeps the torch path

@@ -22,11 +22,17 @@ The same numbers as the torch path:
   ones, 0 for an empty bin, then the Lloyd edges halfway between neighbouring means
   (an empty bin's taken from the running maximum below it) compared in float64.
 - **Sums in another order.** The torch path adds a bin's magnitudes one by one, a
-  reduction here in a tree. float32 magnitudes whose largest and smallest in one bucket
-  are within 2**21 of each other add exactly in float64 either way (gradients'
-  buckets are); past that the two sums may differ in the last float64 bit, which moves
-  an output only where it decides a float32 rounding or an edge lands on a magnitude.
-  On a GPU this path is deterministic, where the torch path's float64 atomics are not.
+  reduction here in a tree. In float64 both are exact while every partial sum fits 53
+  bits: a bucket of B float32 magnitudes whose largest is below ``2**(29 - log2 B)``
+  times its smallest (2**21 at the default 256, 2**17 at 4,096). Past that a sum may
+  round in either order, by a float64 ulp, which reaches the output only where it
+  decides a float32 rounding of a mean (a tie: about 2**-21 of means) or an edge lands
+  on a magnitude. So the kernel equals the torch path bit for bit on the test data and
+  almost always on gradients, not on every input (``bench gpu`` counts what differs).
+  On a GPU the kernel is deterministic, where the torch path's float64 atomics are not.
+  NaN never reaches the stage (a chain's non-finite check stops it first); given one
+  directly, the kernel's ``max`` and ``minimum`` skip it where ``cummax`` and
+  ``clamp`` keep it.
 
 Decode is one gather per value from its bucket's table; the codes are checked in the
 same pass (``|q| <= L``, -128 refused), a flag per program the caller reads or defers.
