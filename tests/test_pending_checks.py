@@ -127,3 +127,15 @@ def test_a_reduction_timed_by_events_keeps_the_codec_from_waiting_on_its_own(
     reducer._span_start = object()  # what ``_begin`` sets when events time the reduction
     codec.decode_body(codec.encode_body(x, "k"), "k", x.shape)
     assert devices == [x.device, x.device, None, None]
+
+
+def test_a_required_check_is_read_at_once_or_recorded_when_deferred() -> None:
+    from gradzip.codecs.payload import PayloadError
+    from gradzip.codecs.validation import deferred_checks, require
+
+    require(torch.tensor(True), "fine", PayloadError)
+    with pytest.raises(PayloadError, match="codes in range"):
+        require(torch.tensor(False), "codes in range", PayloadError)
+    with deferred_checks() as checks:
+        require(torch.tensor(False), "codes in range", PayloadError)  # no raise
+    assert bool(checks.failed(torch.device("cpu"))) and checks.describe() == "codes in range"

@@ -32,7 +32,7 @@ from gradzip.codecs import kernels
 from gradzip.codecs.base import Compressor, Slot
 from gradzip.codecs.payload import Payload, PayloadError
 from gradzip.codecs.registry import Param, at_least, in_range, register
-from gradzip.codecs.validation import codes_below, deferring
+from gradzip.codecs.validation import codes_below, require
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -158,14 +158,10 @@ class Centroid(Compressor):
     def _decode_fused(self, q: torch.Tensor, centroids: torch.Tensor,
                       what: str) -> torch.Tensor:
         """The fused decode; its flags of codes past the levels read at once (one host
-        read) or recorded under deferred checks, as ``codes_below`` does."""
+        read) or recorded under deferred checks (``validation.require``)."""
         from gradzip.codecs.kernels import centroid as fused
         out, bad = fused.decode(q.contiguous(), centroids.contiguous(),
                                 int(self.params["bucket"]), self.levels)
-        checks = deferring()
-        if checks is None:
-            if bool(bad.any()):
-                raise PayloadError(f"{what}: a code's magnitude exceeds {self.levels}")
-        else:
-            checks.require(~bad.any(), f"{what} below {self.levels + 1}")
+        require(~bad.any(), f"{what}: every code's magnitude at most {self.levels}",
+                PayloadError)
         return out

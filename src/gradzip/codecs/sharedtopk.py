@@ -139,10 +139,11 @@ class SharedTopK(Compressor):
             picked = comm.all_gather(mine)
             return torch.unique(torch.cat([self._unpack(p, n, share) for p in picked])), mine
         leader = leader_of(slot.key, slot.step, world)
-        nothing = torch.zeros(0, dtype=torch.uint8, device=flat.device)
-        packed = self._pack(self._positions(flat, k), n) if comm.rank == leader else \
-            torch.zeros(self._packed_len(n, k), dtype=torch.uint8, device=flat.device)
-        mine = packed if comm.rank == leader else nothing
+        if comm.rank == leader:
+            packed = mine = self._pack(self._positions(flat, k), n)
+        else:  # a buffer to receive into; this rank sends none of it
+            packed = torch.zeros(self._packed_len(n, k), dtype=torch.uint8, device=flat.device)
+            mine = packed[:0]
         return self._unpack(comm.broadcast(packed, leader), n, k), mine
 
     # ------------------------------------------------------------ values

@@ -71,6 +71,17 @@ def own_payload() -> Iterator[None]:
         yield
 
 
+def require(ok: torch.Tensor, what: str, error: type[Exception] = ValueError) -> None:
+    """A check on a received payload (``ok``: a 0-d bool on the data's device): read at
+    once (one host read; ``error(what)`` if it failed), or recorded under
+    ``deferred_checks`` and read later with the others."""
+    checks = deferring()
+    if checks is not None:
+        checks.require(ok, what)
+    elif not bool(ok):
+        raise error(what)
+
+
 def codes_below(codes: torch.Tensor, limit: int, what: str,
                 error: type[Exception] = ValueError) -> torch.Tensor:
     """``codes`` (received, untrusted), each below ``limit``: checked at once (one host

@@ -25,7 +25,7 @@ import torch
 from gradzip.codecs import kernels
 from gradzip.codecs.entropy import _frame, lanes
 from gradzip.codecs.payload import MetaValue, Payload
-from gradzip.codecs.validation import deferring
+from gradzip.codecs.validation import require
 
 #: the format's mode names: coded by lanes, or the raw bytes as a tensor
 LANES, RAW = "lanes", "rawt"
@@ -110,14 +110,8 @@ def decode(p: Payload, device: torch.device | None = None) -> torch.Tensor:
 
 def _require(ok: torch.Tensor) -> None:
     """Raise unless ``ok`` (one host read), or record it under deferred checks."""
-    what = "ans: lanes field decodes soundly (table, word counts, states, checksums)"
-    checks = deferring()
-    if checks is not None:
-        checks.require(ok, what)
-    elif not bool(ok):
-        raise _frame.EntropyCodingError("ans: lanes field is corrupt or truncated (its "
-                                        "table, word counts, states or checksums do not "
-                                        "match its data)")
+    require(ok, "ans: lanes field is corrupt or truncated (its table, word counts, "
+            "states or checksums must match its data)", _frame.EntropyCodingError)
 
 
 def _tensor(p: Payload, name: str, dtype: torch.dtype,
