@@ -148,7 +148,7 @@ class Centroid(Compressor):
         q, what = q.reshape(-1), f"centroid payload ({levels} bins)"
         if kernels.runs_on(q, int(self.params["bucket"])):
             return self._decode_fused(q, centroids.reshape(-1), what).reshape(shape)
-        mag = q.long().abs()  # int8's abs leaves -128 negative
+        mag = q.abs().view(torch.uint8).long()  # int8's abs leaves -128 as -128: 128
         mag = codes_below(mag, levels + 1, what, PayloadError)
         ids = _bucket_ids(n, int(self.params["bucket"]), q.device)
         cell = ids * levels + (mag - 1).clamp(min=0)
