@@ -12,7 +12,7 @@ from train_helpers import flags
 from gradzip.cli import build_parser, main
 from gradzip.commands.train import resolve_args
 from gradzip.train.config import SECTIONS, JobConfig, field_docs
-from gradzip.train.configure import presets, resolve
+from gradzip.train.configure import model_label, presets, resolve
 
 
 def parse(*argv: str) -> JobConfig:
@@ -54,6 +54,15 @@ def test_layers_defaults_preset_file_cli(tmp_path: Path) -> None:
     j = tmp_path / "config.json"
     j.write_text(json.dumps(cfg.to_dict()))
     assert resolve(base=json.loads(j.read_text())) == cfg
+
+
+def test_a_resized_model_is_labelled_with_what_differs_from_its_preset() -> None:
+    assert model_label(resolve({"model": {"name": "small"}}).model) == "small"
+    # the tokenizer's vocabulary is not the architecture the label names
+    assert model_label(resolve({"model": {"name": "small", "vocab_size": 512}}).model) == "small"
+    resized = resolve({"model": {"name": "small", "dim": 320, "n_layer": 6, "n_head": 5}})
+    assert model_label(resized.model) == "small+n_layer=6,n_head=5,dim=320"
+    assert resized.model.name == "small"  # the preset it starts from is unchanged
 
 
 def test_resume_starts_from_the_saved_config(tmp_path: Path) -> None:

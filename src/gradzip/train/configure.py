@@ -13,13 +13,14 @@ valid config file; its paths are absolute, so it means the same files from any d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tomllib
 import typing
 from pathlib import Path
 from typing import Any
 
-from gradzip.train.config import SECTIONS, JobConfig, fields_of
+from gradzip.train.config import SECTIONS, JobConfig, ModelConfig, fields_of
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -77,6 +78,24 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot parse config file {path}: {e}") from None
     raise ValueError(f"config file must end in .toml or .json: {path}")
+
+
+def model_label(model: ModelConfig) -> str:
+    """The model's name for records and logs: its preset, plus every architecture field
+    set away from that preset (``small+dim=320,n_layer=6,n_head=5``), so that a resized
+    model never reads as the preset it started from. ``vocab_size`` follows the
+    tokenizer and is left out."""
+    try:
+        preset = read_preset(model.name)
+    except ValueError:  # a saved config from a preset this version does not ship
+        return model.name
+    reference = JobConfig()
+    apply_overrides(reference, {"model": preset.get("model", {})},
+                    origin=f"preset {model.name}")
+    changed = [f"{f.name}={getattr(model, f.name)}" for f in dataclasses.fields(model)
+               if f.name not in ("name", "vocab_size")
+               and getattr(model, f.name) != getattr(reference.model, f.name)]
+    return "+".join([model.name, ",".join(changed)]) if changed else model.name
 
 
 def presets() -> list[str]:

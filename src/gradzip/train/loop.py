@@ -38,6 +38,7 @@ from gradzip.train import restart
 from gradzip.train.checks import capture_schedule, method_of, nonfinite_policy, parse_profile_steps
 from gradzip.train.components import Components
 from gradzip.train.config import JobConfig, OptimConfig
+from gradzip.train.configure import model_label
 from gradzip.train.evaluate import autocast_for, evaluate, evaluate_as_ranks
 from gradzip.train.interrupt import StopRequest
 from gradzip.train.metrics import (
@@ -342,7 +343,8 @@ class Trainer:
     def _announce(self) -> None:
         cfg, info, d, o, t = self.cfg, self.info, self.cfg.data, self.cfg.optim, self.cfg.train
         where = (f"resuming {self.resume_from}" if self.resume_from else f"run {self.run_dir}")
-        self.log.info(f"{where}: model {cfg.model.name} ({self.n_params / 1e6:.2f}M params), "
+        self.log.info(f"{where}: model {model_label(cfg.model)} "
+                      f"({self.n_params / 1e6:.2f}M params), "
                       f"{info.world_size} {'replicas' if self.replica else 'rank(s)'} x "
                       f"{d.batch_size}x{d.seq_len} tokens x "
                       f"{o.grad_accum} accum, parallel {t.parallel}, codec {t.codec!r}, "
@@ -633,7 +635,7 @@ class Trainer:
             "run_name": cfg.run.run_name or Path(cfg.run.out).name,
             "world_size": info.world_size,
             "parallel": t.parallel,
-            "model": cfg.model.name,
+            "model": model_label(cfg.model),
             "params": self.n_params,
             "dataset": "+".join(d.sources),
             "seq_len": d.seq_len,
