@@ -212,6 +212,31 @@ def test_kernels_stay_off_without_a_gpu_unless_asked(monkeypatch: pytest.MonkeyP
         assert not kernels.runs_on(x)
 
 
+@pytest.mark.parametrize("spec", ["int8", "fp8", "topk(ratio=0.1)", "signsgd(vote=false)",
+                                  "centroid"])
+def test_a_strided_tensor_takes_the_torch_path_and_codes_as_its_copy(spec: str) -> None:
+    """A kernel reads memory in order whatever the strides say, so a strided view (a
+    user's ``x[::2]``) takes the torch path: its payload is its contiguous copy's."""
+    wide = _bucket([4000])
+    strided = wide[::2]
+    with kernels.interpreted():
+        assert not kernels.runs_on(strided) and kernels.runs_on(strided.contiguous())
+        got = gradzip.codec(spec).encode(strided, "s")
+        want = gradzip.codec(spec).encode(strided.contiguous(), "s")
+    for (name, a), (_, b) in zip(sorted(want.leaves()), sorted(got.leaves()), strict=True):
+        assert torch.equal(a, b), f"{spec}: field {name} differs"
+
+
+def test_a_bucket_past_the_kernels_int32_indexing_takes_the_torch_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``MAX_NUMEL`` (2^31 less a block; 100 here, so the test allocates little)
+    the int32 offsets of a kernel would wrap: such a tensor takes the torch path."""
+    assert kernels.MAX_NUMEL <= 2**31 - 16384  # the widest block a kernel indexes
+    monkeypatch.setattr(kernels, "MAX_NUMEL", 100)
+    with kernels.interpreted():
+        assert kernels.runs_on(torch.zeros(100)) and not kernels.runs_on(torch.zeros(101))
+
+
 def _ties_at_the_threshold(n: int, k: int, seed: int) -> torch.Tensor:
     """Small values, a block of equal magnitudes (+-0.5, and -0.0 beside 0.0) where the
     k-th largest falls, and a few larger ones: the selection must split the ties."""

@@ -119,9 +119,13 @@ print(json.dumps(failures))
 """
 
 
+@pytest.fixture(scope="module")
+def launches() -> list[dict[str, Any]]:
+    return _recorded_launches()
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-def test_every_launched_kernel_compiles_for_sm90() -> None:
-    launches = _recorded_launches()
+def test_every_launched_kernel_compiles_for_sm90(launches: list[dict[str, Any]]) -> None:
     names = {c["name"] for c in launches}
     assert {"_quantize_kernel", "_dequantize_kernel", "_fp8_encode_kernel", "_pack_kernel",
             "_unpack_kernel", "_pack_trits_kernel", "_hist_kernel", "_write_kernel",
@@ -133,6 +137,91 @@ def test_every_launched_kernel_compiles_for_sm90() -> None:
                                        for k, v in case["args"].items()}})
     failures = _compile(cases)
     assert not failures, "\n".join(failures)
+
+
+_FRONT = r"""
+import json, sys, importlib
+import triton
+import triton.language as tl
+from triton._C.libtriton import ir
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+
+target = GPUTarget("cuda", 90, 32)
+backend = make_backend(target)
+options = backend.parse_options({})
+failures = []
+for case in json.load(sys.stdin):
+    fn = getattr(importlib.import_module(case["module"]), case["name"])
+    if any(p.name == case["one"] and p.do_not_specialize for p in fn.params):
+        continue  # the launcher passes it as a value whatever it is
+    signature, constexprs = {}, {}
+    for i, param in enumerate(fn.params):
+        value = case["args"].get(param.name)
+        if param.is_constexpr or param.name == case["one"]:
+            if isinstance(value, dict) and "dtype" in value:
+                value = tl.dtype(value["dtype"])
+            signature[param.name] = "constexpr"
+            constexprs[(i,)] = 1 if param.name == case["one"] else value
+        else:
+            signature[param.name] = value
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    try:
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs).make_ir(
+            target, options, backend.get_codegen_implementation(options),
+            backend.get_module_map(), context)
+    except Exception as e:
+        failures.append(f"{case['module']}.{case['name']} with {case['one']} = 1: "
+                        f"{type(e).__name__}: {e}"[:2000])
+print(json.dumps(failures))
+"""
+
+
+def _specialized_to_one(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A case per launch and integer argument: where Triton specializes it (unless the
+    kernel says ``do_not_specialize``), a value of 1 becomes a compile-time constant,
+    a plain int rather than a scalar of the argument's type."""
+    cases = []
+    for case in launches:
+        fixed = _constexpr_names(case)
+        args = {k: _constexpr(v) if k in fixed else _type(v) for k, v in case["args"].items()}
+        cases.extend({**case, "args": args, "one": name} for name, t in args.items()
+                     if name not in fixed and t in ("i32", "i64"))
+    return cases
+
+
+def test_every_launched_kernel_compiles_where_an_integer_argument_is_one(
+        launches: list[dict[str, Any]]) -> None:
+    """A launch whose integer argument equals 1 compiles that argument as a constant:
+    an ``.to`` on it then fails (a randomk seed with a round key of 1 did). Each such
+    argument is either specialized safely or marked ``do_not_specialize``."""
+    cases = _specialized_to_one(launches)
+    assert len(cases) > 20, len(cases)
+    failures = _compile(cases, script=_FRONT)
+    assert not failures, "\n".join(failures)
+
+
+def test_the_front_end_check_fails_where_a_constant_has_no_to(tmp_path) -> None:
+    """Negative control: ``key.to`` on an argument specialized to 1 is refused."""
+    (tmp_path / "one_kernels.py").write_text(_ONE)
+    case = {"module": "one_kernels", "name": "_one_kernel", "one": "key",
+            "args": {"x_ptr": "*i64", "key": "i32"}, "options": {}}
+    failures = _compile([case], extra_path=str(tmp_path), script=_FRONT)
+    assert len(failures) == 1 and "key = 1" in failures[0], failures
+
+
+_ONE = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _one_kernel(x_ptr, key):
+    tl.store(x_ptr, key.to(tl.int64))
+"""
 
 
 _BROKEN = """
@@ -160,14 +249,16 @@ def test_the_check_fails_for_a_kernel_only_the_compiler_refuses(tmp_path) -> Non
     assert len(failures) == 1 and "_broken_kernel" in failures[0], failures
 
 
-def _compile(cases: list[dict[str, Any]], extra_path: str | None = None) -> list[str]:
-    """Compile each case for sm_90 in a process without the interpreter: the failures."""
+def _compile(cases: list[dict[str, Any]], extra_path: str | None = None,
+             script: str = _COMPILE) -> list[str]:
+    """Compile each case for sm_90 in a process without the interpreter (``script``:
+    the whole compiler, or ``_FRONT``: as far as Triton's IR): the failures."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     if extra_path:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [extra_path,
                                                           env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(cases),
+    done = subprocess.run([sys.executable, "-c", script], input=json.dumps(cases),
                           capture_output=True, text=True, env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return list(json.loads(done.stdout.strip().splitlines()[-1]))

@@ -34,6 +34,10 @@ import torch
 #: the widest block a kernel row holds (a block of ``block`` values is one row of the
 #: next power of two); wider blocks take the torch path
 MAX_BLOCK = 4096
+#: the most values a kernel takes: several index by an int32 program id times their
+#: block (cheaper than int64 on a GPU), exact up to 2^31 minus a block; larger tensors
+#: (8 GiB of float32 in one bucket) take the torch path
+MAX_NUMEL = 2**31 - 2**16
 
 _forced = [False]
 
@@ -59,8 +63,11 @@ def enabled() -> bool:
 
 
 def runs_on(x: torch.Tensor, block: int = 1) -> bool:
-    """Whether the kernel path runs for ``x`` cut into blocks of ``block`` values."""
-    if not enabled() or block > MAX_BLOCK or not triton_installed():
+    """Whether the kernel path runs for ``x`` cut into blocks of ``block`` values: a
+    contiguous tensor (a kernel reads memory in order, whatever the strides say) of at
+    most ``MAX_NUMEL`` values."""
+    if (not enabled() or block > MAX_BLOCK or x.numel() > MAX_NUMEL
+            or not x.is_contiguous() or not triton_installed()):
         return False
     if x.device.type == "cuda":
         return True

@@ -130,6 +130,13 @@ def _layout(bucket: int) -> tuple[int, int, int]:
     return block, block.bit_length() - 1, max(1, _TILE // block)
 
 
+def _warps(block: int) -> int:
+    """Warps for one program of ``block`` lanes: 4 up to 1,024 lanes, more above, so
+    that a lane's registers fit (sm_90, ``ptxas -v``: 4 warps on 4,096 lanes use 255
+    registers and spill 372 bytes; 16 warps use 124 and spill none)."""
+    return min(16, max(4, block // 256))
+
+
 def encode(x: torch.Tensor, bucket: int, levels: int,
            lloyd: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes ``sign * (bin + 1)``, float32 bin means ``[buckets * levels]``) of the
@@ -143,7 +150,8 @@ def encode(x: torch.Tensor, bucket: int, levels: int,
         block, log_block, rows = _layout(bucket)
         _encode_kernel[(triton.cdiv(nbuckets, rows),)](
             x, q, means, n, nbuckets, bucket, lloyd, ROWS=rows, BLOCK=block,
-            LOG_BLOCK=log_block, LEVELS=levels, enable_fp_fusion=False)
+            LOG_BLOCK=log_block, LEVELS=levels, num_warps=_warps(block),
+            enable_fp_fusion=False)
     return q, means
 
 

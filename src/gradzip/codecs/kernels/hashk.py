@@ -33,7 +33,9 @@ def _mix(x, MULTIPLIER: tl.constexpr):
     return (x >> 16) ^ x
 
 
-@triton.jit
+# Triton makes an integer argument equal to 1 a compile-time constant, which has no
+# ``.to``: a seed whose round key is 1 would not compile. The keys stay arguments.
+@triton.jit(do_not_specialize=["key0", "key1", "key2"])
 def _keys_kernel(out_ptr, n, key0, key1, key2, BLOCK: tl.constexpr,
                  MULTIPLIER: tl.constexpr):
     """The keys of one block of positions; ``key0..2``: the rounds' 32-bit keys."""
