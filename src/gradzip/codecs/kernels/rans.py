@@ -42,10 +42,9 @@ def _hist_kernel(planes_ptr, n, hist_ptr, TILE: tl.constexpr):
     offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
     live = offs < n
     byte = tl.load(planes_ptr + plane.to(tl.int64) * n + offs, mask=live, other=0)
-    bins = tl.where(live, byte.to(tl.int32), 256)  # the upper half gathers the padding
-    counts = tl.histogram(bins, 512)
-    idx = tl.arange(0, 512)
-    tl.atomic_add(hist_ptr + plane * 256 + idx, counts, mask=(idx < 256) & (counts > 0))
+    counts = tl.histogram(byte.to(tl.int32), 256, mask=live)
+    idx = tl.arange(0, 256)
+    tl.atomic_add(hist_ptr + plane * 256 + idx, counts, mask=counts > 0, sem="relaxed")
 
 
 @triton.jit

@@ -45,10 +45,9 @@ def _hist_kernel(x_ptr, n, state_ptr, hist_ptr, SHIFT: tl.constexpr, BITS: tl.co
     mask = offs < n
     key = _keys(x_ptr, offs, mask)
     live = mask & ((key >> (SHIFT + BITS)) == tl.load(state_ptr).to(tl.int32))
-    bins = tl.where(live, (key >> SHIFT) & ((1 << BITS) - 1), 1 << BITS)
-    counts = tl.histogram(bins, 2 << BITS)  # the upper half gathers the lanes left out
-    idx = tl.arange(0, 2 << BITS)
-    tl.atomic_add(hist_ptr + idx, counts, mask=(idx < (1 << BITS)) & (counts > 0))
+    counts = tl.histogram((key >> SHIFT) & ((1 << BITS) - 1), 1 << BITS, mask=live)
+    idx = tl.arange(0, 1 << BITS)
+    tl.atomic_add(hist_ptr + idx, counts, mask=counts > 0, sem="relaxed")
 
 
 @triton.jit
