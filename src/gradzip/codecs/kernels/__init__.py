@@ -66,12 +66,11 @@ def runs_on(x: torch.Tensor, block: int = 1) -> bool:
     """Whether the kernel path runs for ``x`` cut into blocks of ``block`` values: a
     contiguous tensor (a kernel reads memory in order, whatever the strides say) of at
     most ``MAX_NUMEL`` values."""
-    if (not enabled() or block > MAX_BLOCK or x.numel() > MAX_NUMEL
-            or not x.is_contiguous() or not triton_installed()):
+    if not enabled() or block > MAX_BLOCK or not triton_installed():
         return False
-    if x.device.type == "cuda":
-        return True
-    return x.device.type == "cpu" and _forced[0]
+    if x.device.type != "cuda" and not (x.device.type == "cpu" and _forced[0]):
+        return False
+    return x.numel() <= MAX_NUMEL and x.is_contiguous()
 
 
 @contextmanager
