@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	  echo "torchft could not be installed: gradzip train --ft is unavailable"
 	# Triton, for the fused GPU kernels; on a CPU its interpreter runs them in the tests
 	# (tests/test_kernels.py, skipped where it cannot be installed)
-	$(PY) -m pip install --quiet $(PIP_EXTRA) "triton>=3.2" || \
+	$(PY) -m pip install --quiet $(PIP_EXTRA) "triton>=3.5" || \
 	  echo "triton could not be installed: the kernel tests are skipped"
 	# compile every numba kernel once, now, so that no first run pays for it (~1 min)
 	$(VENV)/bin/gradzip codecs warm

@@ -227,6 +227,42 @@ def test_a_strided_tensor_takes_the_torch_path_and_codes_as_its_copy(spec: str) 
         assert torch.equal(a, b), f"{spec}: field {name} differs"
 
 
+def test_an_unpack_counts_the_values_it_writes_not_the_bytes_it_reads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """1,000 packed signs unpack to 8,000 values: past ``MAX_NUMEL`` values written,
+    the unpack takes the torch path however few bytes it reads."""
+    from gradzip.codecs import bitpack
+
+    signs = _bucket([8000]) < 0
+    packed = bitpack.pack_bits(signs)
+    from gradzip.codecs.kernels import bits
+
+    def no_kernel(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the unpack kernel ran past MAX_NUMEL")
+
+    monkeypatch.setattr(kernels, "MAX_NUMEL", 7999)
+    monkeypatch.setattr(bits, "unpack", no_kernel)
+    with kernels.interpreted():
+        assert kernels.runs_on(packed) and not kernels.runs_on(packed, numel=8000)
+        assert torch.equal(bitpack.unpack_bits(packed, 8000), signs)
+        assert torch.equal(bitpack.bits_to_values(packed, 8000, 1.0, -1.0),
+                           torch.where(signs, -1.0, 1.0))
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_ans_lanes_codes_a_strided_tensor_through_its_planes(strided: bool) -> None:
+    """The lanes format decides its path on its contiguous byte planes, so a strided
+    tensor codes as its copy does (where no kernel runs for them, the reference codes
+    on the host, on a GPU from a host copy, and the payload returns to the device)."""
+    from gradzip.codecs.entropy import ans
+
+    codes = (_bucket([5000]) * 4).round().clamp(-127, 127).to(torch.int8)
+    t = codes[::2] if strided else codes
+    with kernels.interpreted():
+        p = ans.encode(t, backend="lanes")
+        assert torch.equal(ans.decode(p), t)
+
+
 def test_a_bucket_past_the_kernels_int32_indexing_takes_the_torch_path(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Past ``MAX_NUMEL`` (2^31 less a block; 100 here, so the test allocates little)

@@ -91,7 +91,7 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The first ``n`` bits of ``packed`` as a flat bool tensor."""
     _check_packed(packed, packed_bits_len(n), "bits")
-    if kernels.runs_on(packed):
+    if kernels.runs_on(packed, numel=n):
         from gradzip.codecs.kernels import bits
 
         return bits.unpack(packed, n)
@@ -111,7 +111,7 @@ def bits_to_values(
     For ``pack_signs`` output, ``low`` is the positive value and ``high`` the negative.
     """
     _check_packed(packed, packed_bits_len(n), "bits")
-    if kernels.runs_on(packed):
+    if kernels.runs_on(packed, numel=n):
         from gradzip.codecs.kernels import bits
 
         return bits.unpack(packed, n, (low, high))
@@ -167,7 +167,7 @@ def trit_table() -> np.ndarray:
 
 def unpack_trits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The first ``n`` trits of ``packed`` as uint8 codes in {0, 1, 2}."""
-    if kernels.runs_on(packed):
+    if kernels.runs_on(packed, numel=n):
         from gradzip.codecs.kernels import bits
 
         return bits.unpack_trits(_valid_trit_bytes(packed, n), n)
@@ -179,7 +179,7 @@ def trits_to_values(
     packed: torch.Tensor, n: int, values: tuple[float, float, float]
 ) -> torch.Tensor:
     """Decode packed trits straight to float32: code ``k`` becomes ``values[k]``."""
-    if kernels.runs_on(packed):
+    if kernels.runs_on(packed, numel=n):
         from gradzip.codecs.kernels import bits
 
         return bits.unpack_trits(_valid_trit_bytes(packed, n), n, values)

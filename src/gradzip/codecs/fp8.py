@@ -49,7 +49,7 @@ class Fp8(Compressor):
     )
 
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
-        flat = x.reshape(-1)
+        flat = x.reshape(-1).contiguous()  # a strided view too takes the kernel path
         return self._encode(flat, [flat.numel()])
 
     def encode_tensors(self, x: torch.Tensor, slot: Slot, shapes: Shapes) -> Payload:

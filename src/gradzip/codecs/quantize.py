@@ -323,7 +323,7 @@ class Int8(Compressor):
         return RandomBits(slot, x.device) if self.params["stochastic"] else None
 
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
-        flat = x.reshape(-1)
+        flat = x.reshape(-1).contiguous()  # a strided view too takes the kernel path
         block = self.params["block"]
         rand = self._rand(flat, slot)
         fused = kernel_quantize(flat, [flat.numel()], block, self.LEVELS, torch.int8, rand,
@@ -425,7 +425,7 @@ class QSGD(Compressor):
     )
 
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
-        flat = x.reshape(-1)
+        flat = x.reshape(-1).contiguous()  # a strided view too takes the kernel path
         s, bucket = self.params["levels"], self.params["bucket"]
         rand = RandomBits(slot, flat.device)
         fused = kernel_quantize(flat, [flat.numel()], bucket, s, int_dtype(s), rand, l2=True)
@@ -607,7 +607,7 @@ class TernGrad(Compressor):
         self.multi_round = bool(self.params["shared"])  # type: ignore[misc]
 
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
-        flat = x.reshape(-1)
+        flat = x.reshape(-1).contiguous()  # a strided view too takes the kernel path
         n = flat.numel()
         scale = torch.zeros(1, dtype=torch.float32, device=flat.device)
         if n:

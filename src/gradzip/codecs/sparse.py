@@ -182,7 +182,7 @@ class TopK(Compressor):
     def encode_tensors(self, x: torch.Tensor, slot: Slot, shapes: Shapes) -> Payload:
         if self.params["tile"] is None:
             return self.encode(x, slot)
-        flat = x.detach().reshape(-1).float()
+        flat = x.detach().reshape(-1).float().contiguous()
         return sparse_payload(flat, Selection(flat.numel(),
                                               indices=self._tile_positions(flat, shapes)))
 
@@ -209,7 +209,7 @@ class TopK(Compressor):
         return torch.cat(found).sort().values if found else torch.zeros(0, dtype=torch.long)
 
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
-        flat = x.detach().reshape(-1).float()
+        flat = x.detach().reshape(-1).float().contiguous()
         if self.params["tile"] is not None:  # one tensor: its own shape decides the tiles
             return sparse_payload(flat, Selection(flat.numel(), indices=self._tile_positions(
                 flat, [x.shape])))
@@ -346,7 +346,7 @@ def hash_positions(n: int, k: int, seed: int, like: torch.Tensor) -> torch.Tenso
         return torch.arange(n, device=like.device)
     if k <= 0:
         return torch.zeros(0, dtype=torch.int64, device=like.device)
-    if kernels.runs_on(like):
+    if kernels.runs_on(like, numel=n):
         from gradzip.codecs.kernels import hashk
         return hashk.positions(n, k, seed, like.device)
     unique = (hash_keys(n, seed) << 32) | (n - 1 - torch.arange(n, dtype=torch.int64))
@@ -385,7 +385,7 @@ class RandomK(Compressor):
         self.unbiased = bool(self.params["scale"])  # type: ignore[misc]
 
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
-        flat = x.detach().reshape(-1).float()
+        flat = x.detach().reshape(-1).float().contiguous()
         n = flat.numel()
         k = keep_count(n, self.params["ratio"], self.params["k"])
         seed = slot.seed(shared=True)
@@ -439,7 +439,7 @@ class Threshold(Compressor):
     )
 
     def encode(self, x: torch.Tensor, slot: Slot) -> Payload:
-        flat = x.detach().reshape(-1).float()
+        flat = x.detach().reshape(-1).float().contiguous()
         return sparse_payload(flat, Selection(flat.numel(), mask=abs_ge(flat, self.params["v"])))
 
     def decode(self, p: Payload, shape: torch.Size, slot: Slot | None) -> torch.Tensor:

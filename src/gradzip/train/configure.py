@@ -82,7 +82,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 def model_label(model: ModelConfig) -> str:
     """The model's name for records and logs: its preset, plus every architecture field
-    set away from that preset (``small+dim=320,n_layer=6,n_head=5``), so that a resized
+    set away from that preset (``small+n_layer=6,n_head=5,dim=320``), so that a resized
     model never reads as the preset it started from. ``vocab_size`` follows the
     tokenizer and is left out."""
     try:

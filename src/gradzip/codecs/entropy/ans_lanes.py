@@ -39,11 +39,13 @@ def encode(t: torch.Tensor) -> Payload:
     if not t.numel():
         return raw(t)
     planes = lanes.planes_of(t)
-    if kernels.runs_on(t):
+    if kernels.runs_on(planes):
         from gradzip.codecs.kernels import rans
         coded = rans.encode(planes, lanes.quantize(rans.histogram(planes)))
-    else:
-        coded = lanes.encode(planes, lanes.quantize(lanes.histogram(planes)))
+    else:  # the reference, which runs on the host, wherever the tensor is
+        host = planes.cpu()
+        coded = _moved(lanes.encode(host, lanes.quantize(lanes.histogram(host))),
+                       planes.device)
     payload = Payload({"t": coded.freq, "w": coded.words, "s": coded.states,
                        "h": coded.sums, "d": coded.data},
                       {"m": LANES, **meta, "np": planes.shape[0], "ck": lanes.BLOCK})
@@ -94,18 +96,24 @@ def decode(p: Payload, device: torch.device | None = None) -> torch.Tensor:
         _tensor(p, "s", torch.int32, (rows, lanes.LANES)),
         _tensor(p, "h", torch.int32, (rows,)), _tensor(p, "d", torch.int16, None))
     where = torch.device(device) if device is not None else coded.data.device
-    coded = lanes.Coded(*(x.to(where) for x in (coded.freq, coded.words, coded.states,
-                                                  coded.sums, coded.data)))
+    coded = _moved(coded, where)
     if kernels.runs_on(coded.data):
         from gradzip.codecs.kernels import rans
         planes, sound = rans.decode(coded, numel)
-    else:
-        planes, sound = lanes.decode(coded, numel)
+    else:  # the reference, on the host
+        planes, sound = lanes.decode(_moved(coded, torch.device("cpu")), numel)
+        planes, sound = planes.to(where), sound.to(where)
     counts = coded.words.to(torch.int64)
     ok = (sound & lanes.table_ok(coded.freq) & (counts >= 0).all()
           & (counts <= lanes.BLOCK).all() & (counts.sum() == coded.data.numel()))
     _require(ok)
     return lanes.from_planes(planes, dtype).reshape(shape)
+
+
+def _moved(coded: lanes.Coded, device: torch.device) -> lanes.Coded:
+    """``coded``'s tensors on ``device`` (no copy where they are there already)."""
+    return lanes.Coded(*(x.to(device) for x in (coded.freq, coded.words, coded.states,
+                                                 coded.sums, coded.data)))
 
 
 def _require(ok: torch.Tensor) -> None:

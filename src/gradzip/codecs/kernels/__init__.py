@@ -62,15 +62,16 @@ def enabled() -> bool:
     return os.environ.get("GRADZIP_KERNELS", "on").lower() not in ("off", "0", "false", "no")
 
 
-def runs_on(x: torch.Tensor, block: int = 1) -> bool:
+def runs_on(x: torch.Tensor, block: int = 1, numel: int = 0) -> bool:
     """Whether the kernel path runs for ``x`` cut into blocks of ``block`` values: a
     contiguous tensor (a kernel reads memory in order, whatever the strides say) of at
-    most ``MAX_NUMEL`` values."""
+    most ``MAX_NUMEL`` values. ``numel``: the values the kernel indexes where that is
+    more than ``x`` holds (an unpack writes ``n`` values from ``n / 8`` bytes)."""
     if not enabled() or block > MAX_BLOCK or not triton_installed():
         return False
     if x.device.type != "cuda" and not (x.device.type == "cpu" and _forced[0]):
         return False
-    return x.numel() <= MAX_NUMEL and x.is_contiguous()
+    return max(x.numel(), numel) <= MAX_NUMEL and x.is_contiguous()
 
 
 @contextmanager
