@@ -108,7 +108,9 @@ def test_nodes_share_a_bridge_and_only_uplinks_are_shaped() -> None:
     show = ("echo node $RANK $LOCAL_RANK $(tc qdisc show dev eth0 | grep -c tbf); "
             f"{sys.executable} -c \"import os, torch, torch.distributed as d; "
             "d.init_process_group('gloo'); t = torch.ones(1); d.all_reduce(t); "
-            "os.write(1, f'sum {int(t.item())}\\\\n'.encode())\"")  # one write: no interleaving
+            "os.write(1, f'sum {int(t.item())}\\\\n'.encode()); "
+            "d.destroy_process_group()\"")  # one write: no interleaving; a live gloo group
+    # at exit can abort the interpreter ("terminate called without an active exception")
     proc = run_streaming(rank_links.command(["sh", "-c", show], ranks=4, rate="50mbit",
                                             per_node=2), env=dict(os.environ), timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
