@@ -54,7 +54,7 @@ def test_tiny_model_learns_and_writes_a_complete_run_dir(cache: Path, tmp_path: 
                 "compression_ratio", "val_loss", "val_ppl", "encode_ms", "decode_ms",
                 "extra_collectives", "index_bytes", "density", "residual_norm",
                 "grad_rel_error", "grad_cos_sim", "mem_peak", "time_to_target_s",
-                "git_commit", "torch_version", "device"):
+                "git_commit", "gradzip_source", "torch_version", "device"):
         assert key in rec, key
     assert rec["world_size"] == 1 and rec["timed_steps"] == 27 and rec["mem_peak"] > 0
     shared = (tmp_path / "shared.jsonl").read_text().splitlines()

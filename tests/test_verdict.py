@@ -115,3 +115,37 @@ def test_figures_keep_legends_off_the_axes_and_say_how_many_seeds(
     titles = [ax.get_title() for fig in figures for ax in fig.axes]
     assert any("one seed per method" in t for t in titles)
     assert not any("min-max" in t for t in titles)
+
+
+def test_runs_of_different_gradzip_source_get_no_verdict_and_a_note_naming_them() -> None:
+    # a race whose tree was edited after its first run: the later runs ran other code
+    runs = [record("torch:none", 0, 1.0), record("torch:fp16", 0, 0.6), record("int8", 0, 0.3)]
+    for r, source in zip(runs, ["aaaa", "aaaa", "bbbb"], strict=True):
+        r["gradzip_source"] = source
+    [summary] = summarize(runs)
+    text = verdict(summary)
+    assert "no verdict" in text and "different versions of gradzip's source" in text, text
+    [note] = [w for w in summary.warnings if "gradzip_source" in w]
+    assert "aaaa (torch:none, torch:fp16); bbbb (int8)" in note, note
+    runs[2]["gradzip_source"] = "aaaa"  # one source: the race is judged
+    assert "use `int8`" in sentence(runs)
+    del runs[2]["gradzip_source"]  # a record from before the field: unknown, not another
+    assert "use `int8`" in sentence(runs)
+
+
+def test_the_source_digest_changes_with_any_python_file_and_nothing_else(
+        tmp_path: Path) -> None:
+    from gradzip.train.metrics import python_tree_digest, source_digest
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+    first = python_tree_digest(tmp_path)
+    (tmp_path / "notes.txt").write_text("not code")
+    assert python_tree_digest(tmp_path) == first
+    (tmp_path / "sub" / "b.py").write_text("y = 3\n")
+    edited = python_tree_digest(tmp_path)
+    assert edited != first and len(edited) == 16
+    (tmp_path / "sub" / "b.py").rename(tmp_path / "b2.py")  # the same bytes, moved
+    assert python_tree_digest(tmp_path) != edited
+    assert source_digest() is source_digest()  # taken once per process: at its start

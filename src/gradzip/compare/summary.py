@@ -193,6 +193,11 @@ class SettingSummary:
     #: notes the terminal shows too: unmeasured runs, replaced records, runs kept apart
     warnings: list[str] = field(default_factory=list)
 
+    @property
+    def mixed_source(self) -> bool:
+        """Its runs ran more than one version of gradzip's source (``sources_of``)."""
+        return len(sources_of(self.runs)) > 1
+
     def target_for(self, run: Run) -> float | None:
         """The target of ``run``: its seed's, else the mean target."""
         return self.seed_targets.get(run.seed, self.target)
@@ -310,7 +315,32 @@ def summarize_setting(setting: Setting, runs: list[Run],
         row.speedups = {ref: _speedup(rows[order.index(ref)], row) for ref in refs}
     return SettingSummary(setting, rows, baseline, target, budget, budget_s is not None,
                           refs, _notes(rows, baseline, target), seed_targets, trials,
-                          warnings=_unmeasured_notes(rows))
+                          warnings=_unmeasured_notes(rows) + _source_notes(runs))
+
+
+def sources_of(runs: list[Run]) -> dict[str, list[Run]]:
+    """The runs by the gradzip source they ran (the record's ``gradzip_source``; records
+    written before it was recorded are left out: their source is unknown, not another)."""
+    out: dict[str, list[Run]] = {}
+    for r in runs:
+        if isinstance(digest := r.record.get("gradzip_source"), str):
+            out.setdefault(digest, []).append(r)
+    return out
+
+
+def _source_notes(runs: list[Run]) -> list[str]:
+    """A note when the runs of one comparison ran different code: each source with the
+    methods that ran it. Typically a tree edited while its race ran (each run starts on
+    the code of its own start), or records of two checkouts read together."""
+    sources = sources_of(runs)
+    if len(sources) < 2:
+        return []
+    parts = [f"{digest} ({', '.join(dict.fromkeys(r.method for r in its))})"
+             for digest, its in sources.items()]
+    return [f"These runs ran {len(sources)} different versions of gradzip's source "
+            f"(gradzip_source {'; '.join(parts)}), so their differences are not only "
+            "their methods': no verdict. Rerun them from one unchanging checkout (a tree "
+            "edited during a race changes every run that starts after the edit)."]
 
 
 def choose_trials(runs: list[Run]) -> tuple[dict[str, list[Run]], dict[str, list[TrialResult]]]:

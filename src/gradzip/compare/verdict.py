@@ -63,6 +63,9 @@ def _noise_clause(best: MethodSummary, ref: MethodSummary, lead_s: float) -> str
 def verdict(s: SettingSummary) -> str:
     """The recommendation sentence of one setting (see the module docstring)."""
     where = f"On this link ({s.setting.title()})"
+    if s.mixed_source:
+        return (f"{where}: no verdict, since its runs ran different versions of gradzip's "
+                "source (see the note); rerun them from one checkout.")
     if s.target is None:
         return (f"{where}: no verdict, since no baseline (torch:none, none or a 16-bit "
                 "all-reduce) finished with a validation loss to set the target.")

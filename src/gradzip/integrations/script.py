@@ -170,7 +170,9 @@ class ScriptHandle:
         import torch.distributed as dist
 
         from gradzip.comm.method import AutoMethod, CodecMethod, TorchHookMethod, parse_method
+        from gradzip.train.metrics import source_digest
 
+        source_digest()  # of the code this run starts on (see build_record)
         self.launch = launch
         self.run_dir = launch.run_dir or default_run_dir()
         self.method = parse_method(launch.method)
@@ -256,6 +258,7 @@ def build_record(h: ScriptHandle) -> dict[str, Any]:
         git_commit,
         peak_memory,
         percentile,
+        source_digest,
     )
 
     timed = h.clock.step_ms[TIMING_WARMUP:]
@@ -270,7 +273,7 @@ def build_record(h: ScriptHandle) -> dict[str, Any]:
         "codec": str(h.method), "codec_config": h.method.to_json(), "seed": h.launch.seed,
         "steps": h.clock.steps,  # optimizer steps whose gradients were reduced
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(),
-        "torch_version": torch.__version__,
+        "gradzip_source": source_digest(), "torch_version": torch.__version__,
         "device": "cpu" if h.device.type != "cuda" else torch.cuda.get_device_name(h.device),
         "val_loss": last, "val_ppl": math.exp(min(last, 50.0)) if last is not None else None,
         "evaluation": "done" if h.evals else "skipped: the script logged no evaluation",

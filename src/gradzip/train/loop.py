@@ -50,6 +50,7 @@ from gradzip.train.metrics import (
     git_commit,
     peak_memory,
     require_wandb,
+    source_digest,
 )
 from gradzip.train.parallel import (
     DistInfo,
@@ -150,6 +151,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig, info: DistInfo, parts: Components,
                  cleanup: contextlib.ExitStack) -> None:
         self.cfg, self.info, self.device = cfg, info, info.device
+        source_digest()  # of the code this run starts on, not of later edits to the tree
         t, o, r, d = cfg.train, cfg.optim, cfg.run, cfg.data
         #: how gradients cross the link, parsed once for the whole run
         self.method = method_of(t, cfg.optim.optimizer)
@@ -687,6 +689,7 @@ class Trainer:
             # the link, logged by the namespace with the same clock, at a step
             "step_clock": self.metrics.step_clock(self.start_step + 1),
             "git_commit": git_commit(),
+            "gradzip_source": source_digest(),
             "torch_version": torch.__version__,
             "device": str(info.device) if info.device.type == "cpu"
             else torch.cuda.get_device_name(info.device),

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import hashlib
 import json
 import math
 import os
@@ -276,6 +278,29 @@ def git_commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return sha + ("-dirty" if dirty.strip() else "")
+
+
+@functools.cache
+def source_digest() -> str:
+    """The first 16 hex digits of a SHA-256 over gradzip's Python source: every ``.py``
+    file of the package, by its path in the package and its bytes.
+
+    Two runs with the same digest ran the same code, committed or not, checked out or
+    installed; ``git_commit`` cannot say that of a dirty tree. A race whose tree is edited
+    while it runs starts the later runs on the edited code under the same commit name,
+    and the report refuses to compare them (``compare.summary``). Cached per process:
+    the trainer takes it when it starts, before the run imports anything lazily.
+    """
+    return python_tree_digest(Path(__file__).resolve().parents[1])
+
+
+def python_tree_digest(package: Path) -> str:
+    """``source_digest`` of the package at ``package``: its ``.py`` files, in order."""
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def append_results(record: dict[str, Any], paths: list[Path]) -> None:
