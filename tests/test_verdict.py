@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gradzip.compare.report import write_report
 from gradzip.compare.summary import summarize
 from gradzip.compare.verdict import verdict, verdicts
@@ -131,6 +133,9 @@ def test_runs_of_different_gradzip_source_get_no_verdict_and_a_note_naming_them(
     assert "use `int8`" in sentence(runs)
     del runs[2]["gradzip_source"]  # a record from before the field: unknown, not another
     assert "use `int8`" in sentence(runs)
+    runs[2]["gradzip_source"] = 7
+    with pytest.raises(ValueError, match="record 3: field 'gradzip_source' must be a string"):
+        summarize(runs)
 
 
 def test_the_source_digest_changes_with_any_python_file_and_nothing_else(

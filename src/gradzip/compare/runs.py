@@ -325,6 +325,9 @@ def parse_run(record: Any, where: str) -> Run:
     fields = _from_compare(c, record, where) if c is not None else _from_plain(record, where)
     _check(fields["seed"] is None or isinstance(fields["seed"], int), where,
            f"the seed must be an integer, got {fields['seed']!r}")
+    source = record.get("gradzip_source")
+    _check(source is None or isinstance(source, str), where,
+           f"field 'gradzip_source' must be a string or absent, got {source!r}")
     return Run(record=record, where=where, **fields)
 
 

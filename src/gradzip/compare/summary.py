@@ -319,11 +319,12 @@ def summarize_setting(setting: Setting, runs: list[Run],
 
 
 def sources_of(runs: list[Run]) -> dict[str, list[Run]]:
-    """The runs by the gradzip source they ran (the record's ``gradzip_source``; records
-    written before it was recorded are left out: their source is unknown, not another)."""
+    """The runs by the gradzip source they ran (the record's ``gradzip_source``, a string
+    where present: ``parse_run``; records written before it was recorded are left out:
+    their source is unknown, not another)."""
     out: dict[str, list[Run]] = {}
     for r in runs:
-        if isinstance(digest := r.record.get("gradzip_source"), str):
+        if (digest := r.record.get("gradzip_source")) is not None:
             out.setdefault(digest, []).append(r)
     return out
 
