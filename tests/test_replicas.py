@@ -271,3 +271,27 @@ def test_a_replicas_record_times_its_link_by_the_model_not_by_the_threads() -> N
     assert fields["effective_bandwidth_bytes_per_s"] == pytest.approx(1_250_000 / 0.1001)
     interval = metrics.interval(1.0, 1e-3, step_ms, phases, None, torch.device("cpu"))
     assert interval["comm/share(%)"] == pytest.approx(100 * 100.1 / 140.1)
+
+
+def test_a_race_goes_on_past_a_run_that_fails_and_its_report_names_it(
+        tmp_path: Path) -> None:
+    """A method that diverges (here an outer step of 1e30) fails its run; the others still
+    run, the report and verdict list the failure, the exit status says it, and a rerun
+    retries only the failed run."""
+    import json
+
+    from gradzip.cli import main
+
+    out = tmp_path / "race"
+    argv = ["compare", "--replicas", "2", "--methods",
+            "torch:none;diloco(sync_every=2, lr=1e30, momentum=0);int8", "--rate", "100mbit",
+            "--steps", "8", "--out", str(out)]
+    assert main(argv) == 1
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["compare"]["method"] for r in records] == ["torch:none", "int8"]
+    for text in ((out / "report.md").read_text(), (out / "verdict.txt").read_text()):
+        assert "1 run(s) failed" in text
+        assert "diloco(sync_every=2, lr=1e30, momentum=0) (seed 0, 2 ranks, 100mbit): " \
+               "gradzip train: error:" in text
+    assert main(argv) == 1  # the two finished runs are kept, the failed one runs again
+    assert len((out / "results.jsonl").read_text().splitlines()) == 2

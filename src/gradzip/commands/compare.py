@@ -370,6 +370,7 @@ def _race(runs: list[Any], out: Path, budget_s: float | None,
     for link in links.values():
         console.print(_link_line(link))
     start = time.perf_counter()
+    failures: list[str] = []  # one line per run that failed: the race goes on without it
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                   "{task.total} runs"), TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task("compare", total=len(todo))
@@ -381,11 +382,14 @@ def _race(runs: list[Any], out: Path, budget_s: float | None,
                 record = harness.execute(r, links[r.rate, r.link], out, out / "cache")
             except harness.RunFailed as e:
                 console.print(f"[red]{e}[/red]")
-                return 1
-            done[harness.run_key(r)] = record
-            harness.append_record(results, record)  # kept even if a later run fails
+                failures.append(_failure_line(r, e))
+            else:
+                done[harness.run_key(r)] = record
+                harness.append_record(results, record)  # kept even if a later run fails
             progress.advance(task)
-    records = [done[harness.run_key(r)] for r in runs]
+    records = [done[k] for k in map(harness.run_key, runs) if k in done]
+    if not records:
+        return 1
     others = [r for r in earlier if harness.record_key(r) not in
               {harness.run_key(run) for run in runs}]
     harness.add_race_figures(records, budget_s)
@@ -393,10 +397,35 @@ def _race(runs: list[Any], out: Path, budget_s: float | None,
     report = write_report(records, out, budget_s, sources=[str(results)], **sweep_options)
     summaries = summarize(records, budget_s)
     print_tables(summaries)
-    (out / "verdict.txt").write_text("\n".join(verdicts(summaries)) + "\n")
+    lines = verdicts(summaries) + _failed_note(failures)
+    (out / "verdict.txt").write_text("\n".join(lines) + "\n")
+    if failures:
+        with report.open("a", encoding="utf-8") as f:
+            f.write("\n" + "\n".join(_failed_note(failures)) + "\n")
+        console.print("\n".join(_failed_note(failures)), markup=False)
     console.print(f"{len(todo)} runs in {time.perf_counter() - start:.0f} s; report: "
                   f"{report}, records: {results}")
-    return 0
+    return 1 if failures else 0
+
+
+def _failure_line(run: Any, error: Exception) -> str:
+    """One run's failure as the report lists it: what ran and its last error line (the
+    trainer's one-line error, e.g. a non-finite pseudo-gradient), else its last line."""
+    lines = [ln for ln in str(error).splitlines() if ln.strip()]
+    last = [ln for ln in lines if "error:" in ln][-1:] or lines[-1:] or ["(no output)"]
+    return (f"{run.method} (seed {run.seed}, {run.ranks} ranks, {run.rate or 'unlimited'}"
+            f"{', trial ' + ', '.join(f'{k}={v}' for k, v in run.trial) if run.trial else ''}"
+            f"): {last[0].strip()}")
+
+
+def _failed_note(failures: list[str]) -> list[str]:
+    """The report's and verdict's section on failed runs: none are in any table or
+    verdict above it, and a rerun of the same command retries only them."""
+    if not failures:
+        return []
+    return ["", f"**{len(failures)} run(s) failed** and are in no table or verdict above "
+            "(a rerun of the same command retries only them):", "",
+            *(f"- {line}" for line in failures)]
 
 
 def _link_line(link: Any) -> str:
