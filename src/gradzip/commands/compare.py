@@ -397,12 +397,12 @@ def _race(runs: list[Any], out: Path, budget_s: float | None,
     report = write_report(records, out, budget_s, sources=[str(results)], **sweep_options)
     summaries = summarize(records, budget_s)
     print_tables(summaries)
-    lines = verdicts(summaries) + _failed_note(failures)
-    (out / "verdict.txt").write_text("\n".join(lines) + "\n")
-    if failures:
+    failed = _failed_note(failures)
+    (out / "verdict.txt").write_text("\n".join(verdicts(summaries) + failed) + "\n")
+    if failed:
         with report.open("a", encoding="utf-8") as f:
-            f.write("\n" + "\n".join(_failed_note(failures)) + "\n")
-        console.print("\n".join(_failed_note(failures)), markup=False)
+            f.write("\n".join(failed) + "\n")
+        console.print("\n".join(failed), markup=False)
     console.print(f"{len(todo)} runs in {time.perf_counter() - start:.0f} s; report: "
                   f"{report}, records: {results}")
     return 1 if failures else 0
