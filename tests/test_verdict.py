@@ -154,3 +154,35 @@ def test_the_source_digest_changes_with_any_python_file_and_nothing_else(
     (tmp_path / "sub" / "b.py").rename(tmp_path / "b2.py")  # the same bytes, moved
     assert python_tree_digest(tmp_path) != edited
     assert source_digest() is source_digest()  # taken once per process: at its start
+
+
+def test_a_run_that_diverged_after_reaching_the_target_names_no_winner_and_is_flagged(
+        tmp_path: Path) -> None:
+    # int8 touches the target at its first evaluation after step 0, then blows up while
+    # staying finite (as sparseloco(lr=4) did at W = 8: 3.93 at step 650, 1.8e7 at 2,000)
+    blown = [5.0, 3.0, 4.0, 9.0, 40.0]
+    records = [record("torch:none", 0, 1.0), record("torch:fp16", 0, 0.6),
+               record("int8", 0, 0.3, blown)]
+    [summary] = summarize(records)
+    text = verdict(summary)
+    assert "use `torch:fp16`" in text and "int8" not in text, text
+    [note] = [w for w in summary.warnings if "diverged" in w]
+    assert "`int8` seed 0" in note and "40 at step 40" in note, note
+    assert "first (5 at step 0)" in note and "lowest (3 at step 10)" in note, note
+    assert summary.method("int8").ttt.not_reached == 1  # type: ignore[union-attr]
+    report = write_report(records, tmp_path).read_text()
+    assert "40.0000 (diverged)" in report and note in report
+    # a loss that ends a little above its lowest, or never rose past its first, is no
+    # divergence: noise, or a schedule's end
+    for losses in ([5.0, 4.0, 3.5, 3.0, 3.2], [5.0, 3.0, 3.5, 4.0, 4.9]):
+        [summary] = summarize(records[:2] + [record("int8", 0, 0.3, losses)])
+        assert not [w for w in summary.warnings if "diverged" in w], losses
+
+
+def test_a_diverged_baseline_sets_no_target_and_a_non_finite_loss_is_divergence() -> None:
+    nan = [5.0, 4.0, 3.5, float("nan"), float("nan")]
+    [summary] = summarize([record("torch:none", 0, 1.0, nan), record("int8", 0, 0.3)])
+    text = verdict(summary)
+    assert "no verdict" in text and "`torch:none` diverged" in text, text
+    [note] = [w for w in summary.warnings if "diverged" in w]
+    assert "non-finite at step 30" in note, note

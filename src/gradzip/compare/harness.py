@@ -287,7 +287,7 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
 def add_race_figures(records: list[dict[str, Any]], budget_s: float | None) -> None:
     """Each record's time_to_target_s and quality_at_time, from the report's summary
     (the target: the final validation loss of the uncompressed baseline run with the same
-    seed x 1.01)."""
+    seed x 1.01; a diverged run reaches none, ``Run.diverged``)."""
     from gradzip.compare.summary import loss_at_time, summarize, time_to_target
 
     for setting in summarize(records, budget_s):
@@ -297,8 +297,9 @@ def add_race_figures(records: list[dict[str, Any]], budget_s: float | None) -> N
                 target = setting.target_for(run)
                 c["target_val_loss"] = target
                 c["unmeasured"] = run.unmeasured()
-                c["time_to_target_s"] = (time_to_target(run, target)
-                                         if target is not None and not c["unmeasured"]
+                c["diverged"] = run.diverged()
+                c["time_to_target_s"] = (time_to_target(run, target) if target is not None
+                                         and not c["unmeasured"] and not c["diverged"]
                                          else None)
                 c["quality_budget_s"] = setting.budget_s
                 c["quality_at_time"] = (loss_at_time(run, setting.budget_s)

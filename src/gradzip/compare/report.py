@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gradzip.compare.runs import DIVERGED_RISE
 from gradzip.compare.summary import (
     TARGET_FACTOR,
     MethodSummary,
@@ -44,7 +45,9 @@ COLUMN_HELP = f"""\
 - **comm share**: time with a collective in flight / step time (`comm_ratio`). It overlaps
   backward, so it is not the time communication added to a step.
 - **final val loss**: at the last evaluation, mean ± sample standard deviation over seeds;
-  **Δ vs baseline**: the change of that mean against the baseline's.
+  **Δ vs baseline**: the change of that mean against the baseline's. "(diverged)": the
+  run's loss went non-finite, or ended above its first evaluation's and {DIVERGED_RISE}x its lowest;
+  a diverged run reaches no target (the notes give its first, lowest and last losses).
 - **val loss at B s**: the validation loss after B seconds of training time, linearly
   interpolated between the two evaluations around it (never extrapolated: "-" if a run's
   evaluations do not span B). By default B is the earliest time at which a run of the
@@ -166,9 +169,17 @@ def row(summary: SettingSummary, m: MethodSummary) -> list[str]:
             fmt_num(m.tokens_per_s, ",.0f"),
             fmt_num(None if m.comm_share is None else m.comm_share * 100, ".1f") +
             ("%" if m.comm_share is not None else ""),
-            fmt_stat(m.val_loss), fmt_pct(m.delta_pct),
+            fmt_stat(m.val_loss) + _diverged_mark(m), fmt_pct(m.delta_pct),
             fmt_stat(m.at_budget), fmt_ttt(m.ttt),
             *(fmt_speedup(m.speedups.get(ref)) for ref in summary.references)]
+
+
+def _diverged_mark(m: MethodSummary) -> str:
+    """`` (diverged)`` after a final loss whose runs diverged (`` (1/3 diverged)`` when
+    some did): that loss is not a converged method's (the notes say why)."""
+    if not m.diverged:
+        return ""
+    return " (diverged)" if m.diverged == len(m.runs) else f" ({m.diverged}/{len(m.runs)} diverged)"
 
 
 def table(summary: SettingSummary) -> tuple[list[str], list[list[str]]]:

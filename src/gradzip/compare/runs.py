@@ -28,6 +28,10 @@ NUMBER_FIELDS = (
     "timed_steps", "global_batch_tokens",
 )
 
+#: a run whose last validation loss is above its first evaluation's and this many times its
+#: lowest has diverged: it rose back past where it started, which no schedule or noise does
+DIVERGED_RISE = 1.10
+
 _RATE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(bit|bps)\s*$", re.IGNORECASE)
 _PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
@@ -198,6 +202,27 @@ class Run:
         return sum(float(r.get("lost_train_s") or 0.0) + float(r.get("down_s") or 0.0)
                    for r in each if isinstance(r, dict)
                    and step > float(r.get("from_step") or 0))
+
+    def diverged(self) -> str | None:
+        """Why the run counts as diverged, or None: a validation loss that went non-finite,
+        or a last one above the first evaluation's and ``DIVERGED_RISE`` times the lowest.
+        A non-finite gradient stops a run with an error; a loss that grows without bound
+        while staying finite (1.8e7 after 2,000 steps) does not, and its early evaluations
+        may have touched the target, so the race must not count it as reaching it."""
+        for h in self.record.get("eval_history") or []:
+            loss = h.get("val_loss")
+            if isinstance(loss, int | float) and not math.isfinite(loss):
+                return f"its validation loss went non-finite at step {h['step']:g}"
+        h = self.history()
+        if len(h) < 2:
+            return None
+        (first_step, _, first), (last_step, _, last) = h[0], h[-1]
+        low_step, _, low = min(h, key=lambda e: e[2])
+        if last > first and last > low * DIVERGED_RISE:
+            return (f"its last validation loss ({last:.4g} at step {last_step:g}) is above "
+                    f"its first ({first:.4g} at step {first_step:g}) and its lowest "
+                    f"({low:.4g} at step {low_step:g})")
+        return None
 
     def unmeasured(self) -> str | None:
         """Why the run's time to target cannot be known, or None when it can: a run with

@@ -12,7 +12,9 @@ uncompressed training soonest". So, within one setting (rate, ranks, link kind):
   baseline's mean final loss x 1.01;
 - a run's **time to target** is the training time (``train_time_s`` of ``eval_history``:
   step time only, evaluation excluded) of its first evaluation at or below its target;
-  runs that never got there are counted, not dropped;
+  runs that never got there are counted, not dropped; a run that diverged (its loss went
+  non-finite, or grew back past its first evaluation's: ``Run.diverged``) counts as
+  never getting there, whatever an early evaluation touched, and is noted;
 - its **loss at the time budget** is the validation loss at a fixed training time,
   linearly interpolated between the two evaluations around it (never extrapolated);
   the default budget is the earliest end of any run's evaluations in the setting (a
@@ -169,6 +171,11 @@ class MethodSummary:
         return r * 2 / GRAD_BYTES if r is not None else None
 
     @property
+    def diverged(self) -> int:
+        """How many of its runs diverged (``Run.diverged``)."""
+        return sum(r.diverged() is not None for r in self.runs)
+
+    @property
     def seeds(self) -> list[int | None]:
         """The seeds of the runs, in order."""
         return [r.seed for r in self.runs]
@@ -263,9 +270,11 @@ def _method_row(name: str, runs: list[Run], raw_by_model: dict[Any, float]) -> M
 def _time_to_target(runs: list[Run], targets: dict[int | None, float],
                     fallback: float) -> TimeToTarget:
     """Times to target (each run's seed's target) of the measured runs with evaluations;
-    the others are left out (the setting's notes name the unmeasured ones)."""
+    the others are left out (the setting's notes name the unmeasured ones). A diverged
+    run did not reach it, whatever an early evaluation touched (``Run.diverged``)."""
     evaluated = [r for r in runs if r.history() and r.unmeasured() is None]
-    times = [time_to_target(r, targets.get(r.seed, fallback)) for r in evaluated]
+    times = [None if r.diverged() else time_to_target(r, targets.get(r.seed, fallback))
+             for r in evaluated]
     return TimeToTarget(stat(times), sum(t is None for t in times), len(evaluated))
 
 
@@ -297,7 +306,8 @@ def summarize_setting(setting: Setting, runs: list[Run],
     rows = [_method_row(m, by_method[m], raw_by_model) for m in order]
     base = rows[0] if baseline else None
     seed_targets = ({r.seed: loss * TARGET_FACTOR for r in base.runs
-                     if (loss := r.num("val_loss")) is not None} if base else {})
+                     if (loss := r.num("val_loss")) is not None and r.diverged() is None}
+                    if base else {})
     target = statistics.fmean(seed_targets.values()) if seed_targets else None
     budget = budget_s if budget_s is not None else _default_budget(runs)
     sixteen = next((m for m in SIXTEEN_BIT if m in by_method), None)
@@ -315,7 +325,8 @@ def summarize_setting(setting: Setting, runs: list[Run],
         row.speedups = {ref: _speedup(rows[order.index(ref)], row) for ref in refs}
     return SettingSummary(setting, rows, baseline, target, budget, budget_s is not None,
                           refs, _notes(rows, baseline, target), seed_targets, trials,
-                          warnings=_unmeasured_notes(rows) + _source_notes(runs))
+                          warnings=_unmeasured_notes(rows) + _diverged_notes(rows)
+                          + _source_notes(runs))
 
 
 def sources_of(runs: list[Run]) -> dict[str, list[Run]]:
@@ -365,6 +376,14 @@ def _unmeasured_notes(rows: list[MethodSummary]) -> list[str]:
     return [f"`{r.method}` seed {r.seed} ({r.where}) was not measured: {why}; it has no "
             "time to target and names no winner." for m in rows for r in m.runs
             if (why := r.unmeasured()) is not None]
+
+
+def _diverged_notes(rows: list[MethodSummary]) -> list[str]:
+    """One note per run that diverged (``Run.diverged``): it reaches no target and names
+    no winner, and its loss figures are those of a diverged run."""
+    return [f"`{r.method}` seed {r.seed} ({r.where}) diverged: {why}. It counts as not "
+            "reaching the target and names no winner; lower its learning rate." for m in rows
+            for r in m.runs if (why := r.diverged()) is not None]
 
 
 def _notes(rows: list[MethodSummary], baseline: str | None, target: float | None) -> list[str]:

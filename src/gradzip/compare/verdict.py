@@ -66,6 +66,9 @@ def verdict(s: SettingSummary) -> str:
     if s.mixed_source:
         return (f"{where}: no verdict, since its runs ran different versions of gradzip's "
                 "source (see the note); rerun them from one checkout.")
+    if s.target is None and s.baseline and s.method(s.baseline).diverged:
+        return (f"{where}: no verdict, since the baseline `{s.baseline}` diverged (see the "
+                "note), so its final loss sets no target; rerun it at a lower learning rate.")
     if s.target is None:
         return (f"{where}: no verdict, since no baseline (torch:none, none or a 16-bit "
                 "all-reduce) finished with a validation loss to set the target.")
