@@ -135,6 +135,30 @@ def test_by_length_fits_the_final_gap_of_runs_of_several_lengths(tmp_path: Path)
     assert main(["report", "--by-length", files[0], "--out", str(tmp_path / "o")]) == 2
 
 
+def test_by_length_leaves_a_diverged_length_out_of_the_fit_and_says_so(
+        tmp_path: Path) -> None:
+    import json
+
+    from gradzip.cli import main
+
+    files = []
+    for steps in (300, 1000, 2000, 4000):
+        recs = _length_records(steps)
+        if steps == 4000:  # sparseloco blows up late, finite: 40 at its last evaluation
+            for rec in recs[2:4]:
+                rec["eval_history"][-1]["val_loss"] = rec["val_loss"] = 40.0
+        path = tmp_path / f"len{steps}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        files.append(str(path))
+    assert main(["report", "--by-length", *files, "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "lengths.md").read_text()
+    # the fit over the three lengths that did not diverge is the same law
+    assert "| sparseloco | +17.32% | +9.49% | +6.71% | diverged (2/2) | 3·s^-0.500 | " \
+        "~90,000 steps (projected) |" in text, text
+    assert "Diverged, and left out of the fit: `sparseloco` at 4,000 steps (2 of 2 " \
+        "runs)" in text, text
+
+
 def test_by_ranks_puts_the_final_gap_of_each_number_of_replicas_side_by_side(
         tmp_path: Path) -> None:
     import json

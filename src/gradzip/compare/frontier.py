@@ -222,6 +222,8 @@ class LengthGap:
     #: (steps, final loss over the baseline's, seed by seed, averaged, minus 1)
     points: list[tuple[float, float]]
     fit: GapFit | None
+    #: (steps, runs that diverged, runs) where some run diverged: no point, not fitted
+    diverged: list[tuple[float, int, int]] = field(default_factory=list)
 
 
 def run_length(summary: SettingSummary) -> float | None:
@@ -243,24 +245,32 @@ def gaps_by_length(summaries: list[SettingSummary],
     """Each method's final gap at each length (a summary per length: the runs of one
     ``--steps``; or per ``x_of``, e.g. ``run_ranks``), in the order methods first appear,
     for methods raced at two lengths or more; fitted where 3 or more leave it behind
-    DDP."""
+    DDP. A length where some run of a method diverged (``Run.diverged``) gives it no
+    point: its loss is no gap to fit, and keeping only the seeds that held would flatter
+    it; ``LengthGap.diverged`` says where."""
     points: dict[str, list[tuple[float, float]]] = {}
+    diverged: dict[str, list[tuple[float, int, int]]] = {}
     for s in summaries:
         steps = x_of(s)
         if steps is None:
             continue
         base = s.method(s.baseline) if s.baseline else None
         for m in s.methods:
-            change = paired_change(m.runs, base.runs) if base and m is not base else None
-            if change is not None:
+            if base is None or m is base:
+                continue
+            if m.diverged:
+                diverged.setdefault(m.method, []).append((steps, m.diverged, len(m.runs)))
+                points.setdefault(m.method, [])
+            elif (change := paired_change(m.runs, base.runs)) is not None:
                 points.setdefault(m.method, []).append((steps, change / 100))
     out = []
     for method, pts in points.items():
-        if len(pts) < 2:  # one length has no trend (a method only the longest run raced)
+        if len(pts) + len(diverged.get(method, [])) < 2:  # one length has no trend
             continue
         pts.sort()
         positive = [(math.log(x), math.log(g)) for x, g in pts if g > 0]
-        out.append(LengthGap(method, pts, _least_squares(positive)))
+        out.append(LengthGap(method, pts, _least_squares(positive),
+                             sorted(diverged.get(method, []))))
     return out
 
 

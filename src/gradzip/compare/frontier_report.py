@@ -25,6 +25,7 @@ from gradzip.compare.frontier import (
     run_ranks,
 )
 from gradzip.compare.report import fmt_bytes, fmt_pct, fmt_ratio, fmt_stat, markdown_table
+from gradzip.compare.runs import DIVERGED_RISE
 from gradzip.compare.summary import SettingSummary
 from gradzip.compare.sweep import rate_label
 
@@ -199,6 +200,8 @@ RANKS = Axis("ranks", "gap_ranks.png", "The gap to DDP against the number of ran
 
 
 def _length_closes(g: LengthGap) -> str:
+    if not g.points:
+        return "diverged at every length"
     last = g.points[-1]
     if last[1] <= CLOSED:
         return f"within {CLOSED:.0%} at {last[0]:,.0f} steps (measured)"
@@ -218,12 +221,24 @@ def length_rows(gaps: list[LengthGap], axis: Axis = LENGTH
             *([f"reaches {CLOSED:.0%}"] if axis.projects else [])]
     rows = []
     for g in gaps:
-        at = dict(g.points)
-        behind = g.points[-1][1] > CLOSED
+        cells = {s: fmt_pct(100 * gap) for s, gap in g.points}
+        cells |= {s: f"diverged ({k}/{n})" for s, k, n in g.diverged}
+        behind = bool(g.points) and g.points[-1][1] > CLOSED
         fit = f"{g.fit.a:.3g}·{axis.symbol}^{g.fit.b:.3f}" if g.fit and behind else "-"
-        rows.append([g.method, *(fmt_pct(100 * at[s]) if s in at else "-" for s in lengths),
+        rows.append([g.method, *(cells.get(s, "-") for s in lengths),
                      fit, *([_length_closes(g)] if axis.projects else [])])
     return head, rows
+
+
+def diverged_line(gaps: list[LengthGap], axis: Axis = LENGTH) -> str | None:
+    """The sentence under the table naming each length where a method diverged."""
+    cells = [f"`{g.method}` at {axis.column.format(s)} ({k} of {n} runs)"
+             for g in gaps for s, k, n in g.diverged]
+    if not cells:
+        return None
+    return ("Diverged, and left out of the fit: " + "; ".join(cells) + " (the loss went "
+            f"non-finite, or ended above its first evaluation's and {DIVERGED_RISE}x its "
+            "lowest; the main report's notes give each run's losses).")
 
 
 def plot_length_gaps(gaps: list[LengthGap], baseline: str, path: Path,
@@ -236,9 +251,11 @@ def plot_length_gaps(gaps: list[LengthGap], baseline: str, path: Path,
         return None
     fig, ax = figure(10.0, 4.8)  # room for long method names in the legend
     colors = method_colors([g.method for g in gaps])
+    if not any(g.points for g in gaps):
+        return None
     last = max(s for g in gaps for s, _ in g.points)
     first = min(s for g in gaps for s, _ in g.points)
-    for g in gaps:
+    for g in (g for g in gaps if g.points):
         xs, ys = zip(*g.points, strict=True)
         ax.plot(xs, [100 * y for y in ys], marker="o", color=colors[g.method], lw=1.0,
                 label=g.method)
@@ -270,6 +287,8 @@ def length_report(summaries: list[SettingSummary], out: Path,
              + (f", and the length at which it reaches {CLOSED:.0%} is an extrapolation of "
                 "that trend, not a measurement." if axis.projects else "."),
              markdown_table(*length_rows(gaps, axis))]
+    if line := diverged_line(gaps, axis):
+        parts.append(line)
     png = plot_length_gaps(gaps, baseline or "DDP", out / axis.png, axis)
     if png is not None:
         parts.append(f"![{axis.title.lower()}]({png.name})")
