@@ -157,6 +157,22 @@ def test_by_length_leaves_a_diverged_length_out_of_the_fit_and_says_so(
         "~90,000 steps (projected) |" in text, text
     assert "Diverged, and left out of the fit: `sparseloco` at 4,000 steps (2 of 2 " \
         "runs)" in text, text
+    # a length that only a diverged run of a method has keeps its column; a length whose
+    # baseline diverged has no gap at all
+    recs = _length_records(4000)[:4]  # torch:none and sparseloco, no snoo
+    for rec in recs[2:]:
+        rec["eval_history"][-1]["val_loss"] = rec["val_loss"] = 40.0
+    Path(files[-1]).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    files.append(str(tmp_path / "len8000.jsonl"))
+    Path(files[-1]).write_text("".join(json.dumps(r) + "\n" for r in _length_records(8000)[:4]))
+    blown = _length_records(1000)
+    for rec in blown[:2]:  # torch:none at 1,000 steps
+        rec["eval_history"][-1]["val_loss"] = rec["val_loss"] = 40.0
+    Path(files[1]).write_text("".join(json.dumps(r) + "\n" for r in blown))
+    assert main(["report", "--by-length", *files, "--out", str(tmp_path / "o2")]) == 0
+    text = (tmp_path / "o2" / "lengths.md").read_text()
+    assert "| sparseloco | +17.32% | - | +6.71% | diverged (2/2) | +3.35% |" in text, text
+    assert "the baseline at 1,000 steps (no gap there)" in text, text
 
 
 def test_by_ranks_puts_the_final_gap_of_each_number_of_replicas_side_by_side(

@@ -8,9 +8,12 @@ from typing import Any
 
 import pytest
 
-from gradzip.compare.report import write_report
+from gradzip.compare.report import table, write_report
+from gradzip.compare.runs import load_results
 from gradzip.compare.summary import summarize
+from gradzip.compare.sweep import steps_to_target
 from gradzip.compare.verdict import verdict, verdicts
+from gradzip.train.metrics import append_results
 
 LOSSES = [5.0, 4.0, 3.5, 3.2, 3.0]  # the baseline's: target 3.0 x 1.01 = 3.03
 
@@ -170,6 +173,9 @@ def test_a_run_that_diverged_after_reaching_the_target_names_no_winner_and_is_fl
     assert "`int8` seed 0" in note and "40 at step 40" in note, note
     assert "first (5 at step 0)" in note and "lowest (3 at step 10)" in note, note
     assert summary.method("int8").ttt.not_reached == 1  # type: ignore[union-attr]
+    int8 = summary.method("int8").runs[0]
+    assert steps_to_target(int8, 3.03) is None  # the bandwidth projection's reach too
+    assert int8.reached(3.03) is None and int8.reached(100.0) is None
     report = write_report(records, tmp_path).read_text()
     assert "40.0000 (diverged)" in report and note in report
     # a loss that ends a little above its lowest, or never rose past its first, is no
@@ -179,10 +185,43 @@ def test_a_run_that_diverged_after_reaching_the_target_names_no_winner_and_is_fl
         assert not [w for w in summary.warnings if "diverged" in w], losses
 
 
-def test_a_diverged_baseline_sets_no_target_and_a_non_finite_loss_is_divergence() -> None:
+def test_a_diverged_baseline_sets_no_target_and_a_non_finite_loss_is_divergence(
+        tmp_path: Path) -> None:
     nan = [5.0, 4.0, 3.5, float("nan"), float("nan")]
-    [summary] = summarize([record("torch:none", 0, 1.0, nan), record("int8", 0, 0.3)])
+    base = record("torch:none", 0, 1.0, nan)
+    base["val_loss"] = float("nan")
+    # as the trainer writes it: strict JSON, so the NaNs are nulls on disk
+    append_results(base, [tmp_path / "results.jsonl"])
+    [on_disk] = load_results([tmp_path / "results.jsonl"])
+    assert on_disk["eval_history"][3]["val_loss"] is None
+    [summary] = summarize([on_disk, record("int8", 0, 0.3)])
     text = verdict(summary)
     assert "no verdict" in text and "`torch:none` diverged" in text, text
     [note] = [w for w in summary.warnings if "diverged" in w]
     assert "non-finite at step 30" in note, note
+
+
+def test_a_baseline_that_diverged_in_one_seed_of_two_sets_no_target_or_loss_change() -> None:
+    runs = [record("torch:none", 0, 1.0), record("torch:none", 1, 1.0, [5.0, 4.0, 9.0, 20, 40]),
+            record("int8", 0, 0.3), record("int8", 1, 0.3)]
+    [summary] = summarize(runs)
+    assert summary.target is None and all(m.delta_pct is None for m in summary.methods)
+    assert "`torch:none` diverged" in verdict(summary)
+    assert "The baseline `torch:none` diverged in 1 of its runs: no target and no loss " \
+        "change." in summary.notes
+    head, rows = table(summary)
+    final = head.index("final val loss")
+    assert rows[0][final].endswith("(1/2 diverged)") and "diverged" not in rows[1][final]
+
+
+def test_a_tune_trial_with_a_diverged_seed_is_not_the_one_raced() -> None:
+    # lr=3e-3 ends lowest, but its loss went non-finite on the way (a NaN evaluation)
+    wild, tame = [5.0, float("nan"), 3.5, 3.0, 2.8], [5.0, 4.0, 3.5, 3.2, 2.95]
+    runs = [record("torch:none", 0, 1.0)]
+    for lr, losses in (("3e-3", wild), ("1e-3", tame)):
+        rec = record("int8", 0, 0.3, losses)
+        rec["compare"]["trial"] = {"lr": lr}
+        runs.append(rec)
+    [summary] = summarize(runs)
+    chosen = [t for t in summary.trials["int8"] if t.chosen]
+    assert [t.trial for t in chosen] == ["lr=1e-3"], summary.trials

@@ -172,23 +172,29 @@ def _bits_per_kept(runs: list[Run]) -> dict[str, float] | None:
 
 
 def paired_change(runs: list[Run], reference: list[Run]) -> float | None:
-    """Mean over the seeds both ran of final val loss / the reference's - 1, in %."""
-    ref = {r.seed: loss for r in reference if (loss := r.num("val_loss")) is not None}
+    """Mean over the seeds both ran of final val loss / the reference's - 1, in %; a
+    run that diverged on either side is no gap (``Run.diverged``)."""
+    ref = {r.seed: loss for r in reference
+           if (loss := r.num("val_loss")) is not None and r.diverged() is None}
     changes = [loss / ref[r.seed] - 1 for r in runs
-               if (loss := r.num("val_loss")) is not None and r.seed in ref]
+               if (loss := r.num("val_loss")) is not None and r.seed in ref
+               and r.diverged() is None]
     return 100 * statistics.fmean(changes) if changes else None
 
 
 def gap(m: MethodSummary, base: MethodSummary) -> Gap:
-    """``m``'s gap to ``base`` at every step both evaluated, over their common seeds."""
-    ref = {r.seed: {s: loss for s, _, loss in r.history()} for r in base.runs}
+    """``m``'s gap to ``base`` at every step both evaluated, over their common seeds; a
+    run that diverged on either side is left out (its curve would fit its blow-up)."""
+    ref = {r.seed: {s: loss for s, _, loss in r.history()} for r in base.runs
+           if r.diverged() is None}
+    kept = [r for r in m.runs if r.diverged() is None]
     by_step: dict[float, list[float]] = {}
-    for r in m.runs:
+    for r in kept:
         theirs = ref.get(r.seed, {})
         for s, _, loss in r.history():
             if s in theirs:
                 by_step.setdefault(s, []).append(loss / theirs[s] - 1)
-    seeds = len(m.runs)
+    seeds = len(kept)
     curve = sorted((s, statistics.fmean(g)) for s, g in by_step.items() if len(g) == seeds)
     return Gap(m.method, curve, fit_gap(curve))
 
@@ -255,6 +261,8 @@ def gaps_by_length(summaries: list[SettingSummary],
         if steps is None:
             continue
         base = s.method(s.baseline) if s.baseline else None
+        if base is not None and base.diverged:  # no reference here (``baseline_diverged``)
+            continue
         for m in s.methods:
             if base is None or m is base:
                 continue
@@ -274,6 +282,15 @@ def gaps_by_length(summaries: list[SettingSummary],
     return out
 
 
+def baseline_diverged(summaries: list[SettingSummary],
+                      x_of: Callable[[SettingSummary], float | None] = run_length
+                      ) -> list[float]:
+    """The lengths (or ranks) whose baseline diverged: ``gaps_by_length`` has no gap there."""
+    return [x for s in summaries if s.baseline and s.method(s.baseline).diverged
+            and (x := x_of(s)) is not None]
+
+
 __all__ = ["CLOSED", "FIT_FROM", "FRONTIER_RATES", "GAP_STEPS", "Frontier", "FrontierRow",
-           "Gap", "GapFit", "LengthGap", "fit_gap", "frontier", "gap", "gaps_by_length",
-           "has_frontier", "method_kind", "paired_change", "run_length", "run_ranks"]
+           "Gap", "GapFit", "LengthGap", "baseline_diverged", "fit_gap", "frontier", "gap",
+           "gaps_by_length", "has_frontier", "method_kind", "paired_change", "run_length",
+           "run_ranks"]

@@ -4,7 +4,7 @@ ranks across results files (``gradzip report --by-length``, ``--by-ranks``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from gradzip.compare.frontier import (
     Gap,
     GapFit,
     LengthGap,
+    baseline_diverged,
     gaps_by_length,
     run_length,
     run_ranks,
@@ -132,7 +133,8 @@ def plotted_gaps(f: Frontier) -> list[Gap]:
     seeds = max(r.seeds for r in f.rows)
     rows = {r.method: r for r in f.rows}
     per_step = [r for r in f.rows if r.kind not in LOCAL_KINDS and r.method != f.baseline
-                and r.val_loss is not None and r.seeds == seeds]
+                and r.val_loss is not None and r.seeds == seeds
+                and not f.setting.method(r.method).diverged]
     best = min(per_step, key=lambda r: r.val_loss.mean if r.val_loss else 0.0, default=None)
     return [g for g in f.gaps if rows[g.method].seeds == seeds
             and (rows[g.method].kind in LOCAL_KINDS or (best and g.method == best.method))]
@@ -213,9 +215,12 @@ def _length_closes(g: LengthGap) -> str:
     return f"~{at:,.0f} steps (projected)" if at < 1e6 else f"~{at:.1e} steps (projected)"
 
 
-def length_rows(gaps: list[LengthGap], axis: Axis = LENGTH
+def length_rows(gaps: list[LengthGap], axis: Axis = LENGTH, also: Sequence[float] = ()
                 ) -> tuple[list[str], list[list[str]]]:
-    lengths = sorted({s for g in gaps for s, _ in g.points})
+    """The table's head and rows: a column per length (or ranks) with a gap or a
+    divergence, and ``also`` (lengths whose baseline diverged: every cell "-")."""
+    lengths = sorted({s for g in gaps for s, _ in g.points}
+                     | {s for g in gaps for s, _, _ in g.diverged} | set(also))
     head = ["method", *(axis.column.format(s) for s in lengths),
             f"fit: a·{'steps' if axis.projects else axis.symbol}^b",
             *([f"reaches {CLOSED:.0%}"] if axis.projects else [])]
@@ -230,10 +235,14 @@ def length_rows(gaps: list[LengthGap], axis: Axis = LENGTH
     return head, rows
 
 
-def diverged_line(gaps: list[LengthGap], axis: Axis = LENGTH) -> str | None:
-    """The sentence under the table naming each length where a method diverged."""
+def diverged_line(gaps: list[LengthGap], axis: Axis = LENGTH,
+                  baseline_at: list[float] | None = None) -> str | None:
+    """The sentence under the table naming each length where a method, or the
+    baseline, diverged."""
     cells = [f"`{g.method}` at {axis.column.format(s)} ({k} of {n} runs)"
              for g in gaps for s, k, n in g.diverged]
+    cells += [f"the baseline at {axis.column.format(s)} (no gap there)"
+              for s in baseline_at or []]
     if not cells:
         return None
     return ("Diverged, and left out of the fit: " + "; ".join(cells) + " (the loss went "
@@ -276,6 +285,7 @@ def length_report(summaries: list[SettingSummary], out: Path,
     of several lengths (or ranks), one results file each (``gradzip report --by-length``,
     ``--by-ranks``)."""
     gaps = gaps_by_length(summaries, axis.x_of)
+    base_diverged = baseline_diverged(summaries, axis.x_of)
     baseline = next((s.baseline for s in summaries if s.baseline), "DDP")
     out.mkdir(parents=True, exist_ok=True)
     what = "length" if axis.projects else "number of ranks"
@@ -286,8 +296,8 @@ def length_report(summaries: list[SettingSummary], out: Path,
              f"points where the gap is positive"
              + (f", and the length at which it reaches {CLOSED:.0%} is an extrapolation of "
                 "that trend, not a measurement." if axis.projects else "."),
-             markdown_table(*length_rows(gaps, axis))]
-    if line := diverged_line(gaps, axis):
+             markdown_table(*length_rows(gaps, axis, base_diverged))]
+    if line := diverged_line(gaps, axis, base_diverged):
         parts.append(line)
     png = plot_length_gaps(gaps, baseline or "DDP", out / axis.png, axis)
     if png is not None:

@@ -204,14 +204,17 @@ class Run:
                    and step > float(r.get("from_step") or 0))
 
     def diverged(self) -> str | None:
-        """Why the run counts as diverged, or None: a validation loss that went non-finite,
-        or a last one above the first evaluation's and ``DIVERGED_RISE`` times the lowest.
-        A non-finite gradient stops a run with an error; a loss that grows without bound
-        while staying finite (1.8e7 after 2,000 steps) does not, and its early evaluations
-        may have touched the target, so the race must not count it as reaching it."""
+        """Why the run counts as diverged, or None: a validation loss that went non-finite
+        (written as null: records are strict JSON), or a last one above the first
+        evaluation's and ``DIVERGED_RISE`` times the lowest. A non-finite gradient stops a
+        run with an error; a loss that grows without bound while staying finite (1.8e7
+        after 2,000 steps) does not, and its early evaluations may have touched the
+        target, so the race must not count it as reaching it. The rule needs two finite
+        evaluations, and reads "above the first" as "worse than early in the run": a
+        schedule's evaluations start within the first tenth of it."""
         for h in self.record.get("eval_history") or []:
             loss = h.get("val_loss")
-            if isinstance(loss, int | float) and not math.isfinite(loss):
+            if loss is None or (isinstance(loss, int | float) and not math.isfinite(loss)):
                 return f"its validation loss went non-finite at step {h['step']:g}"
         h = self.history()
         if len(h) < 2:
@@ -223,6 +226,14 @@ class Run:
                     f"its first ({first:.4g} at step {first_step:g}) and its lowest "
                     f"({low:.4g} at step {low_step:g})")
         return None
+
+    def reached(self, target: float) -> tuple[float, float] | None:
+        """(step, time) of the run's first evaluation at or below ``target``; None if none
+        was, or if the run diverged (``diverged``): what an evaluation of a run that then
+        blew up touched is no result. Every time to target is read through this."""
+        if self.diverged() is not None:
+            return None
+        return next(((step, t) for step, t, loss in self.history() if loss <= target), None)
 
     def unmeasured(self) -> str | None:
         """Why the run's time to target cannot be known, or None when it can: a run with

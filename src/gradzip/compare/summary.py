@@ -78,8 +78,10 @@ def mean(values: Iterable[float | None]) -> float | None:
 
 
 def time_to_target(run: Run, target: float) -> float | None:
-    """Training time of the run's first evaluation at or below ``target``; None if never."""
-    return next((t for _, t, loss in run.history() if loss <= target), None)
+    """Training time of the run's first evaluation at or below ``target``; None if never,
+    or if the run diverged (``Run.reached``)."""
+    hit = run.reached(target)
+    return hit[1] if hit else None
 
 
 def loss_at_time(run: Run, budget_s: float) -> float | None:
@@ -273,8 +275,7 @@ def _time_to_target(runs: list[Run], targets: dict[int | None, float],
     the others are left out (the setting's notes name the unmeasured ones). A diverged
     run did not reach it, whatever an early evaluation touched (``Run.diverged``)."""
     evaluated = [r for r in runs if r.history() and r.unmeasured() is None]
-    times = [None if r.diverged() else time_to_target(r, targets.get(r.seed, fallback))
-             for r in evaluated]
+    times = [time_to_target(r, targets.get(r.seed, fallback)) for r in evaluated]
     return TimeToTarget(stat(times), sum(t is None for t in times), len(evaluated))
 
 
@@ -291,7 +292,7 @@ def _speedup(ref: MethodSummary, row: MethodSummary) -> Speedup | None:
 def _default_budget(runs: list[Run]) -> float | None:
     """The earliest end of evaluations over the measured runs (a run whose first
     evaluation came after it has no loss there)."""
-    ends = [t for r in runs if r.unmeasured() is None
+    ends = [t for r in runs if r.unmeasured() is None and r.diverged() is None
             and (t := final_eval_time(r)) is not None]
     return min(ends) if ends else None
 
@@ -305,16 +306,19 @@ def summarize_setting(setting: Setting, runs: list[Run],
     raw_by_model = _raw_by_model(runs)
     rows = [_method_row(m, by_method[m], raw_by_model) for m in order]
     base = rows[0] if baseline else None
+    # a baseline that diverged in any seed sets no target and no loss change: its other
+    # seeds' mean would stand in for that seed's, and its loss is no reference
+    sound = base is not None and not base.diverged
     seed_targets = ({r.seed: loss * TARGET_FACTOR for r in base.runs
-                     if (loss := r.num("val_loss")) is not None and r.diverged() is None}
-                    if base else {})
+                     if (loss := r.num("val_loss")) is not None}
+                    if base and sound else {})
     target = statistics.fmean(seed_targets.values()) if seed_targets else None
     budget = budget_s if budget_s is not None else _default_budget(runs)
     sixteen = next((m for m in SIXTEEN_BIT if m in by_method), None)
     refs = list(dict.fromkeys(([sixteen] if sixteen else []) + ([baseline] if baseline else [])
                               + [m for m in order if m.startswith("torch:powersgd")]))
     for row in rows:
-        if base and base.val_loss and row.val_loss:
+        if base and sound and base.val_loss and row.val_loss:
             row.delta_pct = (row.val_loss.mean / base.val_loss.mean - 1) * 100
         if budget is not None:
             row.at_budget = stat(loss_at_time(r, budget) for r in row.runs
@@ -363,7 +367,9 @@ def choose_trials(runs: list[Run]) -> tuple[dict[str, list[Run]], dict[str, list
         by_method.setdefault(r.method, {}).setdefault(r.trial, []).append(r)
     chosen, results = {}, {}
     for method, by_trial in by_method.items():
-        best = best_trial({t: [r.num("val_loss") for r in rs] for t, rs in by_trial.items()})
+        # a trial with a diverged seed ranks with the unfinished ones: last
+        best = best_trial({t: [None if r.diverged() else r.num("val_loss") for r in rs]
+                           for t, rs in by_trial.items()})
         chosen[method] = by_trial[best]
         if len(by_trial) > 1:
             results[method] = [TrialResult(t, mean(r.num("val_loss") for r in rs), len(rs),
@@ -394,6 +400,9 @@ def _notes(rows: list[MethodSummary], baseline: str | None, target: float | None
                      "setting: no target, no loss change and no speed-ups.")
     elif baseline.startswith("torch:") and baseline[6:] in ("bf16", "fp16"):
         notes.append(f"No uncompressed baseline ran: the target is set by `{baseline}`.")
+    elif (diverged := next(r for r in rows if r.method == baseline).diverged):
+        notes.append(f"The baseline `{baseline}` diverged in {diverged} of its runs: no "
+                     "target and no loss change.")
     elif target is None:
         notes.append(f"The baseline `{baseline}` has no validation loss: no target.")
     inferred = [r.method for r in rows if r.raw_inferred]

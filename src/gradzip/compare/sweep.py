@@ -107,9 +107,8 @@ def steps_to_target(run: Run, target: float | None) -> float | None:
     if target is None or not train_s or not steps:
         return None
     # the record's own clock (``history`` adds what restarts cost, which train_s lacks)
-    reached = next((t - run.charged_s(step) for step, t, loss in run.history()
-                    if loss <= target), None)
-    return None if reached is None else reached * steps / train_s
+    hit = run.reached(target)
+    return None if hit is None else (hit[1] - run.charged_s(hit[0])) * steps / train_s
 
 
 def bottleneck_bytes(run: Run) -> float | None:
@@ -321,8 +320,8 @@ def _checks(other: SettingSummary, fits: dict[str, list[Fit]]) -> list[Check]:
         pairs = []
         for r in m.runs:
             fit, target = by_seed.get(r.seed), other.target_for(r)
-            measured = next((t for _, t, loss in r.history()
-                             if target is not None and loss <= target), None)
+            hit = r.reached(target) if target is not None else None
+            measured = hit[1] if hit else None
             achieved = r.achieved_rate
             if fit is None or measured is None or measured <= 0 or not achieved \
                     or not r.shaped:
