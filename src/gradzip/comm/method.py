@@ -57,9 +57,10 @@ LOCAL_KEYS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "inner": ("inner", lambda v: _inner_optimizer(v), "--optimizer"),
     "ramp": ("ramp", int, "--sync-ramp"),
 }
-#: inner optimizers a local-update method may name (``inner=muon``: MuLoCo); unnamed,
-#: the trainer's --optimizer (AdamW)
-INNER_OPTIMIZERS = ("adamw", "muon")
+#: inner optimizers a local-update method may name (``inner=muon``: MuLoCo;
+#: ``inner=adamw_global``: AdamW sized for the mean of the replicas' steps); unnamed, the
+#: trainer's --optimizer (AdamW, first here)
+INNER_OPTIMIZERS = ("adamw", "muon", "adamw_global")
 
 
 def _inner_optimizer(value: str) -> str | None:

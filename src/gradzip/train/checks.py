@@ -34,6 +34,10 @@ def validate(cfg: JobConfig) -> None:
     check_method(method, parallel=cfg.train.parallel, optimizer=cfg.optim.optimizer,
                  grad_clip=cfg.optim.grad_clip, model=cfg.model)
     _check_capture(cfg, method)
+    if cfg.optim.optimizer == "adamw_global" and method.kind != "local":
+        raise ValueError("--optimizer adamw_global sizes each rank's step for the mean of "
+                         "the ranks' steps: it needs a local-update --outer (diloco, "
+                         "average, sparseloco); with a per-step gradient sum use adamw")
     if cfg.optim.optimizer == "muon" and cfg.train.parallel in ("fsdp", "hsdp"):
         raise ValueError("--optimizer muon runs on whole matrices: use --parallel ddp (FSDP2 "
                          "shards them, and Muon's Newton-Schulz step needs each one whole)")
@@ -93,7 +97,7 @@ def _check_data(d: DataOptions, m: ModelConfig) -> None:
 
 def _check_optim(o: OptimConfig) -> None:
     """Optimizer values AdamW or the schedule would reject once the model is built."""
-    _choice("--optimizer", o.optimizer, ("adamw", "sgd", "muon"))
+    _choice("--optimizer", o.optimizer, ("adamw", "sgd", "muon", "adamw_global"))
     if o.optimizer == "muon":
         from gradzip.train.muon import require_muon
 
@@ -197,7 +201,7 @@ def method_of(t: TrainConfig, optimizer: str = "adamw") -> Any:
     """The run's ``gradzip.comm.method.Method`` from its flags (--codec, --codec-groups,
     --codec-start-step, --outer and its options; a local-update method names a Muon
     ``--optimizer``, its inner one), parsed once; errors name the flag."""
-    from gradzip.comm.method import local_method, parse_method
+    from gradzip.comm.method import INNER_OPTIMIZERS, local_method, parse_method
 
     if t.outer == "snoo":
         return _snoo_method(t)
@@ -212,7 +216,7 @@ def method_of(t: TrainConfig, optimizer: str = "adamw") -> Any:
                             momentum=t.outer_momentum, fragments=t.fragments,
                             overlap_steps=t.overlap_steps, codec=t.outer_codec,
                             alpha=t.outer_alpha if t.outer_alpha >= 0 else None,
-                            inner="muon" if optimizer == "muon" else None,
+                            inner=optimizer if optimizer in INNER_OPTIMIZERS[1:] else None,
                             ramp=t.sync_ramp)
     if t.sync_ramp:
         raise ValueError("--sync-ramp ramps the H of --outer diloco, average or sparseloco: "

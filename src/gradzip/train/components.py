@@ -11,13 +11,16 @@ test or a user script passes its own instead of patching module globals::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from gradzip.comm.ft import ENV_LIGHTHOUSE
 from gradzip.train.config import ModelConfig, OptimConfig
 from gradzip.train.model import GPT
 from gradzip.train.parallel import Parallelism, parallelize
@@ -30,7 +33,8 @@ def build_model(m: ModelConfig) -> nn.Module:
 
 def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
     """AdamW (or plain SGD, or Muon on the hidden matrices with AdamW on the rest:
-    ``gradzip.train.muon``); weight decay on matrices (and embeddings) only, not on norms
+    ``gradzip.train.muon``, or AdamW sized for the mean of the world's replicas:
+    ``gradzip.train.global_adamw``); weight decay on matrices (and embeddings) only, not on norms
     and biases (decoupled in AdamW, an L2 term in SGD)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -44,7 +48,21 @@ def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
 
         return MuonAdamW(model, lr=o.lr, weight_decay=o.weight_decay,
                          betas=(o.beta1, o.beta2), eps=o.eps)
+    if o.optimizer == "adamw_global":
+        from gradzip.train.global_adamw import GlobalAdamW
+
+        return GlobalAdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                           replicas=averaged_replicas())
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def averaged_replicas() -> int:
+    """How many replicas a local-update method averages: the world's ranks (replicas
+    in one process included); 1 before the process group exists."""
+    if os.environ.get(ENV_LIGHTHOUSE):
+        raise ValueError("--optimizer adamw_global sizes its step for the world's ranks; "
+                         "under --ft the replica groups change as they fail: use adamw")
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 @dataclass

@@ -102,7 +102,9 @@ class OptimConfig:
     """adamw; sgd: plain SGD without momentum (for codecs that step with their own
     momentum, as DeMo does: --codec demo needs --optimizer sgd --grad-clip 0); muon: Muon
     on the hidden weight matrices, AdamW on embeddings and norms, one --lr (as MuLoCo
-    runs DiLoCo's inner steps; not with --parallel fsdp or hsdp)."""
+    runs DiLoCo's inner steps; not with --parallel fsdp or hsdp); adamw_global: AdamW
+    whose step is sized for the mean of the ranks' steps (each divides by its estimate
+    of the mean gradient's second moment, not its own; with --outer only)."""
     lr: float = 1e-3
     """Peak learning rate, reached after warm-up."""
     min_lr_ratio: float = 0.1
