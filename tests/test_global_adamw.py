@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,25 @@ def _params(seed: int = 0) -> list[torch.nn.Parameter]:
             torch.nn.Parameter(torch.randn(5, generator=gen))]
 
 
+def _step_alike(ours: torch.optim.Optimizer, theirs: torch.optim.Optimizer, steps: int,
+                grad: Callable[[torch.Tensor], torch.Tensor], atol: float = 0.0) -> None:
+    """Step both optimizers ``steps`` times on the same gradients (``grad`` of each of
+    ours' parameters); their parameters must stay equal (to ``atol``; 0: bit for bit)."""
+    mine = [p for g in ours.param_groups for p in g["params"]]
+    twins = [p for g in theirs.param_groups for p in g["params"]]
+    for _ in range(steps):
+        for p, q in zip(mine, twins, strict=True):
+            p.grad = grad(p)
+            q.grad = p.grad.clone()
+        ours.step()
+        theirs.step()
+    for p, q in zip(mine, twins, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=atol)
+
+
 def test_one_replica_is_adamw() -> None:
-    """At W = 1 the step is torch's AdamW's, weight decay per group included."""
+    """At W = 1 the step is torch's AdamW's bit for bit, weight decay per group and
+    epsilon included (the vector's gradients are small enough that epsilon counts)."""
     ours, theirs = _params(), _params()
     groups = [{"params": [ours[0]], "weight_decay": 0.1}, {"params": [ours[1]],
                                                             "weight_decay": 0.0}]
@@ -30,14 +48,8 @@ def test_one_replica_is_adamw() -> None:
                            {"params": [theirs[1]], "weight_decay": 0.0}],
                           lr=1e-2, betas=BETAS, foreach=False)
     gen = torch.Generator().manual_seed(1)
-    for _ in range(40):
-        for p, q in zip(ours, theirs, strict=True):
-            p.grad = torch.randn(p.shape, generator=gen) + 0.3
-            q.grad = p.grad.clone()
-        a.step()
-        b.step()
-    for p, q in zip(ours, theirs, strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    _step_alike(a, b, 40, lambda p: (torch.randn(p.shape, generator=gen) + 0.3)
+                * (1.0 if p.dim() > 1 else 1e-8))
 
 
 def test_a_noiseless_gradient_gets_adamws_step_at_any_w() -> None:
@@ -45,14 +57,8 @@ def test_a_noiseless_gradient_gets_adamws_step_at_any_w() -> None:
     ours, theirs = _params(), _params()
     a = GlobalAdamW(ours, lr=1e-2, betas=BETAS, weight_decay=0.0, replicas=8)
     b = torch.optim.AdamW(theirs, lr=1e-2, betas=BETAS, weight_decay=0.0, foreach=False)
-    for _ in range(20):
-        for p, q in zip(ours, theirs, strict=True):
-            p.grad = torch.linspace(-1, 1, p.numel()).reshape(p.shape)
-            q.grad = p.grad.clone()
-        a.step()
-        b.step()
-    for p, q in zip(ours, theirs, strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    _step_alike(a, b, 20, lambda p: torch.linspace(-1, 1, p.numel()).reshape(p.shape),
+                atol=1e-6)
 
 
 def test_the_second_moment_lies_between_v_over_w_and_v() -> None:
@@ -62,7 +68,8 @@ def test_the_second_moment_lies_between_v_over_w_and_v() -> None:
         second = mean_second_moment(m, v, w, kept_noise_fraction(0.9, 100))
         assert bool((second >= v / w * (1 - 1e-5)).all())
         assert bool((second <= v * (1 + 1e-5)).all())
-    assert kept_noise_fraction(0.9, 1) == pytest.approx(1.0)
+    assert kept_noise_fraction(0.9, 1) == 1.0  # the first step: Adam's own (no noise known)
+    assert kept_noise_fraction(0.9, 2) == pytest.approx(0.501385, abs=1e-6)
     assert kept_noise_fraction(0.9, 10_000) == pytest.approx(0.1 / 1.9)
 
 
@@ -98,7 +105,7 @@ def test_the_mean_of_w_steps_is_as_long_as_adamw_on_the_mean_gradient() -> None:
     plain_ratio = float(plain[noisy].mean() / ddp[noisy].mean())
     our_ratio = float(ours[noisy].mean() / ddp[noisy].mean())
     assert plain_ratio < 0.6, plain_ratio
-    assert 0.75 < our_ratio < 1.3, our_ratio
+    assert 0.65 < our_ratio < 1.3, our_ratio
     loud = slice(0, 200)  # signal-dominated coordinates: every variant near AdamW's step
     assert 0.85 < float(ours[loud].mean() / ddp[loud].mean()) < 1.15
 
@@ -143,3 +150,33 @@ def test_its_state_resumes_exactly() -> None:
         a.step()
         b.step()
     assert all(torch.equal(p, q) for p, q in zip(ours, twin, strict=True))
+
+
+def test_w_is_the_worlds_ranks_and_there_must_be_a_world() -> None:
+    from gradzip.comm.replicas import run_replicas
+    from gradzip.train.components import build_optimizer
+    from gradzip.train.config import OptimConfig
+
+    config = OptimConfig(optimizer="adamw_global")
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="once the process group exists"):
+        build_optimizer(model, config)
+    sizes = run_replicas(3, lambda rank: build_optimizer(model, config).replicas)
+    assert sizes == [3, 3, 3]
+
+
+def test_it_is_refused_under_ft_before_any_group_starts() -> None:
+    import argparse
+    from types import SimpleNamespace
+
+    from gradzip.commands.train import check_ft
+
+    args = argparse.Namespace(ft=2, ft_replica=None, ft_lighthouse=None)
+    cfg = SimpleNamespace(optim=SimpleNamespace(optimizer="adamw_global"))
+    with pytest.raises(ValueError, match="under --ft"):
+        check_ft(args, cfg)
+
+
+def test_beta1_zero_cannot_tell_noise_from_signal() -> None:
+    with pytest.raises(ValueError, match="beta1 > 0"):
+        GlobalAdamW(_params(), betas=(0.0, 0.95), replicas=4)

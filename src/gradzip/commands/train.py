@@ -332,6 +332,10 @@ def check_ft(args: argparse.Namespace, cfg: Any) -> None:
             raise ValueError("--ft-replica and --ft-lighthouse go with --ft N (how many "
                              "replica groups the job has)")
         return
+    if cfg.optim.optimizer == "adamw_global":
+        raise ValueError("--optimizer adamw_global sizes its step for a fixed number of "
+                         "replicas; under --ft the replica groups change as they fail: "
+                         "use --optimizer adamw")
     from gradzip.comm.ft import require_torchft
 
     require_torchft()

@@ -58,11 +58,14 @@ def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
 
 def averaged_replicas() -> int:
     """How many replicas a local-update method averages: the world's ranks (replicas
-    in one process included); 1 before the process group exists."""
+    in one process included)."""
     if os.environ.get(ENV_LIGHTHOUSE):
         raise ValueError("--optimizer adamw_global sizes its step for the world's ranks; "
                          "under --ft the replica groups change as they fail: use adamw")
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("--optimizer adamw_global sizes its step for the world's ranks: "
+                         "build it once the process group exists (gradzip train does)")
+    return dist.get_world_size()
 
 
 @dataclass

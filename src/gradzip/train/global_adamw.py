@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from gradzip.train.closure import closure_loss
+
 
 def mean_second_moment(m: torch.Tensor, v: torch.Tensor, replicas: int,
                        kept_noise: float) -> torch.Tensor:
@@ -57,16 +59,16 @@ class GlobalAdamW(torch.optim.Optimizer):
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         if not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1:
             raise ValueError(f"betas must be in [0, 1), got {betas}")
+        if replicas > 1 and betas[0] == 0:
+            raise ValueError("adamw_global tells noise from signal by how much of it Adam's "
+                             "first moment averages away: it needs beta1 > 0 (--beta1)")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
                                   "weight_decay": weight_decay})
         self.replicas = replicas
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -88,9 +90,12 @@ class GlobalAdamW(torch.optim.Optimizer):
         m.lerp_(grad, 1 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         p.mul_(1 - group["lr"] * group["weight_decay"])
-        m_hat = m / (1 - beta1 ** step)
-        v_hat = v / (1 - beta2 ** step)
-        kept = kept_noise_fraction(beta1, step)
-        second = (mean_second_moment(m_hat, v_hat, self.replicas, kept)
-                  if kept < 1 else v_hat)
-        p.addcdiv_(m_hat, second.sqrt_().add_(group["eps"]), value=-group["lr"])
+        correction1, correction2 = 1 - beta1 ** step, 1 - beta2 ** step
+        if self.replicas == 1 or step == 1:  # the first step has no noise to tell apart
+            # torch.optim.AdamW's own arithmetic, so that W = 1 is AdamW bit for bit
+            denom = (v.sqrt() / correction2 ** 0.5).add_(group["eps"])
+        else:
+            second = mean_second_moment(m / correction1, v / correction2, self.replicas,
+                                        kept_noise_fraction(beta1, step))
+            denom = second.sqrt_().add_(group["eps"])
+        p.addcdiv_(m, denom, value=-group["lr"] / correction1)

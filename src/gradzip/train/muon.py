@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradzip.train.closure import closure_loss
+
 #: modules whose matrices stay on AdamW: embeddings (token, learned position: rows
 #: looked up, not multiplied) and the output head (untied from the embedding or not)
 HEAD_NAMES = ("head", "lm_head")
@@ -72,10 +74,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self.muon.step()
         self.adamw.step()
         return loss
