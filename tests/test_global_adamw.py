@@ -177,6 +177,14 @@ def test_it_is_refused_under_ft_before_any_group_starts() -> None:
         check_ft(args, cfg)
 
 
-def test_beta1_zero_cannot_tell_noise_from_signal() -> None:
+def test_beta1_zero_cannot_tell_noise_from_signal(tmp_path: Path, capsys: Any) -> None:
+    from train_helpers import flags
+
+    from gradzip.cli import main
+
     with pytest.raises(ValueError, match="beta1 > 0"):
         GlobalAdamW(_params(), betas=(0.0, 0.95), replicas=4)
+    code = main(["train", "--parallel", "ddp", "--outer", "diloco", "--optimizer",
+                 "adamw_global", "--beta1", "0", "--print-config",
+                 *flags(tmp_path / "cache", tmp_path / "out", "--max-steps", "2")])
+    assert code != 0 and "needs --beta1 > 0" in capsys.readouterr().err

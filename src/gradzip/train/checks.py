@@ -98,6 +98,9 @@ def _check_data(d: DataOptions, m: ModelConfig) -> None:
 def _check_optim(o: OptimConfig) -> None:
     """Optimizer values AdamW or the schedule would reject once the model is built."""
     _choice("--optimizer", o.optimizer, ("adamw", "sgd", "muon", "adamw_global"))
+    if o.optimizer == "adamw_global" and o.beta1 == 0:
+        raise ValueError("--optimizer adamw_global tells noise from signal by how much of it "
+                         "Adam's first moment averages away: it needs --beta1 > 0")
     if o.optimizer == "muon":
         from gradzip.train.muon import require_muon
 

@@ -11,7 +11,6 @@ test or a user script passes its own instead of patching module globals::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradzip.comm.ft import ENV_LIGHTHOUSE
 from gradzip.train.config import ModelConfig, OptimConfig
 from gradzip.train.model import GPT
 from gradzip.train.parallel import Parallelism, parallelize
@@ -58,10 +56,8 @@ def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
 
 def averaged_replicas() -> int:
     """How many replicas a local-update method averages: the world's ranks (replicas
-    in one process included)."""
-    if os.environ.get(ENV_LIGHTHOUSE):
-        raise ValueError("--optimizer adamw_global sizes its step for the world's ranks; "
-                         "under --ft the replica groups change as they fail: use adamw")
+    in one process included; ``--ft``, where groups come and go, is refused by
+    ``commands.train.check_ft``)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("--optimizer adamw_global sizes its step for the world's ranks: "
                          "build it once the process group exists (gradzip train does)")

@@ -34,8 +34,6 @@ def mean_second_moment(m: torch.Tensor, v: torch.Tensor, replicas: int,
     """The second moment the mean of ``replicas`` gradients would have, from one
     replica's bias-corrected first (``m``) and second (``v``) moments; ``kept_noise``:
     the fraction of a gradient noise's variance that ``m`` keeps (below 1)."""
-    if replicas == 1:
-        return v
     noise = (v - m * m).clamp_(min=0).div_(1 - kept_noise)
     noise = torch.minimum(noise, v)
     return v - noise.mul_(1 - 1 / replicas)
