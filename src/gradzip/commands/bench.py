@@ -12,6 +12,7 @@ BENCH_MODULES = [
     "gradzip.bench.comm",  # gradzip bench comm
     "gradzip.bench.data",  # gradzip bench data
     "gradzip.bench.entropy",  # gradzip bench entropy
+    "gradzip.bench.floor",  # gradzip bench floor
     "gradzip.bench.gpu",  # gradzip bench gpu
     "gradzip.bench.linkbytes",  # gradzip bench link
     "gradzip.bench.page",  # gradzip bench page NAME [--run]
