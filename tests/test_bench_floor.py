@@ -1,0 +1,138 @@
+"""``gradzip bench floor``: its replicas step as it says (DDP is AdamW on the mean
+gradient, ``own`` is each replica's AdamW, averaging makes the copies equal)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from gradzip.bench.floor import (
+    DDP,
+    Replicas,
+    Variant,
+    group_of,
+    job_config,
+    parse_variants,
+)
+from gradzip.cli import main
+from gradzip.train.components import build_model
+from gradzip.train.config import JobConfig
+from gradzip.train.loop import lr_at
+
+VOCAB, SEQ, BATCH = 64, 16, 2
+
+
+def tiny_config(steps: int = 4) -> JobConfig:
+    args = argparse.Namespace(model="tiny", batch_size=BATCH, max_tokens=200_000,
+                              cache_dir="runs/.cache/data", steps=steps, seed=0)
+    cfg = job_config(args)
+    cfg.model.vocab_size = VOCAB
+    return cfg
+
+
+def batches(world: int, steps: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        step = []
+        for _ in range(world):
+            x = torch.randint(VOCAB, (BATCH, SEQ + 1), generator=g)
+            step.append((x[:, :-1], x[:, 1:]))
+        out.append(step)
+    return out
+
+
+def train(variant: str, world: int, steps: int, sync_every: int = 1) -> Replicas:
+    cfg = tiny_config(steps)
+    torch.manual_seed(0)
+    reps = Replicas(build_model(cfg.model), Variant.parse(variant), world, cfg)
+    for step, step_batches in enumerate(batches(world, steps), start=1):
+        reps.step(step_batches, lr_at(step, cfg.optim, steps))
+        if step % sync_every == 0:
+            reps.average()
+    return reps
+
+
+def test_variants_parse_and_ddp_comes_first() -> None:
+    assert [v.label for v in parse_variants("own/own; own/mean;own/own")] == \
+        [DDP, "own/own", "own/mean"]
+    assert Variant.parse("global/mean").rule("tok_emb.weight") == "mean"
+    assert Variant.parse("global/mean").rule("blocks.0.mlp.up.weight") == "global"
+    for bad in ("own", "own/own/own", "adam/own"):
+        with pytest.raises(ValueError, match="HIDDEN/EMBEDDING"):
+            Variant.parse(bad)
+
+
+def test_groups_of_the_preset_model() -> None:
+    names = [n for n, _ in build_model(tiny_config().model).named_parameters()]
+    assert [n for n in names if group_of(n) == "embedding"] == ["tok_emb.weight"]
+
+
+def test_ddp_variant_is_adamw_on_the_mean_gradient() -> None:
+    """mean/mean at W = 2 is torch's AdamW on the loss averaged over both batches."""
+    steps, cfg = 3, tiny_config(3)
+    reps = train(DDP, world=2, steps=steps)
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    o = cfg.optim
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}],
+                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    for step, step_batches in enumerate(batches(2, steps), start=1):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, o, steps)
+        opt.zero_grad()
+        loss = sum(model(x, y)[1] for x, y in step_batches) / 2
+        loss.backward()
+        opt.step()
+    for got, want in zip(reps.weights[1], model.parameters(), strict=True):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    assert all(a is b for a, b in zip(reps.weights[0], reps.weights[1], strict=True))
+
+
+def test_one_replica_own_is_ddp_bit_for_bit() -> None:
+    own, ddp = train("own/own", world=1, steps=3), train(DDP, world=1, steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(own.weights[0], ddp.weights[0], strict=True))
+
+
+def test_replicas_drift_between_averages_and_meet_at_them() -> None:
+    reps = train("own/mean", world=2, steps=3, sync_every=2)  # the last step is local
+    emb = reps.names.index("tok_emb.weight")
+    hidden = [i for i, n in enumerate(reps.names) if n != "tok_emb.weight"]
+    assert reps.weights[0][emb] is reps.weights[1][emb]  # shared: one tensor
+    assert all(not torch.equal(reps.weights[0][i], reps.weights[1][i]) for i in hidden)
+    reps.average()
+    assert all(torch.equal(reps.weights[0][i], reps.weights[1][i]) for i in hidden)
+
+
+def test_own_differs_from_ddp_at_two_replicas() -> None:
+    """The floor the benchmark measures: per-replica AdamW is not DDP's AdamW."""
+    own, ddp = train("own/own", world=2, steps=3), train(DDP, world=2, steps=3)
+    assert not all(torch.allclose(a, b, atol=1e-6)
+                   for a, b in zip(own.weights[0], ddp.weights[0], strict=True))
+
+
+def test_cli_writes_one_record_per_variant(tmp_path, capsys) -> None:
+    out = tmp_path / "floor"
+    rc = main(["bench", "floor", "--model", "tiny", "--replicas", "2", "--steps", "4",
+               "--eval-every", "2", "--eval-batches", "1", "--max-tokens", "200000",
+               "--cache-dir", str(tmp_path / "cache"), "--variants", "own/own",
+               "--out", str(out), "--quiet"])
+    assert rc in (0, None)
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["variant"] for r in records] == [DDP, "own/own"]
+    assert records[0]["vs_ddp"] == 0
+    assert [e["step"] for e in records[1]["evals"]] == [2, 4]
+    assert "own/own" in capsys.readouterr().out
+
+
+def test_cli_refuses_a_bad_variant_before_any_work(tmp_path, capsys) -> None:
+    rc = main(["bench", "floor", "--variants", "own/adam", "--out", str(tmp_path / "out")])
+    assert rc != 0
+    assert "HIDDEN/EMBEDDING" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
