@@ -117,6 +117,24 @@ def test_own_differs_from_ddp_at_two_replicas() -> None:
                    for a, b in zip(own.weights[0], ddp.weights[0], strict=True))
 
 
+def test_global_rule_steps_with_adamw_global_for_the_replicas() -> None:
+    reps = train("global/own", world=2, steps=3)
+    kinds = {type(opt).__name__: opt for opt in reps.optimizers}
+    assert set(kinds) == {"GlobalAdamW", "AdamW"}
+    assert kinds["GlobalAdamW"].replicas == 2
+    own = train("own/own", world=2, steps=3)
+    hidden = reps.names.index("blocks.0.mlp.up.weight")
+    assert not torch.allclose(reps.weights[0][hidden], own.weights[0][hidden], atol=1e-7)
+
+
+@pytest.mark.parametrize("flag", ["--replicas", "--steps", "--sync-every", "--eval-every"])
+def test_cli_refuses_a_count_below_one(tmp_path, capsys, flag: str) -> None:
+    rc = main(["bench", "floor", flag, "0", "--out", str(tmp_path / "out")])
+    assert rc != 0
+    assert f"{flag} must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_writes_one_record_per_variant(tmp_path, capsys) -> None:
     out = tmp_path / "floor"
     rc = main(["bench", "floor", "--model", "tiny", "--replicas", "2", "--steps", "4",

@@ -32,7 +32,6 @@ import argparse
 import json
 import platform
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from gradzip.train.components import build_model
+from gradzip.train.components import build_model, decay_groups
 from gradzip.train.config import JobConfig
 from gradzip.train.configure import resolve
 from gradzip.train.data import BatchLoader
@@ -122,10 +121,7 @@ class Replicas:
                 params = [w for w, r in zip(weights, self.rules, strict=True) if r == rule]
                 if not params:
                     continue
-                groups = [{"params": [p for p in params if p.dim() >= 2],
-                           "weight_decay": o.weight_decay},
-                          {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-                groups = [g for g in groups if g["params"]]
+                groups = [g for g in decay_groups(params, o.weight_decay) if g["params"]]
                 kw: dict[str, Any] = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps}
                 optims.append(GlobalAdamW(groups, replicas=self.world, **kw) if rule == "global"
                               else torch.optim.AdamW(groups, **kw))
@@ -191,9 +187,10 @@ def evaluate(model: nn.Module, weights: dict[str, torch.Tensor],
 
 
 def train_variant(variant: Variant, args: argparse.Namespace, cfg: JobConfig,
-                  data: Any, val: list[tuple[torch.Tensor, torch.Tensor]],
-                  progress: Callable[[Iterator[int], str], Iterator[int]]) -> Result:
+                  data: Any, val: list[tuple[torch.Tensor, torch.Tensor]]) -> Result:
     """Train W replicas from the seed's initialization under ``variant``."""
+    from tqdm import tqdm
+
     torch.manual_seed(args.seed)
     model = build_model(cfg.model)
     reps = Replicas(model, variant, args.replicas, cfg)
@@ -201,7 +198,8 @@ def train_variant(variant: Variant, args: argparse.Namespace, cfg: JobConfig,
                            rank=r, world_size=args.replicas, seed=args.seed, prefetch=0)
                for r in range(args.replicas)]
     result, start = Result(variant.label, float("nan")), time.perf_counter()
-    for step in progress(iter(range(1, args.steps + 1)), variant.label):
+    for step in tqdm(range(1, args.steps + 1), desc=variant.label, unit="step",
+                     disable=args.quiet):
         reps.step([next(loader) for loader in loaders], lr_at(step, cfg.optim, args.steps))
         if step % args.sync_every == 0:
             reps.average()
@@ -222,12 +220,16 @@ def job_config(args: argparse.Namespace) -> JobConfig:
                     "train": {"max_steps": args.steps, "seed": args.seed}})
 
 
-def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
+def check_counts(args: argparse.Namespace) -> None:
+    """Every count the benchmark takes is at least 1."""
     for name in ("replicas", "batch_size", "steps", "sync_every", "eval_every", "eval_batches"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
+                             f"got {getattr(args, name)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_counts(args)
     variants = parse_variants(args.variants)
     torch.set_flush_denormal(True)
     cfg = job_config(args)
@@ -239,12 +241,9 @@ def run(args: argparse.Namespace) -> int:
     val = [next(val_loader) for _ in range(args.eval_batches)]
     val_loader.close()
 
-    def progress(it: Iterator[int], label: str) -> Iterator[int]:
-        return iter(tqdm(it, total=args.steps, desc=label, unit="step", disable=args.quiet))
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = [train_variant(v, args, cfg, data, val, progress) for v in variants]
+    results = [train_variant(v, args, cfg, data, val) for v in variants]
     ddp = results[0].final_val_loss
     for r in results:
         r.vs_ddp = r.final_val_loss / ddp - 1

@@ -34,11 +34,7 @@ def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
     ``gradzip.train.muon``, or AdamW sized for the mean of the world's replicas:
     ``gradzip.train.global_adamw``); weight decay on matrices (and embeddings) only, not on norms
     and biases (decoupled in AdamW, an L2 term in SGD)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    groups = decay_groups([p for p in model.parameters() if p.requires_grad], o.weight_decay)
     if o.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=o.lr, momentum=0.0)
     if o.optimizer == "muon":
@@ -52,6 +48,13 @@ def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
         return GlobalAdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                            replicas=averaged_replicas())
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def decay_groups(params: list[torch.Tensor], weight_decay: float) -> list[dict[str, Any]]:
+    """Parameter groups with ``weight_decay`` on matrices (and embeddings), none on norms
+    and biases."""
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
 def averaged_replicas() -> int:
