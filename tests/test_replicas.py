@@ -297,3 +297,48 @@ def test_a_race_goes_on_past_a_run_that_fails_and_its_report_names_it(
     assert main(argv) == 1  # the two finished runs are kept as they were, the failed one
     assert (out / "results.jsonl").read_text() == kept  # runs again (and fails again)
     assert "1 run(s) failed" in (out / "verdict.txt").read_text()
+
+
+def test_a_replica_seeding_late_does_not_reset_rank_0s_weights_while_they_are_drawn(
+        cache: Path, tmp_path: Path) -> None:
+    """Replicas share torch's one random generator. Rank 0's initial weights (which DDP
+    broadcasts) must be the seed's whatever the threads do meanwhile: here rank 1 starts
+    late, so it seeds while rank 0 is half-way through drawing its model (the interleaving
+    a loaded CI machine produced, where a W = 4 run then trained from other weights)."""
+    from gradzip.train.components import Components, build_model
+    from gradzip.train.config import JobConfig
+    from gradzip.train.loop import train
+
+    def job(out: Path) -> JobConfig:
+        cfg = JobConfig()
+        d, t = cfg.data, cfg.train
+        d.cache_dir, d.max_tokens, d.vocab_size = str(cache), 40000, 384
+        d.seq_len, d.batch_size, d.prefetch = 32, 2, 0
+        t.max_steps, t.eval_every, t.parallel, t.device, t.threads = 1, 0, "ddp", "cpu", 1
+        cfg.run.out, cfg.run.tensorboard, cfg.run.progress = str(out), False, False
+        cfg.validate()
+        return cfg
+
+    drawn: dict[int, dict[str, torch.Tensor]] = {}
+
+    def model_in_two_draws(m: Any) -> torch.nn.Module:
+        replica = replicas.current()
+        first = torch.randn(8)
+        if replica is not None and replica.rank == 0:
+            time.sleep(1.0)  # rank 1 seeds now (it started 0.5 s late)
+        model = build_model(m)
+        weights = {"first": first, **{n: p.detach().clone()
+                                      for n, p in model.named_parameters()}}
+        drawn[replica.rank if replica is not None else -1] = weights
+        return model
+
+    parts = Components(model=model_in_two_draws)
+    train(job(tmp_path / "one-rank"), components=parts)  # what the seed draws
+
+    def replica(rank: int) -> dict[str, Any]:
+        time.sleep(0.5 * rank)
+        return train(job(tmp_path / "replicas"), components=parts)
+
+    run_replicas(2, replica)
+    for name, expected in drawn[-1].items():
+        assert torch.equal(drawn[0][name], expected), name

@@ -167,8 +167,9 @@ class Trainer:
         self.attempt = restart.Attempt.from_env()
         self.kill_step = self._planned_kill()
         self.resume_from = self._find_resume()
-        _set_seeds(t.seed)
-        seeded = torch.get_rng_state()
+        with replicas.one_at_a_time():  # not while another replica draws its model
+            _set_seeds(t.seed)
+        seeded = torch.Generator().manual_seed(t.seed).get_state()
         self.data = parts.data if parts.data is not None else load_data(cfg, info)
         make_loader = parts.make_loader
         if make_loader is None:
@@ -226,7 +227,8 @@ class Trainer:
     # ------------------------------------------------------------ setup helpers
     def _build_model(self, parts: Components, seeded: torch.Tensor) -> torch.nn.Module:
         """The model on this rank's device; replica threads build theirs in turns from the
-        generator state just seeded (they share torch's one random generator)."""
+        seed's generator state (they share torch's one random generator: a replica that
+        seeds, or draws, while another draws its model must wait for it)."""
         with replicas.one_at_a_time():
             if replicas.current() is not None:
                 torch.set_rng_state(seeded)
