@@ -17,6 +17,7 @@ from gradzip.bench.floor import (
     job_config,
     parse_variants,
 )
+from gradzip.bench.pooled_adamw import PooledFactoredAdamW
 from gradzip.cli import main
 from gradzip.train.components import build_model
 from gradzip.train.config import JobConfig
@@ -127,7 +128,8 @@ def test_global_rule_steps_with_adamw_global_for_the_replicas() -> None:
     assert not torch.allclose(reps.weights[0][hidden], own.weights[0][hidden], atol=1e-7)
 
 
-@pytest.mark.parametrize("flag", ["--replicas", "--steps", "--sync-every", "--eval-every"])
+@pytest.mark.parametrize("flag", ["--replicas", "--steps", "--sync-every", "--stats-every",
+                                  "--eval-every"])
 def test_cli_refuses_a_count_below_one(tmp_path, capsys, flag: str) -> None:
     rc = main(["bench", "floor", flag, "0", "--out", str(tmp_path / "out")])
     assert rc != 0
@@ -154,3 +156,12 @@ def test_cli_refuses_a_bad_variant_before_any_work(tmp_path, capsys) -> None:
     assert rc != 0
     assert "HIDDEN/EMBEDDING" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_pooled_rule_steps_every_replicas_copies_with_one_optimizer() -> None:
+    reps = train("mean/pooled", world=2, steps=3)
+    [pooled] = [opt for opt in reps.optimizers if isinstance(opt, PooledFactoredAdamW)]
+    emb = reps.names.index("tok_emb.weight")
+    assert [copy[0] for copy in pooled.copies] == [reps.weights[0][emb], reps.weights[1][emb]]
+    own = train("mean/own", world=2, steps=3)
+    assert not torch.allclose(reps.weights[0][emb], own.weights[0][emb], atol=1e-7)

@@ -11,7 +11,10 @@ process and chooses, per group of tensors, how each replica steps:
 - ``mean``: the group's gradient is averaged over the replicas every step and one
   AdamW steps on it (DDP for that group; its tensors stay equal on every replica);
 - ``own``: each replica's AdamW on its own gradient (what local-update methods do);
-- ``global``: each replica's ``adamw_global`` (``gradzip.train.global_adamw``).
+- ``global``: each replica's ``adamw_global`` (``gradzip.train.global_adamw``);
+- ``pooled``: each replica's first moment over a denominator the replicas share,
+  Adafactor's factored second moment pooled over them and refreshed every
+  ``--stats-every`` steps (``pooled_adamw.py``: rows + columns numbers a refresh).
 
 The groups are ``embedding`` (the token, and any position, embedding: tied to the
 output layer in the presets) and ``hidden`` (every other tensor). A variant is
@@ -40,6 +43,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from gradzip.bench.pooled_adamw import STATS, PooledFactoredAdamW
 from gradzip.train.components import build_model, decay_groups
 from gradzip.train.config import JobConfig
 from gradzip.train.configure import resolve
@@ -48,7 +52,7 @@ from gradzip.train.global_adamw import GlobalAdamW
 from gradzip.train.loop import load_data, lr_at
 from gradzip.train.parallel import DistInfo
 
-RULES = ("mean", "own", "global")
+RULES = ("mean", "own", "global", "pooled")
 GROUPS = ("hidden", "embedding")
 DDP = "mean/mean"
 DEFAULT_VARIANTS = "own/own;global/global;own/mean;global/mean"
@@ -98,8 +102,11 @@ class Replicas:
     are one tensor shared by every copy, stepped once on the copies' mean gradient."""
 
     def __init__(self, model: nn.Module, variant: Variant, world: int,
-                 cfg: JobConfig) -> None:
+                 cfg: JobConfig, *, stats_every: int = 1, floor_own: bool = False,
+                 pooled_stat: str = "factored", noise_corrected: bool = False) -> None:
         self.model, self.world, self.cfg = model, world, cfg
+        self.stats_every, self.floor_own = stats_every, floor_own
+        self.pooled_stat, self.noise_corrected = pooled_stat, noise_corrected
         named = [(n, p.detach()) for n, p in model.named_parameters()]
         self.names = [n for n, _ in named]
         self.rules = [variant.rule(n) for n in self.names]
@@ -125,6 +132,15 @@ class Replicas:
                 kw: dict[str, Any] = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps}
                 optims.append(GlobalAdamW(groups, replicas=self.world, **kw) if rule == "global"
                               else torch.optim.AdamW(groups, **kw))
+        pooled = [[w for w, r in zip(weights, self.rules, strict=True) if r == "pooled"]
+                  for weights in self.weights]
+        if pooled[0]:
+            optims.append(PooledFactoredAdamW(
+                pooled, weight_decays=[o.weight_decay if p.dim() >= 2 else 0.0
+                                       for p in pooled[0]],
+                lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, every=self.stats_every,
+                floor_own=self.floor_own, stat=self.pooled_stat,
+                noise_corrected=self.noise_corrected))
         return optims
 
     def loss(self, replica: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -193,7 +209,9 @@ def train_variant(variant: Variant, args: argparse.Namespace, cfg: JobConfig,
 
     torch.manual_seed(args.seed)
     model = build_model(cfg.model)
-    reps = Replicas(model, variant, args.replicas, cfg)
+    reps = Replicas(model, variant, args.replicas, cfg, stats_every=args.stats_every,
+                    floor_own=args.floor_own, pooled_stat=args.pooled_stat,
+                    noise_corrected=args.noise_corrected)
     loaders = [BatchLoader(data.train, batch_size=args.batch_size, seq_len=cfg.data.seq_len,
                            rank=r, world_size=args.replicas, seed=args.seed, prefetch=0)
                for r in range(args.replicas)]
@@ -222,7 +240,8 @@ def job_config(args: argparse.Namespace) -> JobConfig:
 
 def check_counts(args: argparse.Namespace) -> None:
     """Every count the benchmark takes is at least 1."""
-    for name in ("replicas", "batch_size", "steps", "sync_every", "eval_every", "eval_batches"):
+    for name in ("replicas", "batch_size", "steps", "sync_every", "stats_every", "eval_every",
+                 "eval_batches"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
                              f"got {getattr(args, name)}")
@@ -283,6 +302,19 @@ def register(sub: Any) -> None:
     p.add_argument("--steps", type=int, default=300, help="training steps (default: 300)")
     p.add_argument("--sync-every", type=int, default=1,
                    help="average the unshared tensors every this many steps (default: 1)")
+    p.add_argument("--stats-every", type=int, default=1,
+                   help="the pooled rule's statistics are refreshed every this many steps "
+                   "(default: 1)")
+    p.add_argument("--pooled-stat", choices=STATS, default="factored",
+                   help="what the pooled rule's replicas pool: factored (row and column "
+                   "means of g^2), row (row means), full (every coordinate's: the bound) "
+                   "(default: factored)")
+    p.add_argument("--noise-corrected", action="store_true",
+                   help="the pooled rule removes the replicas' gradient noise from the "
+                   "pooled second moment, as adamw_global does from its own")
+    p.add_argument("--floor-own", action="store_true",
+                   help="the pooled rule divides by at least the replica's own factored "
+                   "second moment")
     p.add_argument("--variants", default=DEFAULT_VARIANTS,
                    help=f'";"-separated HIDDEN/EMBEDDING rules of {", ".join(RULES)}; '
                    f'{DDP} (DDP) always runs (default: "{DEFAULT_VARIANTS}")')
