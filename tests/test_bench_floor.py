@@ -137,6 +137,13 @@ def test_cli_refuses_a_count_below_one(tmp_path, capsys, flag: str) -> None:
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_refuses_a_negative_stats_warmup(tmp_path, capsys) -> None:
+    rc = main(["bench", "floor", "--stats-warmup", "-1", "--out", str(tmp_path / "out")])
+    assert rc != 0
+    assert "--stats-warmup must be 0 or more" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_writes_one_record_per_variant(tmp_path, capsys) -> None:
     out = tmp_path / "floor"
     rc = main(["bench", "floor", "--model", "tiny", "--replicas", "2", "--steps", "4",

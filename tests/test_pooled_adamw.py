@@ -116,3 +116,19 @@ def test_noise_correction_lengthens_the_step_on_noise_by_at_most_root_w() -> Non
     plain, corrected = _alternating(2, False), _alternating(2, True)
     ratio = float(corrected.abs().max() / plain.abs().max())
     assert 1.05 < ratio <= 2 ** 0.5 + 1e-6, ratio
+
+
+def test_a_warmup_refreshes_each_early_step_then_waits_for_every() -> None:
+    """With every = 30 and warmup = 3 the statistics are pooled at steps 1, 2 and 3 and
+    next at step 30: the estimate changes exactly at those steps."""
+    copies, opt = _replicas(every=30)
+    opt.warmup = 3
+    refreshed = []
+    for step in range(1, 32):
+        before = opt.pooled[0]
+        for c in copies:
+            c.grad = torch.full((4, 2), float(step))
+        opt.step()
+        if opt.pooled[0] is not before:
+            refreshed.append(step)
+    assert refreshed == [1, 2, 3, 30]

@@ -103,10 +103,12 @@ class Replicas:
 
     def __init__(self, model: nn.Module, variant: Variant, world: int,
                  cfg: JobConfig, *, stats_every: int = 1, floor_own: bool = False,
-                 pooled_stat: str = "factored", noise_corrected: bool = False) -> None:
+                 pooled_stat: str = "factored", noise_corrected: bool = False,
+                 stats_warmup: int = 0) -> None:
         self.model, self.world, self.cfg = model, world, cfg
         self.stats_every, self.floor_own = stats_every, floor_own
         self.pooled_stat, self.noise_corrected = pooled_stat, noise_corrected
+        self.stats_warmup = stats_warmup
         named = [(n, p.detach()) for n, p in model.named_parameters()]
         self.names = [n for n, _ in named]
         self.rules = [variant.rule(n) for n in self.names]
@@ -140,7 +142,7 @@ class Replicas:
                                        for p in pooled[0]],
                 lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, every=self.stats_every,
                 floor_own=self.floor_own, stat=self.pooled_stat,
-                noise_corrected=self.noise_corrected))
+                noise_corrected=self.noise_corrected, warmup=self.stats_warmup))
         return optims
 
     def loss(self, replica: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -211,7 +213,7 @@ def train_variant(variant: Variant, args: argparse.Namespace, cfg: JobConfig,
     model = build_model(cfg.model)
     reps = Replicas(model, variant, args.replicas, cfg, stats_every=args.stats_every,
                     floor_own=args.floor_own, pooled_stat=args.pooled_stat,
-                    noise_corrected=args.noise_corrected)
+                    noise_corrected=args.noise_corrected, stats_warmup=args.stats_warmup)
     loaders = [BatchLoader(data.train, batch_size=args.batch_size, seq_len=cfg.data.seq_len,
                            rank=r, world_size=args.replicas, seed=args.seed, prefetch=0)
                for r in range(args.replicas)]
@@ -239,12 +241,14 @@ def job_config(args: argparse.Namespace) -> JobConfig:
 
 
 def check_counts(args: argparse.Namespace) -> None:
-    """Every count the benchmark takes is at least 1."""
+    """Every count the benchmark takes is at least 1 (the warm-up: at least 0)."""
     for name in ("replicas", "batch_size", "steps", "sync_every", "stats_every", "eval_every",
                  "eval_batches"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
                              f"got {getattr(args, name)}")
+    if args.stats_warmup < 0:
+        raise ValueError(f"--stats-warmup must be 0 or more, got {args.stats_warmup}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -312,6 +316,9 @@ def register(sub: Any) -> None:
     p.add_argument("--noise-corrected", action="store_true",
                    help="the pooled rule removes the replicas' gradient noise from the "
                    "pooled second moment, as adamw_global does from its own")
+    p.add_argument("--stats-warmup", type=int, default=0,
+                   help="the pooled rule's statistics are also refreshed at each of the "
+                   "first this many steps (default: 0)")
     p.add_argument("--floor-own", action="store_true",
                    help="the pooled rule divides by at least the replica's own factored "
                    "second moment")

@@ -18,9 +18,10 @@ the second moment of the mean of W gradients, which DDP's AdamW divides by (on
 
 ``every`` is how often the pooled statistics are refreshed: between refreshes each
 replica divides by the last pooled estimate (what a local-update method could afford:
-exchanged at its syncs). With ``floor_own`` the denominator is at least the replica's
-own factored one, so a stale pooled estimate never lengthens a step beyond what the
-replica's own AdamW would take on a coordinate that grew since.
+exchanged at its syncs); they are also refreshed at each of the first ``warmup``
+steps, while the second moments still grow fast. With ``floor_own`` the denominator is
+at least the replica's own factored one, so a stale pooled estimate never lengthens a
+step beyond what the replica's own AdamW would take on a coordinate that grew since.
 
 An experiment of ``gradzip bench floor`` (the rule ``pooled``), not a trainer option.
 """
@@ -72,12 +73,12 @@ class PooledFactoredAdamW(torch.optim.Optimizer):
     def __init__(self, copies: list[list[torch.Tensor]], *, weight_decays: list[float],
                  lr: float, betas: tuple[float, float], eps: float, every: int = 1,
                  floor_own: bool = False, stat: str = "factored",
-                 noise_corrected: bool = False) -> None:
+                 noise_corrected: bool = False, warmup: int = 0) -> None:
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
         if stat not in STATS:
             raise ValueError(f"stat must be one of {', '.join(STATS)}, got {stat!r}")
-        self.stat, self.noise_corrected = stat, noise_corrected
+        self.stat, self.noise_corrected, self.warmup = stat, noise_corrected, warmup
         super().__init__([p for copy in copies for p in copy], {"lr": lr})
         self.copies, self.weight_decays = copies, weight_decays
         self.betas, self.eps, self.every, self.floor_own = betas, eps, every, floor_own
@@ -89,7 +90,7 @@ class PooledFactoredAdamW(torch.optim.Optimizer):
         b1, b2 = self.betas
         lr = self.param_groups[0]["lr"]
         self.count += 1
-        refresh = self.count == 1 or self.count % self.every == 0
+        refresh = self.count <= max(1, self.warmup) or self.count % self.every == 0
         for k, decay in enumerate(self.weight_decays):
             owns = [self._moments(copy[k]) for copy in self.copies]
             correction = 1 - b2 ** self.count
