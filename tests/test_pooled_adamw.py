@@ -132,3 +132,36 @@ def test_a_warmup_refreshes_each_early_step_then_waits_for_every() -> None:
         if opt.pooled[0] is not before:
             refreshed.append(step)
     assert refreshed == [1, 2, 3, 30]
+
+
+def test_carried_the_second_moment_grows_with_the_replicas_own_gradient_at_once() -> None:
+    """Refreshed at step 1 from small gradients, then a hundredfold gradient: without
+    carry the stale estimate lets the step grow far past lr; carried on with the
+    replica's own squared gradient it stays AdamW's bounded step."""
+    steps = {}
+    for carry in (False, True):
+        copies, opt = _replicas(every=30)
+        opt.carry = carry
+        for step in range(1, 3):
+            for c in copies:
+                c.grad = torch.full((4, 2), 1.0 if step == 1 else 100.0)
+            before = copies[0].clone()
+            opt.step()
+        steps[carry] = float((copies[0] - before).abs().max())
+    assert steps[False] > 5 * KW["lr"]
+    assert steps[True] <= KW["lr"] * 1.01
+
+
+def test_carried_with_a_refresh_every_step_is_the_pooled_rule() -> None:
+    runs = []
+    for carry in (False, True):
+        torch.manual_seed(3)
+        grads = [[torch.randn(4, 2) for _ in range(2)] for _ in range(5)]
+        copies, opt = _replicas(every=1)
+        opt.carry = carry
+        for step_grads in grads:
+            for c, g in zip(copies, step_grads, strict=True):
+                c.grad = g
+            opt.step()
+        runs.append(copies[0].clone())
+    torch.testing.assert_close(runs[0], runs[1])

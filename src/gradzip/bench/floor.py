@@ -104,11 +104,11 @@ class Replicas:
     def __init__(self, model: nn.Module, variant: Variant, world: int,
                  cfg: JobConfig, *, stats_every: int = 1, floor_own: bool = False,
                  pooled_stat: str = "factored", noise_corrected: bool = False,
-                 stats_warmup: int = 0) -> None:
+                 stats_warmup: int = 0, stats_carry: bool = False) -> None:
         self.model, self.world, self.cfg = model, world, cfg
         self.stats_every, self.floor_own = stats_every, floor_own
         self.pooled_stat, self.noise_corrected = pooled_stat, noise_corrected
-        self.stats_warmup = stats_warmup
+        self.stats_warmup, self.stats_carry = stats_warmup, stats_carry
         named = [(n, p.detach()) for n, p in model.named_parameters()]
         self.names = [n for n, _ in named]
         self.rules = [variant.rule(n) for n in self.names]
@@ -142,7 +142,8 @@ class Replicas:
                                        for p in pooled[0]],
                 lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, every=self.stats_every,
                 floor_own=self.floor_own, stat=self.pooled_stat,
-                noise_corrected=self.noise_corrected, warmup=self.stats_warmup))
+                noise_corrected=self.noise_corrected, warmup=self.stats_warmup,
+                carry=self.stats_carry))
         return optims
 
     def loss(self, replica: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -213,7 +214,8 @@ def train_variant(variant: Variant, args: argparse.Namespace, cfg: JobConfig,
     model = build_model(cfg.model)
     reps = Replicas(model, variant, args.replicas, cfg, stats_every=args.stats_every,
                     floor_own=args.floor_own, pooled_stat=args.pooled_stat,
-                    noise_corrected=args.noise_corrected, stats_warmup=args.stats_warmup)
+                    noise_corrected=args.noise_corrected, stats_warmup=args.stats_warmup,
+                    stats_carry=args.stats_carry)
     loaders = [BatchLoader(data.train, batch_size=args.batch_size, seq_len=cfg.data.seq_len,
                            rank=r, world_size=args.replicas, seed=args.seed, prefetch=0)
                for r in range(args.replicas)]
@@ -319,6 +321,9 @@ def register(sub: Any) -> None:
     p.add_argument("--stats-warmup", type=int, default=0,
                    help="the pooled rule's statistics are also refreshed at each of the "
                    "first this many steps (default: 0)")
+    p.add_argument("--stats-carry", action="store_true",
+                   help="between refreshes each replica carries the pooled second moment "
+                   "on with its own squared gradients, as AdamW does")
     p.add_argument("--floor-own", action="store_true",
                    help="the pooled rule divides by at least the replica's own factored "
                    "second moment")

@@ -22,6 +22,10 @@ exchanged at its syncs); they are also refreshed at each of the first ``warmup``
 steps, while the second moments still grow fast. With ``floor_own`` the denominator is
 at least the replica's own factored one, so a stale pooled estimate never lengthens a
 step beyond what the replica's own AdamW would take on a coordinate that grew since.
+With ``carry`` the pooled estimate is each replica's second moment at a refresh, and
+between refreshes each replica carries it on with its own squared gradients as AdamW
+does (the exchange anchors the state; a gradient that grows enters the denominator at
+once, as in AdamW, instead of at the next refresh).
 
 An experiment of ``gradzip bench floor`` (the rule ``pooled``), not a trainer option.
 """
@@ -73,12 +77,14 @@ class PooledFactoredAdamW(torch.optim.Optimizer):
     def __init__(self, copies: list[list[torch.Tensor]], *, weight_decays: list[float],
                  lr: float, betas: tuple[float, float], eps: float, every: int = 1,
                  floor_own: bool = False, stat: str = "factored",
-                 noise_corrected: bool = False, warmup: int = 0) -> None:
+                 noise_corrected: bool = False, warmup: int = 0,
+                 carry: bool = False) -> None:
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
         if stat not in STATS:
             raise ValueError(f"stat must be one of {', '.join(STATS)}, got {stat!r}")
         self.stat, self.noise_corrected, self.warmup = stat, noise_corrected, warmup
+        self.carry = carry
         super().__init__([p for copy in copies for p in copy], {"lr": lr})
         self.copies, self.weight_decays = copies, weight_decays
         self.betas, self.eps, self.every, self.floor_own = betas, eps, every, floor_own
@@ -100,13 +106,26 @@ class PooledFactoredAdamW(torch.optim.Optimizer):
             assert shared is not None
             for copy, s in zip(self.copies, owns, strict=True):
                 p = copy[k]
-                v = shared
+                v = self._carried(p, shared, refresh, correction) if self.carry else shared
                 if self.floor_own:
-                    v = torch.maximum(shared, estimate(s["rows"] / correction,
-                                                       s["cols"] / correction, self.stat))
+                    own = estimate(s["rows"] / correction, s["cols"] / correction, self.stat)
+                    v = torch.maximum(v.reshape(p.shape), own.reshape(p.shape))
                 m = s["m"] / (1 - b1 ** self.count)
                 p.mul_(1 - lr * decay)
                 p.sub_(lr * m / (v.reshape(p.shape).sqrt() + self.eps))
+
+    def _carried(self, p: torch.Tensor, shared: torch.Tensor, refresh: bool,
+                 correction: float) -> torch.Tensor:
+        """``p``'s replica's second moment: the pooled estimate at a refresh, carried on
+        with the replica's own squared gradient since (kept uncorrected for bias, as
+        AdamW keeps it)."""
+        assert p.grad is not None
+        s = self.state[p]
+        if refresh or "v" not in s:
+            s["v"] = shared.reshape(p.shape) * correction
+        else:
+            s["v"].mul_(self.betas[1]).addcmul_(p.grad, p.grad, value=1 - self.betas[1])
+        return s["v"] / correction
 
     def _pooled(self, owns: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """The second moment the replicas share: their pooled statistics' estimate; with
