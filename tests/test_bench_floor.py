@@ -46,15 +46,22 @@ def batches(world: int, steps: int) -> list[list[tuple[torch.Tensor, torch.Tenso
     return out
 
 
-def train(variant: str, world: int, steps: int, sync_every: int = 1) -> Replicas:
+def train(variant: str, world: int, steps: int, sync_every: int = 1, **kw) -> Replicas:
     cfg = tiny_config(steps)
     torch.manual_seed(0)
-    reps = Replicas(build_model(cfg.model), Variant.parse(variant), world, cfg)
+    reps = Replicas(build_model(cfg.model), Variant.parse(variant), world, cfg, **kw)
     for step, step_batches in enumerate(batches(world, steps), start=1):
         reps.step(step_batches, lr_at(step, cfg.optim, steps))
         if step % sync_every == 0:
             reps.average()
     return reps
+
+
+def initial(variant: str, world: int) -> Replicas:
+    """The replicas as ``train`` starts them, before any step."""
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    return Replicas(build_model(cfg.model), Variant.parse(variant), world, cfg)
 
 
 def test_variants_parse_and_ddp_comes_first() -> None:
@@ -126,6 +133,44 @@ def test_global_rule_steps_with_adamw_global_for_the_replicas() -> None:
     own = train("own/own", world=2, steps=3)
     hidden = reps.names.index("blocks.0.mlp.up.weight")
     assert not torch.allclose(reps.weights[0][hidden], own.weights[0][hidden], atol=1e-7)
+
+
+def test_outer_lr_extrapolates_the_replicas_mean_from_the_last_average() -> None:
+    """An outer step of lr 2: each unshared tensor becomes the last average plus twice
+    the replicas' mean move since (DiLoCo's outer SGD without momentum)."""
+    start = initial("own/mean", world=2)
+    reps = train("own/mean", world=2, steps=2, sync_every=3, outer_lr=2.0)
+    hidden = reps.names.index("blocks.0.mlp.up.weight")
+    mean = (reps.weights[0][hidden] + reps.weights[1][hidden]) / 2
+    reps.average()
+    expected = start.weights[0][hidden] + 2 * (mean - start.weights[0][hidden])
+    for w in reps.weights:
+        torch.testing.assert_close(w[hidden], expected)
+    moved = train("own/mean", world=2, steps=2, sync_every=3, outer_lr=2.0)
+    for _ in range(2):  # the second average extrapolates from the first, not from the start
+        moved.average()
+    torch.testing.assert_close(moved.weights[0][hidden], expected)
+
+
+def test_inner_lr_scale_shortens_only_the_replicas_own_steps() -> None:
+    """AdamW's first step is linear in lr: a scale of one half halves each replica's
+    own step and leaves the shared (DDP) tensors' step as it was."""
+    start = initial("own/mean", world=1)
+    full = train("own/mean", world=1, steps=1)
+    half = train("own/mean", world=1, steps=1, inner_lr_scale=0.5)
+    hidden = full.names.index("blocks.0.mlp.up.weight")
+    emb = full.names.index("tok_emb.weight")
+    torch.testing.assert_close(half.weights[0][hidden] - start.weights[0][hidden],
+                               (full.weights[0][hidden] - start.weights[0][hidden]) / 2)
+    assert torch.equal(half.weights[0][emb], full.weights[0][emb])
+
+
+@pytest.mark.parametrize("flag", ["--outer-lr", "--inner-lr-scale"])
+def test_cli_refuses_a_step_size_that_is_not_positive(tmp_path, capsys, flag: str) -> None:
+    rc = main(["bench", "floor", flag, "0", "--out", str(tmp_path / "out")])
+    assert rc != 0
+    assert f"{flag} must be above 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("flag", ["--replicas", "--steps", "--sync-every", "--stats-every",

@@ -104,8 +104,10 @@ class Replicas:
     def __init__(self, model: nn.Module, variant: Variant, world: int,
                  cfg: JobConfig, *, stats_every: int = 1, floor_own: bool = False,
                  pooled_stat: str = "factored", noise_corrected: bool = False,
-                 stats_warmup: int = 0, stats_carry: bool = False) -> None:
+                 stats_warmup: int = 0, stats_carry: bool = False, outer_lr: float = 1.0,
+                 inner_lr_scale: float = 1.0) -> None:
         self.model, self.world, self.cfg = model, world, cfg
+        self.outer_lr, self.inner_lr_scale = outer_lr, inner_lr_scale
         self.stats_every, self.floor_own = stats_every, floor_own
         self.pooled_stat, self.noise_corrected = pooled_stat, noise_corrected
         self.stats_warmup, self.stats_carry = stats_warmup, stats_carry
@@ -118,7 +120,13 @@ class Replicas:
                          for s, (_, p) in zip(shared, named, strict=True)]
                         for _ in range(world)]
         self.shared = [s for s in shared if s is not None]
+        #: each unshared tensor as of the last average (the outer step's origin)
+        self.anchors = {i: p.clone() for i, ((_, p), r) in enumerate(zip(named, self.rules,
+                                                                          strict=True))
+                        if r != "mean"}
         self.optimizers = self._optimizers()
+        #: the one AdamW over the shared tensors (DDP's), which the inner lr scale spares
+        self.ddp_optimizer = self.optimizers[0] if self.shared else None
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         """One AdamW over the shared tensors, and per replica one over its own ones."""
@@ -167,19 +175,24 @@ class Replicas:
                     w.grad = g
             total += float(loss.detach())
         for opt in self.optimizers:
+            shared = opt is self.ddp_optimizer
             for group in opt.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr if shared else lr * self.inner_lr_scale
             opt.step()
         return total / self.world
 
     @torch.no_grad()
     def average(self) -> None:
-        """Outer step with lr 1 and no momentum: each unshared tensor becomes the mean."""
-        for i, rule in enumerate(self.rules):
-            if rule != "mean":
-                mean = torch.stack([w[i] for w in self.weights]).mean(0)
-                for w in self.weights:
-                    w[i].copy_(mean)
+        """Outer SGD step without momentum: each unshared tensor becomes its last
+        average plus ``outer_lr`` times the replicas' mean move since (with lr 1: the
+        mean itself)."""
+        for i, anchor in self.anchors.items():
+            mean = torch.stack([w[i] for w in self.weights]).mean(0)
+            if self.outer_lr != 1.0:
+                mean = anchor.add_(mean - anchor, alpha=self.outer_lr)
+            anchor.copy_(mean)
+            for w in self.weights:
+                w[i].copy_(mean)
 
     @torch.no_grad()
     def mean_weights(self) -> dict[str, torch.Tensor]:
@@ -215,7 +228,8 @@ def train_variant(variant: Variant, args: argparse.Namespace, cfg: JobConfig,
     reps = Replicas(model, variant, args.replicas, cfg, stats_every=args.stats_every,
                     floor_own=args.floor_own, pooled_stat=args.pooled_stat,
                     noise_corrected=args.noise_corrected, stats_warmup=args.stats_warmup,
-                    stats_carry=args.stats_carry)
+                    stats_carry=args.stats_carry, outer_lr=args.outer_lr,
+                    inner_lr_scale=args.inner_lr_scale)
     loaders = [BatchLoader(data.train, batch_size=args.batch_size, seq_len=cfg.data.seq_len,
                            rank=r, world_size=args.replicas, seed=args.seed, prefetch=0)
                for r in range(args.replicas)]
@@ -251,6 +265,10 @@ def check_counts(args: argparse.Namespace) -> None:
                              f"got {getattr(args, name)}")
     if args.stats_warmup < 0:
         raise ValueError(f"--stats-warmup must be 0 or more, got {args.stats_warmup}")
+    for name in ("outer_lr", "inner_lr_scale"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be above 0, "
+                             f"got {getattr(args, name)}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -324,6 +342,12 @@ def register(sub: Any) -> None:
     p.add_argument("--stats-carry", action="store_true",
                    help="between refreshes each replica carries the pooled second moment "
                    "on with its own squared gradients, as AdamW does")
+    p.add_argument("--outer-lr", type=float, default=1.0,
+                   help="at each average the unshared tensors move this many times the "
+                   "replicas' mean move since the last (default: 1, the mean)")
+    p.add_argument("--inner-lr-scale", type=float, default=1.0,
+                   help="the replicas' own steps (every rule but mean) take the "
+                   "schedule's lr times this (default: 1)")
     p.add_argument("--floor-own", action="store_true",
                    help="the pooled rule divides by at least the replica's own factored "
                    "second moment")
