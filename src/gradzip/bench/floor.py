@@ -19,9 +19,10 @@ process and chooses, per group of tensors, how each replica steps:
 The groups are ``embedding`` (the token, and any position, embedding: tied to the
 output layer in the presets) and ``hidden`` (every other tensor). A variant is
 ``HIDDEN/EMBEDDING``; ``mean/mean`` is DDP and is always run as the reference. Every
-``--sync-every`` steps the replicas' ``own`` and ``global`` tensors are averaged
-(outer lr 1, no momentum), so ``--sync-every 1`` is the every-step floor and larger
-values add local steps as DiLoCo takes them (nothing compressed).
+``--sync-every`` steps the replicas' unshared tensors are averaged (outer SGD at
+``--outer-lr``, default 1, no momentum), so ``--sync-every 1`` is the every-step floor
+and larger values add local steps as DiLoCo takes them (nothing compressed);
+``--inner-lr-scale`` shortens those local steps.
 
 The schedule (warm-up, cosine, floor) and AdamW's settings are the preset's, as
 ``gradzip train`` would run it; gradients are not clipped (the floor is the same
