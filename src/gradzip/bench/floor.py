@@ -130,7 +130,9 @@ class Replicas:
         self.ddp_optimizer = self.optimizers[0] if self.shared else None
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
-        """One AdamW over the shared tensors, and per replica one over its own ones."""
+        """One AdamW over the shared tensors (first), per replica one over its ``own``
+        and one over its ``global`` ones, and one ``PooledFactoredAdamW`` over every
+        replica's ``pooled`` ones."""
         o = self.cfg.optim
         optims: list[torch.optim.Optimizer] = []
         for rule in ("mean", "own", "global"):
@@ -350,8 +352,8 @@ def register(sub: Any) -> None:
                    help="the replicas' own steps (every rule but mean) take the "
                    "schedule's lr times this (default: 1)")
     p.add_argument("--floor-own", action="store_true",
-                   help="the pooled rule divides by at least the replica's own factored "
-                   "second moment")
+                   help="the pooled rule divides by at least the replica's own estimate "
+                   "(of the statistics --pooled-stat names)")
     p.add_argument("--variants", default=DEFAULT_VARIANTS,
                    help=f'";"-separated HIDDEN/EMBEDDING rules of {", ".join(RULES)}; '
                    f'{DDP} (DDP) always runs (default: "{DEFAULT_VARIANTS}")')
