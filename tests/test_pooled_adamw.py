@@ -80,7 +80,7 @@ def test_between_refreshes_the_last_pooled_estimate_is_used() -> None:
         moved = float((copies[0] - before).abs().max())
         if step == 2:  # divided by step 1's small pooled estimate: a long step
             assert moved > 5 * KW["lr"]
-    assert opt.pooled[0] is not None
+    assert moved < 2 * KW["lr"]  # step 3 refreshed it with the large gradients: bounded
 
 
 def test_floor_own_keeps_a_stale_estimate_from_lengthening_a_step() -> None:
