@@ -17,7 +17,7 @@ from gradzip.bench.floor import (
     job_config,
     parse_variants,
 )
-from gradzip.bench.pooled_adamw import PooledFactoredAdamW
+from gradzip.bench.pooled_adamw import PooledFactoredAdamW, PooledOptions
 from gradzip.cli import main
 from gradzip.train.components import build_model
 from gradzip.train.config import JobConfig
@@ -46,22 +46,20 @@ def batches(world: int, steps: int) -> list[list[tuple[torch.Tensor, torch.Tenso
     return out
 
 
-def train(variant: str, world: int, steps: int, sync_every: int = 1, **kw) -> Replicas:
+def initial(variant: str, world: int, steps: int = 4, **kw) -> Replicas:
+    """The replicas as ``train`` starts them, before any step."""
     cfg = tiny_config(steps)
     torch.manual_seed(0)
-    reps = Replicas(build_model(cfg.model), Variant.parse(variant), world, cfg, **kw)
+    return Replicas(build_model(cfg.model), Variant.parse(variant), world, cfg, **kw)
+
+
+def train(variant: str, world: int, steps: int, sync_every: int = 1, **kw) -> Replicas:
+    reps = initial(variant, world, steps, **kw)
     for step, step_batches in enumerate(batches(world, steps), start=1):
-        reps.step(step_batches, lr_at(step, cfg.optim, steps))
+        reps.step(step_batches, lr_at(step, reps.cfg.optim, steps))
         if step % sync_every == 0:
             reps.average()
     return reps
-
-
-def initial(variant: str, world: int) -> Replicas:
-    """The replicas as ``train`` starts them, before any step."""
-    cfg = tiny_config()
-    torch.manual_seed(0)
-    return Replicas(build_model(cfg.model), Variant.parse(variant), world, cfg)
 
 
 def test_variants_parse_and_ddp_comes_first() -> None:
@@ -171,6 +169,23 @@ def test_cli_refuses_a_step_size_that_is_not_positive(tmp_path, capsys, flag: st
     assert rc != 0
     assert f"{flag} must be above 0" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags", [["--stats-carry"], ["--noise-corrected", "--floor-own"],
+                                   ["--stats-every", "5"], ["--pooled-stat", "full"]])
+def test_cli_refuses_pooled_flags_no_variant_uses(tmp_path, capsys, flags: list[str]) -> None:
+    rc = main(["bench", "floor", "--variants", "own/mean", *flags,
+               "--out", str(tmp_path / "out")])
+    assert rc != 0
+    err = capsys.readouterr().err
+    assert all(f in err for f in flags if f.startswith("--")) and "pooled rule" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_pooled_options_reach_the_pooled_optimizer() -> None:
+    reps = initial("mean/pooled", world=2, pooled=PooledOptions(every=5, carry=True))
+    [pooled] = [opt for opt in reps.optimizers if isinstance(opt, PooledFactoredAdamW)]
+    assert (pooled.every, pooled.carry, pooled.stat) == (5, True, "factored")
 
 
 @pytest.mark.parametrize("flag", ["--replicas", "--steps", "--sync-every", "--stats-every",

@@ -36,7 +36,7 @@ import argparse
 import json
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from gradzip.bench.pooled_adamw import STATS, PooledFactoredAdamW
+from gradzip.bench.pooled_adamw import STATS, PooledFactoredAdamW, PooledOptions
 from gradzip.train.components import build_model, decay_groups
 from gradzip.train.config import JobConfig
 from gradzip.train.configure import resolve
@@ -103,15 +103,10 @@ class Replicas:
     are one tensor shared by every copy, stepped once on the copies' mean gradient."""
 
     def __init__(self, model: nn.Module, variant: Variant, world: int,
-                 cfg: JobConfig, *, stats_every: int = 1, floor_own: bool = False,
-                 pooled_stat: str = "factored", noise_corrected: bool = False,
-                 stats_warmup: int = 0, stats_carry: bool = False, outer_lr: float = 1.0,
-                 inner_lr_scale: float = 1.0) -> None:
-        self.model, self.world, self.cfg = model, world, cfg
+                 cfg: JobConfig, *, pooled: PooledOptions = PooledOptions(),
+                 outer_lr: float = 1.0, inner_lr_scale: float = 1.0) -> None:
+        self.model, self.world, self.cfg, self.pooled = model, world, cfg, pooled
         self.outer_lr, self.inner_lr_scale = outer_lr, inner_lr_scale
-        self.stats_every, self.floor_own = stats_every, floor_own
-        self.pooled_stat, self.noise_corrected = pooled_stat, noise_corrected
-        self.stats_warmup, self.stats_carry = stats_warmup, stats_carry
         named = [(n, p.detach()) for n, p in model.named_parameters()]
         self.names = [n for n, _ in named]
         self.rules = [variant.rule(n) for n in self.names]
@@ -151,10 +146,7 @@ class Replicas:
             optims.append(PooledFactoredAdamW(
                 pooled, weight_decays=[o.weight_decay if p.dim() >= 2 else 0.0
                                        for p in pooled[0]],
-                lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, every=self.stats_every,
-                floor_own=self.floor_own, stat=self.pooled_stat,
-                noise_corrected=self.noise_corrected, warmup=self.stats_warmup,
-                carry=self.stats_carry))
+                lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **asdict(self.pooled)))
         return optims
 
     def loss(self, replica: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -192,7 +184,7 @@ class Replicas:
         for i, anchor in self.anchors.items():
             mean = torch.stack([w[i] for w in self.weights]).mean(0)
             if self.outer_lr != 1.0:
-                mean = anchor.add_(mean - anchor, alpha=self.outer_lr)
+                mean = anchor + self.outer_lr * (mean - anchor)
             anchor.copy_(mean)
             for w in self.weights:
                 w[i].copy_(mean)
@@ -228,11 +220,8 @@ def train_variant(variant: Variant, args: argparse.Namespace, cfg: JobConfig,
 
     torch.manual_seed(args.seed)
     model = build_model(cfg.model)
-    reps = Replicas(model, variant, args.replicas, cfg, stats_every=args.stats_every,
-                    floor_own=args.floor_own, pooled_stat=args.pooled_stat,
-                    noise_corrected=args.noise_corrected, stats_warmup=args.stats_warmup,
-                    stats_carry=args.stats_carry, outer_lr=args.outer_lr,
-                    inner_lr_scale=args.inner_lr_scale)
+    reps = Replicas(model, variant, args.replicas, cfg, pooled=pooled_options(args),
+                    outer_lr=args.outer_lr, inner_lr_scale=args.inner_lr_scale)
     loaders = [BatchLoader(data.train, batch_size=args.batch_size, seq_len=cfg.data.seq_len,
                            rank=r, world_size=args.replicas, seed=args.seed, prefetch=0)
                for r in range(args.replicas)]
@@ -274,9 +263,33 @@ def check_counts(args: argparse.Namespace) -> None:
                              f"got {getattr(args, name)}")
 
 
+def pooled_options(args: argparse.Namespace) -> PooledOptions:
+    """The pooled rule's options the command line asked for."""
+    return PooledOptions(every=args.stats_every, warmup=args.stats_warmup,
+                         stat=args.pooled_stat, noise_corrected=args.noise_corrected,
+                         floor_own=args.floor_own, carry=args.stats_carry)
+
+
+def check_pooled_flags(args: argparse.Namespace, variants: list[Variant]) -> None:
+    """The pooled rule's flags are refused when no variant uses the rule: they would
+    change nothing, and the records would say they were used."""
+    if any("pooled" in (v.hidden, v.embedding) for v in variants):
+        return
+    asked = pooled_options(args)
+    changed = [f for f in fields(PooledOptions) if getattr(asked, f.name) != f.default]
+    if changed:
+        flags = {"every": "--stats-every", "warmup": "--stats-warmup",
+                 "stat": "--pooled-stat", "noise_corrected": "--noise-corrected",
+                 "floor_own": "--floor-own", "carry": "--stats-carry"}
+        raise ValueError(f"only the pooled rule reads {', '.join(flags[f.name] for f in changed)}"
+                         f", and no variant in --variants uses it (add one, e.g. "
+                         f"--variants \"mean/pooled\", or drop the flag)")
+
+
 def run(args: argparse.Namespace) -> int:
     check_counts(args)
     variants = parse_variants(args.variants)
+    check_pooled_flags(args, variants)
     torch.set_flush_denormal(True)
     cfg = job_config(args)
     data = load_data(cfg, DistInfo(rank=0, world_size=1, local_rank=0,

@@ -32,6 +32,7 @@ An experiment of ``gradzip bench floor`` (the rule ``pooled``), not a trainer op
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,6 +69,19 @@ def estimate(rows: torch.Tensor, cols: torch.Tensor, stat: str) -> torch.Tensor:
     if stat == "row":
         return rows.unsqueeze(1).expand(-1, cols.numel())
     return factored(rows, cols)
+
+
+@dataclass(frozen=True)
+class PooledOptions:
+    """How the pooled rule builds and keeps its shared denominator (the keyword
+    arguments of ``PooledFactoredAdamW`` of the same names; see the module)."""
+
+    every: int = 1
+    warmup: int = 0
+    stat: str = "factored"
+    noise_corrected: bool = False
+    floor_own: bool = False
+    carry: bool = False
 
 
 class PooledFactoredAdamW(torch.optim.Optimizer):
