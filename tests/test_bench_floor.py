@@ -163,6 +163,59 @@ def test_inner_lr_scale_shortens_only_the_replicas_own_steps() -> None:
     assert torch.equal(half.weights[0][emb], full.weights[0][emb])
 
 
+def test_outer_momentum_is_nesterov_sgd_on_the_negated_mean_move() -> None:
+    """Two averages with momentum 0.9 at lr 0.7 step as torch's SGD(nesterov=True)
+    would on the pseudo-gradient anchor - mean (DiLoCo's outer step)."""
+    start = initial("own/mean", world=2)
+    hidden = start.names.index("blocks.0.mlp.up.weight")
+    reps = initial("own/mean", world=2, outer_lr=0.7, outer_momentum=0.9)
+    outer = start.weights[0][hidden].detach().clone().requires_grad_(True)
+    sgd = torch.optim.SGD([outer], lr=0.7, momentum=0.9, nesterov=True)
+    for step_batches in batches(2, 4)[:2]:
+        for _ in range(2):  # two local steps, then the outer step
+            reps.step(step_batches, 1e-3)
+        mean = (reps.weights[0][hidden] + reps.weights[1][hidden]) / 2
+        outer.grad = (outer.detach() - mean).clone()
+        sgd.step()
+        reps.average()
+        for w in reps.weights:
+            torch.testing.assert_close(w[hidden], outer.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("keys", [("m", ["exp_avg"]), ("mv", ["exp_avg", "exp_avg_sq"])])
+def test_sync_moments_averages_the_replicas_adamw_moments(keys) -> None:
+    mode, averaged = keys
+    plain = train("own/mean", world=2, steps=2, sync_every=3)
+    reps = train("own/mean", world=2, steps=2, sync_every=3, sync_moments=mode)
+    hidden = reps.names.index("blocks.0.mlp.up.weight")
+    before = [{k: v.clone() for k, v in reps.state_of(w[hidden]).items()}
+              for w in reps.weights]
+    reps.average()
+    after = [reps.state_of(w[hidden]) for w in reps.weights]
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key in averaged:
+            torch.testing.assert_close(after[0][key], (before[0][key] + before[1][key]) / 2)
+            assert torch.equal(after[0][key], after[1][key])
+        else:
+            assert all(torch.equal(a[key], b[key]) for a, b in zip(after, before, strict=True))
+    plain.average()  # the weights average as without it
+    assert all(torch.equal(a, b) for a, b in zip(plain.weights[0], reps.weights[0],
+                                                 strict=True))
+
+
+def test_sync_moments_refuses_an_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="sync_moments"):
+        initial("own/mean", world=2, sync_moments="v")
+
+
+@pytest.mark.parametrize("value", ["1", "-0.1"])
+def test_cli_refuses_an_outer_momentum_outside_0_1(tmp_path, capsys, value: str) -> None:
+    rc = main(["bench", "floor", "--outer-momentum", value, "--out", str(tmp_path / "out")])
+    assert rc != 0
+    assert "--outer-momentum must be in [0, 1)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("flag", ["--outer-lr", "--inner-lr-scale"])
 def test_cli_refuses_a_step_size_that_is_not_positive(tmp_path, capsys, flag: str) -> None:
     rc = main(["bench", "floor", flag, "0", "--out", str(tmp_path / "out")])

@@ -20,9 +20,12 @@ The groups are ``embedding`` (the token, and any position, embedding: tied to th
 output layer in the presets) and ``hidden`` (every other tensor). A variant is
 ``HIDDEN/EMBEDDING``; ``mean/mean`` is DDP and is always run as the reference. Every
 ``--sync-every`` steps the replicas' unshared tensors are averaged (outer SGD at
-``--outer-lr``, default 1, no momentum), so ``--sync-every 1`` is the every-step floor
-and larger values add local steps as DiLoCo takes them (nothing compressed);
-``--inner-lr-scale`` shortens those local steps.
+``--outer-lr``, default 1, with ``--outer-momentum`` Nesterov's momentum as DiLoCo
+takes it, default none), so ``--sync-every 1`` is the every-step floor and larger
+values add local steps as DiLoCo takes them (nothing compressed); ``--inner-lr-scale``
+shortens those local steps, and ``--sync-moments`` also averages the replicas' AdamW
+moments at each average (``m``: first moments, ``mv``: both), so that no replica
+leaves an average along its own past gradients.
 
 The schedule (warm-up, cosine, floor) and AdamW's settings are the preset's, as
 ``gradzip train`` would run it; gradients are not clipped (the floor is the same
@@ -57,6 +60,9 @@ RULES = ("mean", "own", "global", "pooled")
 GROUPS = ("hidden", "embedding")
 DDP = "mean/mean"
 DEFAULT_VARIANTS = "own/own;global/global;own/mean;global/mean"
+#: what ``--sync-moments`` averages at each average: nothing, first moments, both
+SYNC_MOMENTS = ("", "m", "mv")
+MOMENT_KEYS = {"m": ("exp_avg", "m"), "mv": ("exp_avg", "m", "exp_avg_sq")}
 
 
 @dataclass(frozen=True)
@@ -104,9 +110,15 @@ class Replicas:
 
     def __init__(self, model: nn.Module, variant: Variant, world: int,
                  cfg: JobConfig, *, pooled: PooledOptions = PooledOptions(),
-                 outer_lr: float = 1.0, inner_lr_scale: float = 1.0) -> None:
+                 outer_lr: float = 1.0, inner_lr_scale: float = 1.0,
+                 outer_momentum: float = 0.0, sync_moments: str = "") -> None:
+        if sync_moments not in SYNC_MOMENTS:
+            raise ValueError(f"sync_moments must be one of {SYNC_MOMENTS}, got {sync_moments!r}")
         self.model, self.world, self.cfg, self.pooled = model, world, cfg, pooled
         self.outer_lr, self.inner_lr_scale = outer_lr, inner_lr_scale
+        self.outer_momentum, self.sync_moments = outer_momentum, sync_moments
+        #: each unshared tensor's outer momentum buffer (Nesterov's, as DiLoCo's outer SGD)
+        self.buffers: dict[int, torch.Tensor] = {}
         named = [(n, p.detach()) for n, p in model.named_parameters()]
         self.names = [n for n, _ in named]
         self.rules = [variant.rule(n) for n in self.names]
@@ -178,16 +190,45 @@ class Replicas:
 
     @torch.no_grad()
     def average(self) -> None:
-        """Outer SGD step without momentum: each unshared tensor becomes its last
-        average plus ``outer_lr`` times the replicas' mean move since (with lr 1: the
-        mean itself)."""
+        """Outer SGD step: each unshared tensor becomes its last average plus
+        ``outer_lr`` times the replicas' mean move since (with lr 1 and no momentum: the
+        mean itself), or, with ``outer_momentum``, times Nesterov's step along that move
+        (torch's SGD with ``nesterov=True`` on the negated move, DiLoCo's outer step);
+        with ``sync_moments`` the replicas' AdamW moments are averaged as well."""
         for i, anchor in self.anchors.items():
             mean = torch.stack([w[i] for w in self.weights]).mean(0)
-            if self.outer_lr != 1.0:
+            if self.outer_momentum:
+                move = mean - anchor
+                buf = self.buffers.setdefault(i, torch.zeros_like(move))
+                buf.mul_(self.outer_momentum).add_(move)
+                mean = anchor + self.outer_lr * (move + self.outer_momentum * buf)
+            elif self.outer_lr != 1.0:
                 mean = anchor + self.outer_lr * (mean - anchor)
             anchor.copy_(mean)
             for w in self.weights:
                 w[i].copy_(mean)
+            if self.sync_moments:
+                self._average_moments(i)
+
+    def _average_moments(self, i: int) -> None:
+        """Make every replica's AdamW moments of tensor ``i`` their mean: the first
+        (``exp_avg``; the pooled rule's ``m``), and with ``mv`` the second
+        (``exp_avg_sq``) too."""
+        keys = MOMENT_KEYS[self.sync_moments]
+        states = [self.state_of(w[i]) for w in self.weights]
+        for key in keys:
+            held = [s[key] for s in states if key in s]
+            if len(held) == len(states):
+                mean = torch.stack(held).mean(0)
+                for t in held:
+                    t.copy_(mean)
+
+    def state_of(self, p: torch.Tensor) -> dict[str, Any]:
+        """The optimizer state of ``p`` (empty for a tensor no optimizer has stepped)."""
+        for opt in self.optimizers:
+            if p in opt.state:
+                return opt.state[p]
+        return {}
 
     @torch.no_grad()
     def mean_weights(self) -> dict[str, torch.Tensor]:
@@ -221,7 +262,8 @@ def train_variant(variant: Variant, args: argparse.Namespace, cfg: JobConfig,
     torch.manual_seed(args.seed)
     model = build_model(cfg.model)
     reps = Replicas(model, variant, args.replicas, cfg, pooled=pooled_options(args),
-                    outer_lr=args.outer_lr, inner_lr_scale=args.inner_lr_scale)
+                    outer_lr=args.outer_lr, inner_lr_scale=args.inner_lr_scale,
+                    outer_momentum=args.outer_momentum, sync_moments=args.sync_moments)
     loaders = [BatchLoader(data.train, batch_size=args.batch_size, seq_len=cfg.data.seq_len,
                            rank=r, world_size=args.replicas, seed=args.seed, prefetch=0)
                for r in range(args.replicas)]
@@ -261,6 +303,8 @@ def check_counts(args: argparse.Namespace) -> None:
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be above 0, "
                              f"got {getattr(args, name)}")
+    if not 0 <= args.outer_momentum < 1:
+        raise ValueError(f"--outer-momentum must be in [0, 1), got {args.outer_momentum}")
 
 
 def pooled_options(args: argparse.Namespace) -> PooledOptions:
@@ -361,6 +405,12 @@ def register(sub: Any) -> None:
     p.add_argument("--outer-lr", type=float, default=1.0,
                    help="at each average the unshared tensors move this many times the "
                    "replicas' mean move since the last (default: 1, the mean)")
+    p.add_argument("--outer-momentum", type=float, default=0.0,
+                   help="Nesterov momentum of the outer step, as DiLoCo's (0.9 with "
+                   "--outer-lr 0.7 there) (default: 0, none)")
+    p.add_argument("--sync-moments", choices=("m", "mv"), default="",
+                   help="at each average also average the replicas' AdamW moments: m the "
+                   "first, mv both (default: neither)")
     p.add_argument("--inner-lr-scale", type=float, default=1.0,
                    help="the replicas' own steps (every rule but mean) take the "
                    "schedule's lr times this (default: 1)")
