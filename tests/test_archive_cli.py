@@ -1,5 +1,5 @@
 """``gradzip archive``: pack .pt bucket directories (also while they grow), ls, export,
-verify."""
+verify, repair."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from archive_helpers import damage_root_heap
 
 from gradzip.capture import Archive
 from gradzip.capture.convert import pack_directory
@@ -132,6 +133,34 @@ def test_a_fresh_pack_left_by_a_crash_is_a_note(tmp_path: Path,
     assert "pack_99.h5" in out.out + out.err and "never completed" in out.out + out.err
 
 
+def test_repair_rewrites_a_pack_a_kill_damaged_and_refuses_wrong_bytes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "pt"
+    src.mkdir()
+    _write_pt(src, 0, 5, 2)
+    archive = tmp_path / "a"
+    assert main(["archive", "pack", str(src), "--out", str(archive), "--workers", "1"]) == 0
+    [pack] = archive.glob("*/pack_*.h5")
+    damage_root_heap(pack)
+    capsys.readouterr()
+    assert main(["archive", "verify", str(archive)]) == 0
+    assert "gradzip archive repair" in capsys.readouterr().out
+    assert main(["archive", "repair", str(archive)]) == 0
+    assert "rewrote 1 pack(s)" in capsys.readouterr().out
+    assert main(["archive", "repair", str(archive)]) == 0
+    assert "nothing to repair" in capsys.readouterr().out
+    with Archive(archive) as a:
+        assert _same(a, 0, 5, 2)
+        [entry, *_] = list(a)
+    [pack] = archive.glob("*/pack_*.h5")
+    damage_root_heap(pack)
+    with open(pack, "r+b") as f:
+        f.seek(entry.file_offset)
+        f.write(b"\x00\x7c")  # an fp16 inf where a value was
+    assert main(["archive", "repair", str(archive)]) == 1
+    assert "cannot mend" in capsys.readouterr().err and pack.exists()
+
+
 def test_analyze_skips_and_reports_a_bucket_whose_bytes_changed(tmp_path: Path) -> None:
     from gradzip.analyze.runner import run_analysis
 
@@ -186,7 +215,8 @@ def test_an_unknown_option_points_at_the_commands_help(
         capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("argv", [["archive", "verify"], ["archive", "ls"], ["analyze"],
+@pytest.mark.parametrize("argv", [["archive", "verify"], ["archive", "repair"],
+                                  ["archive", "ls"], ["analyze"],
                                   ["codecs", "list"]])
 def test_every_command_takes_debug_and_documents_its_options(
         argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -113,6 +113,9 @@ class Problem:
     where: str
     what: str
     fatal: bool = True
+    #: the pack's HDF5 structure is damaged while every indexed byte in it checks out:
+    #: ``repair`` rewrites it (``where`` is the pack)
+    repairable: bool = False
 
     def __str__(self) -> str:
         return f"{'error' if self.fatal else 'note'}: {self.where}: {self.what}"
@@ -129,10 +132,33 @@ def verify(directory: str | os.PathLike[str]) -> tuple[int, list[Problem]]:
         for entry in entries:
             by_pack.setdefault(entry.pack, []).append(entry)
         committed = {e.dataset.split("/")[1] for e in entries}  # R_r_E_e_S_s groups
+        bad_bytes = {p.where.split(":")[0] for p in problems}
         for pack in sorted(_packs(archive.directory) | set(by_pack)):
-            problems += _check_structure(archive.directory, pack, by_pack.get(pack, []),
-                                         committed)
+            found = _check_structure(archive.directory, pack, by_pack.get(pack, []),
+                                     committed)
+            problems += found if pack in bad_bytes else _repairable(pack, found)
     return len(entries), problems
+
+
+class _Damaged(Problem):
+    """A problem with the pack's HDF5 structure alone (not with the indexed bytes)."""
+
+
+def _repairable(pack: str, found: list[Problem]) -> list[Problem]:
+    """One note for a pack whose HDF5 structure is damaged while every indexed byte in it
+    checks out: a kill during an HDF5 flush can leave the pack's metadata half-written
+    (HDF5 does not order its metadata writes), and gradzip reads the bytes by offset
+    whatever the structure says; ``gradzip archive repair`` rewrites the pack."""
+    damaged = [p for p in found if isinstance(p, _Damaged)]
+    if not damaged:
+        return found
+    note = Problem(pack, f"HDF5's structure of this pack is damaged ({len(damaged)} "
+                         f"problem(s), e.g. {damaged[0].where}: {damaged[0].what}), as a "
+                         "kill during an HDF5 flush can leave it; every indexed tensor in it "
+                         "checks out against its CRC-32 and gradzip reads it, but HDF5 tools "
+                         "may not: `gradzip archive repair DIR` rewrites the pack",
+                   fatal=False, repairable=True)
+    return [p for p in found if not isinstance(p, _Damaged)] + [note]
 
 
 def _packs(directory: Path) -> set[str]:
@@ -171,8 +197,7 @@ def _check_structure(directory: Path, pack: str, entries: list[Entry],
             return [Problem(pack, f"HDF5 cannot open it ({err}), and no committed step is in "
                                   "it: the leftover of a step that never completed "
                                   "(ignored)", fatal=False)]
-        return [Problem(pack, f"HDF5 cannot open it ({err}); the indexed bytes are checked "
-                              "above, but HDF5 tools cannot read this pack")]
+        return [_Damaged(pack, f"HDF5 cannot open it ({err})")]
     problems: list[Problem] = []
     with f:
         listed = {e.dataset for e in entries}
@@ -180,10 +205,10 @@ def _check_structure(directory: Path, pack: str, entries: list[Entry],
             try:
                 ds = f.get(e.dataset)
             except (RuntimeError, OSError, KeyError) as err:
-                problems.append(Problem(f"{pack}:{e.dataset}", f"HDF5 cannot open it ({err})"))
+                problems.append(_Damaged(f"{pack}:{e.dataset}", f"HDF5 cannot open it ({err})"))
                 continue
             if not isinstance(ds, h5py.Dataset):
-                problems.append(Problem(f"{pack}:{e.dataset}", "indexed dataset not in the pack"))
+                problems.append(_Damaged(f"{pack}:{e.dataset}", "indexed dataset not in the pack"))
             elif (ds.id.get_offset() or 0) != e.file_offset or tuple(ds.shape) != e.shape:
                 problems.append(Problem(f"{pack}:{e.dataset}", "dataset offset or shape "
                                         "differs from the index"))
@@ -201,11 +226,13 @@ def _check_structure(directory: Path, pack: str, entries: list[Entry],
                                           f"completed (ignored), e.g. {unfinished[0]}",
                                     fatal=False))
         for group, why in unreadable:
-            fatal = group.split("/")[1] in committed if group != "/" else False
-            problems.append(Problem(f"{pack}:{group}", f"HDF5 cannot list it ({why}); "
-                                    + ("a committed step's group" if fatal else
-                                       "the leftover of a step that never completed, cut "
-                                       "off by a kill (ignored)"), fatal=fatal))
+            where, what = f"{pack}:{group}", f"HDF5 cannot list it ({why})"
+            ours = bool(entries) if group == "/" else group.split("/")[1] in committed
+            if ours:  # the pack's root, or a committed step's group
+                problems.append(_Damaged(where, what))
+            else:
+                problems.append(Problem(where, what + "; the leftover of a step that never "
+                                        "completed, cut off by a kill (ignored)", fatal=False))
     return problems
 
 

@@ -133,6 +133,21 @@ def commit_step(db: sqlite3.Connection, rank: int, epoch: int, step: int,
                     sum(e.nbytes for e in entries)))
 
 
+def move_entries(db: sqlite3.Connection, moved: list[Entry]) -> None:
+    """Point already committed tensors at their new pack and offset, in one transaction
+    (``archive repair``): the steps they belong to stay as they were."""
+    with db:
+        for e in moved:
+            updated = db.execute(
+                "UPDATE tensors SET pack=?, dataset=?, file_offset=? WHERE rank=? AND "
+                "epoch=? AND step=? AND bucket=? AND kind=? AND name=? AND crc32=?",
+                (e.pack, e.dataset, e.file_offset, e.rank, e.epoch, e.step, e.bucket,
+                 e.kind, e.name, e.crc32)).rowcount
+            if updated != 1:
+                raise ValueError(f"cannot move {e.name} (rank {e.rank}, step {e.step}, "
+                                 f"bucket {e.bucket}): no committed tensor with its checksum")
+
+
 def query(db: sqlite3.Connection, **where: Any) -> Iterator[Entry]:
     """Entries matching every given column (None = any), in archive order."""
     clauses = [(k, v) for k, v in where.items() if v is not None]

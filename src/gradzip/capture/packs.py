@@ -138,6 +138,13 @@ class PackWriter:
                 _fsync(self._path)
         index.commit_step(self.db, key.rank, key.epoch, key.step, entries)
 
+    def take_written(self) -> list[index.Entry]:
+        """Hand over every entry written and not committed (for ``repair``, which
+        records moved tensors itself: ``commit_step`` would count their steps again)."""
+        entries = [e for es in self._pending.values() for e in es]
+        self._pending.clear()
+        return entries
+
     def close(self) -> None:
         """Close the pack; steps never committed stay out of the index."""
         self._close_pack()

@@ -1,7 +1,8 @@
-"""``gradzip archive``: list, verify, export and pack gradient capture archives.
+"""``gradzip archive``: list, verify, repair, export and pack gradient capture archives.
 
     gradzip archive ls runs/grads [--rank 0 --step 100 --bucket 3 --name '*attn*']
     gradzip archive verify runs/grads
+    gradzip archive repair runs/grads
     gradzip archive export runs/grads --rank 0 --step 100 --bucket 3 --out b3.npy
     gradzip archive pack DIR_OF_PT --out runs/grads [--watch] [--delete-source]
 """
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-HELP = "list, verify, export and pack gradient archives"  # shown by `gradzip --help`
+HELP = "list, verify, repair, export and pack gradient archives"  # shown by `gradzip --help`
 
 
 def register(sub: Any) -> None:
@@ -41,6 +42,19 @@ def register(sub: Any) -> None:
     verify.add_argument("archive", help="archive directory (gradzip train --capture DIR)")
     verify.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     verify.set_defaults(func=_verify)
+
+    repair = actions.add_parser(
+        "repair", help="rewrite packs whose HDF5 structure a kill damaged",
+        description="A process killed during an HDF5 flush can leave a pack whose HDF5 "
+                    "structure no longer finds datasets it held while every committed "
+                    "tensor's bytes are intact (verify calls it repairable). Repair copies "
+                    "each such pack's committed tensors into a fresh pack, checks every "
+                    "copy's CRC-32, points the index at the copies in one transaction and "
+                    "then deletes the damaged pack. Refuses an archive with a problem it "
+                    "cannot mend (exit 1). Run it when no process writes the archive.")
+    repair.add_argument("archive", help="archive directory (gradzip train --capture DIR)")
+    repair.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    repair.set_defaults(func=_repair)
 
     export = actions.add_parser("export", help="write one bucket or tensor to .npy or .pt")
     export.add_argument("archive")
@@ -129,6 +143,19 @@ def _verify(args: argparse.Namespace) -> int:
         return 1
     print(f"{checked} tensors checked: " + (f"{len(fatal)} problem(s)" if fatal else "all good"))
     return 1 if fatal else 0
+
+
+def _repair(args: argparse.Namespace) -> int:
+    from gradzip.capture.repair import repair
+
+    try:
+        rewritten = repair(args.archive)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"rewrote {len(rewritten)} pack(s)" if rewritten else
+          f"nothing to repair: every pack's HDF5 structure in {args.archive} is sound")
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:
