@@ -31,30 +31,23 @@ def register(sub: Any) -> None:
     ls.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     ls.set_defaults(func=_ls)
 
-    verify = actions.add_parser(
-        "verify", help="check every tensor's checksum and its pack",
-        description="Check every indexed tensor's bytes against its CRC-32 and its dataset "
-                    "in the pack's HDF5 structure. Datasets no committed step lists are "
-                    "notes: steps captured again after a resume from an earlier checkpoint "
-                    "(the index holds the later capture) and leftovers of steps that never "
-                    "completed (also a fresh pack no committed step uses). Exit status: 0 all "
-                    "good (notes allowed), 1 a problem found, 2 not an archive.")
-    verify.add_argument("archive", help="archive directory (gradzip train --capture DIR)")
-    verify.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    verify.set_defaults(func=_verify)
-
-    repair = actions.add_parser(
-        "repair", help="rewrite packs whose HDF5 structure a kill damaged",
-        description="A process killed during an HDF5 flush can leave a pack whose HDF5 "
-                    "structure no longer finds datasets it held while every committed "
-                    "tensor's bytes are intact (verify calls it repairable). Repair copies "
-                    "each such pack's committed tensors into a fresh pack, checks every "
-                    "copy's CRC-32, points the index at the copies in one transaction and "
-                    "then deletes the damaged pack. Refuses an archive with a problem it "
-                    "cannot mend (exit 1). Run it when no process writes the archive.")
-    repair.add_argument("archive", help="archive directory (gradzip train --capture DIR)")
-    repair.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    repair.set_defaults(func=_repair)
+    _on_archive(actions, "verify", _verify, "check every tensor's checksum and its pack",
+                "Check every indexed tensor's bytes against its CRC-32 and its dataset in the "
+                "pack's HDF5 structure. Datasets no committed step lists are notes: steps "
+                "captured again after a resume from an earlier checkpoint (the index holds "
+                "the later capture) and leftovers of steps that never completed (also a "
+                "fresh pack no committed step uses); so is a pack whose HDF5 structure a "
+                "kill damaged while every indexed byte in it checks out (repair mends it). "
+                "Exit status: 0 all good (notes allowed), 1 a problem found, 2 not an "
+                "archive.")
+    _on_archive(actions, "repair", _repair, "rewrite packs whose HDF5 structure a kill damaged",
+                "A process killed during an HDF5 flush can leave a pack whose HDF5 structure "
+                "no longer finds datasets it held while every committed tensor's bytes are "
+                "intact (verify calls it repairable). Repair copies each such pack's "
+                "committed tensors into a fresh pack, checks every copy's CRC-32, points the "
+                "index at the copies in one transaction and then deletes the damaged pack. "
+                "Refuses an archive with a problem it cannot mend (exit 1). Run it when no "
+                "process writes the archive.")
 
     export = actions.add_parser("export", help="write one bucket or tensor to .npy or .pt")
     export.add_argument("archive")
@@ -78,6 +71,14 @@ def register(sub: Any) -> None:
     pack.add_argument("--pack-cap", default="1.8TB", help="size of a pack file (default 1.8TB)")
     pack.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     pack.set_defaults(func=_pack)
+
+
+def _on_archive(actions: Any, name: str, func: Any, help: str, description: str) -> None:
+    """An action whose only argument is the archive directory."""
+    p = actions.add_parser(name, help=help, description=description)
+    p.add_argument("archive", help="archive directory (gradzip train --capture DIR)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    p.set_defaults(func=func)
 
 
 def _filters(p: argparse.ArgumentParser, required: bool = False) -> None:
