@@ -201,6 +201,7 @@ def _check_structure(directory: Path, pack: str, entries: list[Entry],
     problems: list[Problem] = []
     with f:
         listed = {e.dataset for e in entries}
+        steps_here = {e.dataset.split("/")[1] for e in entries}  # R_r_E_e_S_s groups
         for e in entries:
             try:
                 ds = f.get(e.dataset)
@@ -227,12 +228,12 @@ def _check_structure(directory: Path, pack: str, entries: list[Entry],
                                     fatal=False))
         for group, why in unreadable:
             where, what = f"{pack}:{group}", f"HDF5 cannot list it ({why})"
-            ours = bool(entries) if group == "/" else group.split("/")[1] in committed
-            if ours:  # the pack's root, or a committed step's group
-                problems.append(_Damaged(where, what))
+            if (group == "/" and bool(entries)) or group.split("/")[-1] in steps_here:
+                problems.append(_Damaged(where, what))  # the root, or a step indexed here
             else:
                 problems.append(Problem(where, what + "; the leftover of a step that never "
-                                        "completed, cut off by a kill (ignored)", fatal=False))
+                                        "completed, cut off by a kill, or of one captured "
+                                        "again (ignored)", fatal=False))
     return problems
 
 
