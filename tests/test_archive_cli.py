@@ -148,7 +148,7 @@ def test_repair_rewrites_a_pack_a_kill_damaged_and_refuses_wrong_bytes(
     assert main(["archive", "repair", str(archive)]) == 0
     assert "rewrote 1 pack(s)" in capsys.readouterr().out
     assert main(["archive", "repair", str(archive)]) == 0
-    assert "nothing to repair" in capsys.readouterr().out
+    assert "nothing to rewrite" in capsys.readouterr().out
     with Archive(archive) as a:
         assert _same(a, 0, 5, 2)
         [entry, *_] = list(a)

@@ -197,6 +197,10 @@ def _check_structure(directory: Path, pack: str, entries: list[Entry],
             return [Problem(pack, f"HDF5 cannot open it ({err}), and no committed step is in "
                                   "it: the leftover of a step that never completed "
                                   "(ignored)", fatal=False)]
+        if "lock" in str(err):  # HDF5 locks a pack while a capture writes it
+            return [Problem(pack, f"in use by a writer ({err}): its indexed bytes are "
+                                  "checked above, its HDF5 structure is not (verify it "
+                                  "again when the run has ended)", fatal=False)]
         return [_Damaged(pack, f"HDF5 cannot open it ({err})")]
     problems: list[Problem] = []
     with f:

@@ -133,19 +133,47 @@ def commit_step(db: sqlite3.Connection, rank: int, epoch: int, step: int,
                     sum(e.nbytes for e in entries)))
 
 
-def move_entries(db: sqlite3.Connection, moved: list[Entry]) -> None:
-    """Point already committed tensors at their new pack and offset, in one transaction
-    (``archive repair``): the steps they belong to stay as they were."""
+def move_entries(db: sqlite3.Connection, old_pack: str, moved: list[Entry]) -> None:
+    """Point committed tensors of ``old_pack`` at their copies (``archive repair``), all
+    in one transaction, made durable before it returns (the old pack is deleted next);
+    the steps they belong to stay as they were."""
     with db:
         for e in moved:
             updated = db.execute(
                 "UPDATE tensors SET pack=?, dataset=?, file_offset=? WHERE rank=? AND "
-                "epoch=? AND step=? AND bucket=? AND kind=? AND name=? AND crc32=?",
-                (e.pack, e.dataset, e.file_offset, e.rank, e.epoch, e.step, e.bucket,
-                 e.kind, e.name, e.crc32)).rowcount
+                "epoch=? AND step=? AND bucket=? AND kind=? AND name=? AND crc32=? AND "
+                "pack=?", (e.pack, e.dataset, e.file_offset, e.rank, e.epoch, e.step,
+                           e.bucket, e.kind, e.name, e.crc32, old_pack)).rowcount
             if updated != 1:
                 raise ValueError(f"cannot move {e.name} (rank {e.rank}, step {e.step}, "
-                                 f"bucket {e.bucket}): no committed tensor with its checksum")
+                                 f"bucket {e.bucket}): no committed tensor in {old_pack} "
+                                 "with its checksum")
+        left = db.execute("SELECT COUNT(*) FROM tensors WHERE pack=?", (old_pack,)).fetchone()
+        if left[0]:
+            raise ValueError(f"{left[0]} committed tensor(s) of {old_pack} have no copy")
+    db.execute("PRAGMA wal_checkpoint(FULL)")  # WAL at synchronous=NORMAL: not yet synced
+
+
+def record_repair(db: sqlite3.Connection, old_pack: str, new_pack: str | None) -> None:
+    """Note (``new_pack``), or forget (None), a repair under way: a run killed midway
+    leaves a copy, or the damaged pack, that the next repair removes."""
+    with db:
+        if new_pack is None:
+            db.execute("DELETE FROM meta WHERE key=?", ("repair:" + old_pack,))
+        else:
+            db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                       ("repair:" + old_pack, new_pack))
+
+
+def repairs_under_way(db: sqlite3.Connection) -> list[tuple[str, str]]:
+    """(damaged pack, its copy) of every repair a kill cut short."""
+    return [(k.removeprefix("repair:"), v) for k, v in db.execute(
+        "SELECT key, value FROM meta WHERE key LIKE 'repair:%' ORDER BY key")]
+
+
+def packs_in_use(db: sqlite3.Connection) -> set[str]:
+    """Every pack the index points at."""
+    return {r[0] for r in db.execute("SELECT DISTINCT pack FROM tensors")}
 
 
 def query(db: sqlite3.Connection, **where: Any) -> Iterator[Entry]:

@@ -138,6 +138,13 @@ class PackWriter:
                 _fsync(self._path)
         index.commit_step(self.db, key.rank, key.epoch, key.step, entries)
 
+    def start_pack(self) -> Path:
+        """Open a fresh pack now and return its path (relative to the archive), for a
+        caller that records where it writes before it writes (``repair``)."""
+        self._next_pack()
+        assert self._path is not None
+        return self._path.relative_to(self.directory)
+
     def take_written(self) -> list[index.Entry]:
         """Hand over every entry written and not committed (for ``repair``, which
         records moved tensors itself: ``commit_step`` would count their steps again)."""

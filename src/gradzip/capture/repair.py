@@ -4,18 +4,20 @@ HDF5 does not order its metadata writes, so a process killed during a flush can 
 pack whose structure no longer finds datasets it held, while every committed tensor's
 bytes are intact at the offset the index records (``verify`` checks them against their
 CRC-32 and reports such a pack as repairable). ``repair`` copies each such pack's
-committed tensors into a fresh pack of the same series, checks that every copy has the
-original's checksum, points the index at the copies in one transaction and only then
-deletes the damaged pack: a kill at any moment leaves either the old pack indexed (and
-the new one a leftover ``verify`` ignores) or the new one.
-
-Run it when no process writes the archive.
+committed tensors into a fresh pack of the same series, reads every copy back against
+the original's checksum, points the index at the copies in one durable transaction and
+only then deletes the damaged pack: a kill at any moment leaves either the old pack
+indexed or the new one, and the next repair removes the other (the index notes a repair
+under way). A pack a writer holds (HDF5's lock) is refused.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -29,41 +31,85 @@ from gradzip.capture.packs import PackWriter, storage_dtype
 
 def repair(directory: str | os.PathLike[str],
            report: Callable[[str], None] = print) -> list[str]:
-    """Rewrite every pack ``verify`` calls repairable; returns the packs rewritten.
-    Refuses (``ValueError``) an archive with a fatal problem: its bytes are wrong, and
-    a copy would only hide that."""
+    """Finish any repair a kill cut short, then rewrite every pack ``verify`` calls
+    repairable; returns the packs rewritten. A pack with a fatal problem is not one of
+    them: its bytes are wrong, and a copy would only hide that."""
+    directory = Path(directory)
+    _finish_cut_short(directory, report)
     _, problems = verify(directory)
-    fatal = [p for p in problems if p.fatal]
-    if fatal:
-        raise ValueError(f"{directory}: {len(fatal)} problem(s) repair cannot mend (e.g. "
-                         f"{fatal[0]}); `gradzip archive verify` lists them")
     damaged = sorted({p.where for p in problems if p.repairable})
     for pack in damaged:
-        moved_to = _rewrite(Path(directory), pack)
-        report(f"{pack}: rewrote its committed tensors into {moved_to}")
+        report(f"{pack}: rewrote its committed tensors into {_rewrite(directory, pack)}")
     return damaged
 
 
+def _finish_cut_short(directory: Path, report: Callable[[str], None]) -> None:
+    """A repair killed before the index moved leaves its copy (removed: the damaged pack
+    is still the indexed one); killed after, the damaged pack (removed: nothing points
+    at it)."""
+    db = index.connect(directory)
+    try:
+        in_use = index.packs_in_use(db)
+        for old, new in index.repairs_under_way(db):
+            stale = new if old in in_use else old
+            if stale not in in_use and (directory / stale).exists():
+                (directory / stale).unlink()
+                report(f"{stale}: removed, left by a repair a kill cut short")
+            index.record_repair(db, old, None)
+    finally:
+        db.close()
+
+
 def _rewrite(directory: Path, pack: str) -> str:
-    """Copy ``pack``'s committed tensors into a fresh pack, index them there, delete it."""
-    with Archive(directory) as archive:
-        entries = archive.entries()
-        mine = [e for e in entries if e.pack == pack]
+    """Copy ``pack``'s committed tensors into a fresh pack, read them back, index them
+    there, delete ``pack``. Holds ``pack``'s lock throughout: refuses one a writer has."""
+    with _locked(directory / pack), Archive(directory) as archive:
+        mine = archive.entries()
+        mine = [e for e in mine if e.pack == pack]
+        if not mine:
+            raise ValueError(f"{pack}: no committed tensor is in it; nothing to rewrite")
         writer = PackWriter(directory, str(Path(pack).parent))
+        new = str(writer.start_pack())
+        index.record_repair(writer.db, pack, new)
         try:
             for bucket in _buckets(mine):
                 _write_bucket(writer, archive, bucket)
             copies = writer.take_written()
         finally:
             writer.close()  # fsyncs the new pack before the index points at it
-    _check_copies(mine, copies)
-    db = index.connect(directory)
+        _check_copies(directory, mine, copies, new)
+        db = index.connect(directory)
+        try:
+            index.move_entries(db, pack, copies)
+            _fsync_dir(directory / Path(pack).parent)
+            (directory / pack).unlink()
+            index.record_repair(db, pack, None)
+        finally:
+            db.close()
+    return new
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """The lock HDF5 takes on a file it writes (``flock``), held: no writer has it."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        index.move_entries(db, copies)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"{path}: a process is writing it; repair it when the run has "
+                             "ended") from None
+        yield
     finally:
-        db.close()
-    (directory / pack).unlink()
-    return copies[0].pack if copies else "(nothing: no committed tensor was in it)"
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _buckets(entries: list[Entry]) -> list[list[Entry]]:
@@ -86,10 +132,23 @@ def _write_bucket(writer: PackWriter, archive: Archive, bucket: list[Entry]) -> 
                         kind=first.kind, codec=first.codec)
 
 
-def _check_copies(originals: list[Entry], copies: list[Entry]) -> None:
-    """Every original has one copy with its checksum, or nothing is moved."""
+def _check_copies(directory: Path, originals: list[Entry], copies: list[Entry],
+                  new: str) -> None:
+    """Every original has one copy with its checksum, in ``new``, whose bytes read back
+    from the file at its offset match that checksum and whose HDF5 dataset sits at that
+    offset; else nothing is moved (the copy is left for the next repair to remove)."""
+    import h5py
+
     def key(e: Entry) -> tuple[object, ...]:
         return (e.rank, e.epoch, e.step, e.bucket, e.kind, e.name, e.crc32)
-    if sorted(map(key, originals)) != sorted(map(key, copies)):
-        raise RuntimeError("the rewritten pack does not hold every tensor with its checksum; "
-                           "the index still points at the old pack (nothing was moved)")
+    if sorted(map(key, originals)) != sorted(map(key, copies)) or any(  # type: ignore[type-var]
+            e.pack != new for e in copies):
+        raise RuntimeError(f"{new} does not hold every tensor with its checksum; the index "
+                           "still points at the damaged pack (nothing was moved)")
+    with open(directory / new, "rb") as raw, h5py.File(directory / new, "r") as f:
+        for e in copies:
+            raw.seek(e.file_offset)
+            if e.nbytes and (zlib.crc32(raw.read(e.nbytes)) != e.crc32 or
+                             f[e.dataset].id.get_offset() != e.file_offset):
+                raise RuntimeError(f"{new}:{e.dataset} did not read back as written; the "
+                                   "index still points at the damaged pack")

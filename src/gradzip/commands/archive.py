@@ -44,10 +44,11 @@ def register(sub: Any) -> None:
                 "A process killed during an HDF5 flush can leave a pack whose HDF5 structure "
                 "no longer finds datasets it held while every committed tensor's bytes are "
                 "intact (verify calls it repairable). Repair copies each such pack's "
-                "committed tensors into a fresh pack, checks every copy's CRC-32, points the "
-                "index at the copies in one transaction and then deletes the damaged pack. "
-                "Refuses an archive with a problem it cannot mend (exit 1). Run it when no "
-                "process writes the archive.")
+                "committed tensors into a fresh pack, reads every copy back against its "
+                "CRC-32, points the index at the copies in one transaction and then deletes "
+                "the damaged pack; a repair a kill cut short is finished first. A pack a "
+                "running capture holds is left alone. Exit status 1 when a problem repair "
+                "cannot mend remains (wrong bytes).")
 
     export = actions.add_parser("export", help="write one bucket or tensor to .npy or .pt")
     export.add_argument("archive")
@@ -147,6 +148,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _repair(args: argparse.Namespace) -> int:
+    from gradzip.capture import verify
     from gradzip.capture.repair import repair
 
     try:
@@ -154,9 +156,14 @@ def _repair(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    fatal = [p for p in verify(args.archive)[1] if p.fatal]
     print(f"rewrote {len(rewritten)} pack(s)" if rewritten else
-          f"nothing to repair: every pack's HDF5 structure in {args.archive} is sound")
-    return 0
+          f"nothing to rewrite: no pack in {args.archive} has a damaged HDF5 structure over "
+          "intact bytes")
+    if fatal:
+        print(f"error: {len(fatal)} problem(s) repair cannot mend (e.g. {fatal[0]}); "
+              "`gradzip archive verify` lists them", file=sys.stderr)
+    return 1 if fatal else 0
 
 
 def _export(args: argparse.Namespace) -> int:
