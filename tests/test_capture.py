@@ -274,6 +274,25 @@ def test_a_repair_cut_short_is_finished_and_a_locked_pack_refused(tmp_path: Path
     assert not pack.exists() and verify(tmp_path) == (6, [])
 
 
+def test_repair_refuses_a_pack_a_writer_took_after_verify(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture that opens the pack between verify and the rewrite holds HDF5's lock:
+    the rewrite refuses it rather than delete a file a writer has open."""
+    _capture_steps(tmp_path, count=2)
+    pack = next(tmp_path.glob("*/pack_*.h5"))
+    damage_root_heap(pack)
+    _, problems = verify(tmp_path)
+    monkeypatch.setattr("gradzip.capture.repair.verify", lambda _: (6, problems))
+    fd = os.open(pack, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(ValueError, match="a process is writing it"):
+            repair(tmp_path, report=lambda _: None)
+    finally:
+        os.close(fd)
+    assert [f.name for f in pack.parent.iterdir()] == ["pack_0.h5"]
+
+
 _KILL_ME = """
 import sys, torch
 from gradzip.capture.capture import Capture
