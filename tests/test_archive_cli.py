@@ -159,6 +159,11 @@ def test_repair_rewrites_a_pack_a_kill_damaged_and_refuses_wrong_bytes(
         f.write(b"\x00\x7c")  # an fp16 inf where a value was
     assert main(["archive", "repair", str(archive)]) == 1
     assert "cannot mend" in capsys.readouterr().err and pack.exists()
+    somewhere = tmp_path / "not-an-archive"
+    somewhere.mkdir()
+    assert main(["archive", "repair", str(somewhere)]) == 2
+    assert "no capture archive here" in capsys.readouterr().err
+    assert list(somewhere.iterdir()) == []  # refused before anything was written
 
 
 def test_analyze_skips_and_reports_a_bucket_whose_bytes_changed(tmp_path: Path) -> None:

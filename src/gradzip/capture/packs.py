@@ -86,7 +86,7 @@ class PackWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
-            _fsync(self._path)
+            fsync_path(self._path)
 
     def write_bucket(self, key: StepKey, bucket: int, flat: np.ndarray, dtype: str,
                      params: list[tuple[str, tuple[int, ...], int]], *,
@@ -135,7 +135,7 @@ class PackWriter:
         if self._file is not None:
             self._file.flush()
             if durable:
-                _fsync(self._path)
+                fsync_path(self._path)
         index.commit_step(self.db, key.rank, key.epoch, key.step, entries)
 
     def start_pack(self) -> Path:
@@ -164,7 +164,8 @@ class PackWriter:
         self.close()
 
 
-def _fsync(path: Path | None) -> None:
+def fsync_path(path: Path | None) -> None:
+    """Make a file's (or a directory's entries') writes durable."""
     if path is None:
         return
     fd = os.open(path, os.O_RDONLY)

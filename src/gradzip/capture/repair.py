@@ -26,7 +26,7 @@ from gradzip.capture import index
 from gradzip.capture.archive import Archive, verify
 from gradzip.capture.index import Entry
 from gradzip.capture.layout import StepKey
-from gradzip.capture.packs import PackWriter, storage_dtype
+from gradzip.capture.packs import PackWriter, fsync_path, storage_dtype
 
 
 def repair(directory: str | os.PathLike[str],
@@ -35,6 +35,8 @@ def repair(directory: str | os.PathLike[str],
     repairable; returns the packs rewritten. A pack with a fatal problem is not one of
     them: its bytes are wrong, and a copy would only hide that."""
     directory = Path(directory)
+    with Archive(directory):  # ArchiveError for a directory that is none: nothing written
+        pass
     _finish_cut_short(directory, report)
     _, problems = verify(directory)
     damaged = sorted({p.where for p in problems if p.repairable})
@@ -64,8 +66,7 @@ def _rewrite(directory: Path, pack: str) -> str:
     """Copy ``pack``'s committed tensors into a fresh pack, read them back, index them
     there, delete ``pack``. Holds ``pack``'s lock throughout: refuses one a writer has."""
     with _locked(directory / pack), Archive(directory) as archive:
-        mine = archive.entries()
-        mine = [e for e in mine if e.pack == pack]
+        mine = [e for e in archive.entries() if e.pack == pack]
         if not mine:
             raise ValueError(f"{pack}: no committed tensor is in it; nothing to rewrite")
         writer = PackWriter(directory, str(Path(pack).parent))
@@ -81,7 +82,7 @@ def _rewrite(directory: Path, pack: str) -> str:
         db = index.connect(directory)
         try:
             index.move_entries(db, pack, copies)
-            _fsync_dir(directory / Path(pack).parent)
+            fsync_path(directory / Path(pack).parent)  # the copy's name, before the unlink
             (directory / pack).unlink()
             index.record_repair(db, pack, None)
         finally:
@@ -100,14 +101,6 @@ def _locked(path: Path) -> Iterator[None]:
             raise ValueError(f"{path}: a process is writing it; repair it when the run has "
                              "ended") from None
         yield
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -139,9 +132,9 @@ def _check_copies(directory: Path, originals: list[Entry], copies: list[Entry],
     offset; else nothing is moved (the copy is left for the next repair to remove)."""
     import h5py
 
-    def key(e: Entry) -> tuple[object, ...]:
+    def key(e: Entry) -> tuple[int, int, int, int, str, str, int]:
         return (e.rank, e.epoch, e.step, e.bucket, e.kind, e.name, e.crc32)
-    if sorted(map(key, originals)) != sorted(map(key, copies)) or any(  # type: ignore[type-var]
+    if sorted(map(key, originals)) != sorted(map(key, copies)) or any(
             e.pack != new for e in copies):
         raise RuntimeError(f"{new} does not hold every tensor with its checksum; the index "
                            "still points at the damaged pack (nothing was moved)")

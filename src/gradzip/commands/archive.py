@@ -74,9 +74,9 @@ def register(sub: Any) -> None:
     pack.set_defaults(func=_pack)
 
 
-def _on_archive(actions: Any, name: str, func: Any, help: str, description: str) -> None:
+def _on_archive(actions: Any, name: str, func: Any, summary: str, description: str) -> None:
     """An action whose only argument is the archive directory."""
-    p = actions.add_parser(name, help=help, description=description)
+    p = actions.add_parser(name, help=summary, description=description)
     p.add_argument("archive", help="archive directory (gradzip train --capture DIR)")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     p.set_defaults(func=func)
