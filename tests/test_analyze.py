@@ -173,7 +173,6 @@ def test_whatif_steps_must_be_a_count_or_all(tmp_path: Path, capsys: pytest.Capt
 
 
 def test_histograms_are_titled_and_count_in_whole_buckets() -> None:
-    import matplotlib.pyplot as plt
     import numpy as np
 
     from gradzip.analyze.summary import histogram
@@ -183,7 +182,6 @@ def test_histograms_are_titled_and_count_in_whole_buckets() -> None:
     assert "4 buckets" in ax.get_title() and "lossless" in ax.get_title()
     fig.canvas.draw()
     assert all(float(t).is_integer() for t in ax.get_yticks()), ax.get_yticks()
-    plt.close(fig)
 
 
 def test_pt_buckets_of_two_ranks_give_the_what_if_of_their_packed_archive(

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from gradzip.figures import figure
+
 #: the metrics the describe table covers, with what they mean
 METRICS = {
     "first_study_saving_vs_fp16": "first study: saving vs fp16 (EG order 0 + sign bit, 1e6)",
@@ -121,13 +123,9 @@ def _breakdown(rows: list[dict[str, str]], by: str, metric: str) -> list[list[st
 
 def histogram(values: np.ndarray, metric: str) -> Any:
     """A histogram of one metric over buckets: titled, counts on whole-number ticks."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = figure(6, 3.5)
     ax.hist(values, bins=min(50, max(5, values.size // 2)))
     ax.set_title(f"{METRICS[metric]}: {values.size} buckets", fontsize=10)
     ax.set_xlabel(METRICS[metric])
@@ -137,26 +135,21 @@ def histogram(values: np.ndarray, metric: str) -> Any:
     return fig
 
 
-def _plots(rows: list[dict[str, str]], out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def write_plots(rows: list[dict[str, str]], out: Path) -> list[str]:
+    """The summary's PNGs in ``out``: a histogram of each metric the rows have, and the
+    bits per value against step where the rows carry steps; returns their file names."""
     made = []
     for metric in ("first_study_saving_vs_fp16", "fixed_eg_eta", "lossless_ratio"):
         values = column(rows, metric)
         if values.size:
-            fig = histogram(values, metric)
-            fig.savefig(out / f"hist_{metric}.png", dpi=110)
-            plt.close(fig)
+            histogram(values, metric).savefig(out / f"hist_{metric}.png", dpi=110)
             made.append(f"hist_{metric}.png")
     steps = [(float(r["step"]), float(r["fixed_eg_best_bits"]), float(r["fixed_entropy_bits"]))
              for r in rows if r.get("step") and r.get("fixed_eg_best_bits")]
     if steps:
         steps.sort()
         s, eg, h = zip(*steps, strict=True)
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig, ax = figure(6, 3.5)
         ax.plot(s, eg, ".", label="best Exp-Golomb")
         ax.plot(s, h, ".", label="order-0 entropy")
         ax.set_xlabel("training step")
@@ -164,7 +157,6 @@ def _plots(rows: list[dict[str, str]], out: Path) -> list[str]:
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "bits_over_steps.png", dpi=110)
-        plt.close(fig)
         made.append("bits_over_steps.png")
     return made
 
@@ -212,7 +204,7 @@ def write_summary(out_dir: str | Path) -> Path:
     lines += ["", f"Buckets whose symbols are not ordered by probability (rank-mapped EG "
                   f">10% shorter than plain EG): {len(flagged)}"
               + (f", e.g. {', '.join(flagged[:5])}" if flagged else ""), ""]
-    lines += [f"![{p}]({p})" for p in _plots(rows, out)]
+    lines += [f"![{p}]({p})" for p in write_plots(rows, out)]
     path = out / "summary.md"
     tmp = path.with_name("summary.md.tmp")
     tmp.write_text("\n".join(lines) + "\n")

@@ -143,7 +143,8 @@ def plotted_gaps(f: Frontier) -> list[Gap]:
 def plot_gaps(f: Frontier, path: Path) -> Path | None:
     """The gap to DDP against steps, measured (solid) and fitted (dashed, extended to
     where it would reach ``CLOSED``), for ``plotted_gaps``."""
-    from gradzip.compare.plots import figure, method_colors, save
+    from gradzip.compare.plots import method_colors, save
+    from gradzip.figures import figure
 
     gaps = plotted_gaps(f)
     if not gaps:
@@ -254,7 +255,8 @@ def plot_length_gaps(gaps: list[LengthGap], baseline: str, path: Path,
                      axis: Axis = LENGTH) -> Path | None:
     """Final gap to DDP against run length or ranks (markers), fits dashed (against
     length: to where they would reach ``CLOSED``, at most 100x the longest run)."""
-    from gradzip.compare.plots import figure, method_colors, save
+    from gradzip.compare.plots import method_colors, save
+    from gradzip.figures import figure
 
     if not gaps:
         return None

@@ -1,8 +1,8 @@
 """The report's PNG figures for one link setting, drawn with matplotlib's Agg renderer.
 
-Figures are built as ``matplotlib.figure.Figure`` objects on an Agg canvas, without
-``pyplot``: no display is needed and no global backend is switched, so the report can
-be written from inside a training harness. Every function returns the PNG's path, or
+Figures are ``gradzip.figures.figure``s, on an Agg canvas without ``pyplot``: no display
+is needed and no global backend is switched, so the report can be written from inside a
+training harness. Every function returns the PNG's path, or
 ``None`` when the runs have nothing to draw (no evaluations, no byte counts, no phases).
 """
 
@@ -16,18 +16,9 @@ from typing import Any
 import numpy as np
 
 from gradzip.compare.summary import MethodSummary, SettingSummary
+from gradzip.figures import figure
 
 _DPI = 110
-
-
-def figure(width: float = 7.0, height: float = 4.5) -> tuple[Any, Any]:
-    """A figure with one axes on an Agg canvas."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height))
-    FigureCanvasAgg(fig)
-    return fig, fig.add_subplot()
 
 
 def save(fig: Any, path: Path) -> Path:

@@ -112,7 +112,8 @@ def plot_sweep(sw: Sweep, path: Path) -> Path | None:
     """Projected time to target against bandwidth (log-log), one line per method on a
     real link (solid) and on the emulated one (dashed, where the measured times, the
     markers, should lie); break-evens as dotted verticals."""
-    from gradzip.compare.plots import figure, legend, method_colors, save
+    from gradzip.compare.plots import legend, method_colors, save
+    from gradzip.figures import figure
 
     if not sw.curves:
         return None

@@ -33,6 +33,7 @@ import torch
 
 from gradzip.comm import replicas
 from gradzip.comm.method import LocalUpdateMethod, Method, SnooMethod, every_codec
+from gradzip.figures import figure
 from gradzip.train import checkpoint as ckpt
 from gradzip.train import restart
 from gradzip.train.checks import capture_schedule, method_of, nonfinite_policy, parse_profile_steps
@@ -805,13 +806,8 @@ def _state_bytes(state: Any) -> int | None:
 
 def plot_history(history: list[dict[str, Any]], path: Path) -> None:
     """Train and val loss against step, as a PNG in the run directory."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on training machines
-    import matplotlib.pyplot as plt
-
+    fig, ax = figure(6, 4)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6, 4))
     for key, label in (("train_loss", "train"), ("val_loss", "val")):
         pts = [(h["step"], h[key]) for h in history if key in h]
         if pts:
@@ -823,4 +819,3 @@ def plot_history(history: list[dict[str, Any]], path: Path) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
