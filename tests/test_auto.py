@@ -304,30 +304,35 @@ def _fake_clock(handle: object, cost_ms: dict[int, float]) -> None:
     state.clock = clock
 
 
-def _agree_ranks(rank: int, costs: list[dict[int, float]]) -> dict:
-    model = DDP(_model())
-    handle = gradzip.attach(model, "auto(trial_steps=3, every=50, window=5)")
-    _fake_clock(handle, costs[rank])
-    for step in range(16):
-        model(_batch(step, rank)).pow(2).mean().backward()
-        model.zero_grad()
-    report = handle.report()
-    handle.close()
-    return report
+def _agree_ranks(rank: int, cost_sets: list[list[dict[int, float]]]) -> list[dict]:
+    """One fresh DDP model and ``auto`` per cost set (each rank's fake costs), in turn on
+    the same ranks: one spawn for every set."""
+    reports = []
+    for costs in cost_sets:
+        model = DDP(_model())
+        handle = gradzip.attach(model, "auto(trial_steps=3, every=50, window=5)")
+        _fake_clock(handle, costs[rank])
+        for step in range(16):
+            model(_batch(step, rank)).pow(2).mean().backward()
+            model.zero_grad()
+        reports.append(handle.report())
+        handle.close()
+    return reports
 
 
 @pytest.mark.dist
 def test_ranks_that_measure_differently_still_choose_alike() -> None:
     """W=3; int8 looks faster on two ranks and slower on the third: the slowest rank's
     costs decide, so every rank keeps fp16, at the same step."""
-    costs = [{0: 10.0, 1: 5.0}, {0: 10.0, 1: 12.0}, {0: 10.0, 1: 6.0}]
-    reports = run_ranks(_agree_ranks, 3, costs)
+    differ = [{0: 10.0, 1: 5.0}, {0: 10.0, 1: 12.0}, {0: 10.0, 1: 6.0}]
+    everywhere = [{0: 10.0, 1: 5.0}] * 3  # faster on every rank: every rank switches
+    by_rank = run_ranks(_agree_ranks, 3, [differ, everywhere])
+    reports = [r[0] for r in by_rank]
     assert reports[0]["decisions"] == reports[1]["decisions"] == reports[2]["decisions"]
     [decision] = reports[0]["decisions"]
     assert decision["method"] == "fp16"
     assert decision["costs_ms"] == pytest.approx({"fp16": 10.0, "int8": 12.0})
-    everywhere = [{0: 10.0, 1: 5.0}] * 3  # faster on every rank: every rank switches
-    reports = run_ranks(_agree_ranks, 3, everywhere)
+    reports = [r[1] for r in by_rank]
     assert {r["decisions"][0]["method"] for r in reports} == {"int8"}
     assert {r["current"] for r in reports} == {"int8"}
 

@@ -29,6 +29,9 @@ def resume_matches(cache: Path, tmp: Path, *extra: str) -> tuple[dict, dict]:
     return last_result(tmp / "a"), last_result(tmp / "b")
 
 
+# slow: make test resumes DDP with error feedback (``ef | int8``) twice, bit for bit, in
+# test_restart.py::test_a_rank_killed_twice_under_torchrun_finishes_with_the_same_weights
+@pytest.mark.slow
 def test_ddp_error_feedback_resume_equals_uninterrupted(cache: Path, tmp_path: Path) -> None:
     straight, resumed = resume_matches(cache, tmp_path, "--parallel", "ddp",
                                        "--codec", "ef | topk(ratio=0.01)")
