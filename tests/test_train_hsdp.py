@@ -21,20 +21,6 @@ def _train(cache: Path, out: Path, *extra: str, parallel: str = "hsdp") -> dict:
     return last_result(out)
 
 
-def test_hsdp_records_each_link_with_the_replicate_one_compressed(cache: Path,
-                                                                  tmp_path: Path) -> None:
-    rec = _train(cache, tmp_path / "topk", "--codec", "ef | topk(ratio=0.05)")
-    links = rec["links"]
-    assert set(links) == {"replicate", "shard"}
-    assert links["replicate"]["compression_ratio"] > 3
-    # uncompressed; its wire also carries the non-finite agreement (a 4-byte all-reduce
-    # per unit and step: under 1% on this small model)
-    assert links["shard"]["compression_ratio"] == pytest.approx(1.0, rel=0.01)
-    assert rec["bytes_wire_total"] == sum(v["bytes_wire"] for v in links.values())
-    assert rec["compression_ratio"] < links["replicate"]["compression_ratio"]
-    assert rec["world_size"] == 4 and rec["val_loss"] is not None
-
-
 def test_hsdp_none_is_fsdps_native_hsdp(cache: Path, tmp_path: Path) -> None:
     rec = _train(cache, tmp_path / "none")
     # FSDP2's own collectives, counted from outside: the shard reduce-scatter and the
@@ -87,11 +73,21 @@ def test_hsdp_auto_chooses_for_the_replicate_link(cache: Path, tmp_path: Path) -
     assert decision["from_step"] == 7 and set(decision["costs_ms"]) == {"fp16", "int8"}
 
 
-def test_hsdp_resume_equals_uninterrupted(cache: Path, tmp_path: Path) -> None:
-    """8 steps straight against 4 + resume: the replicate link's error-feedback residuals
-    (in each rank's checkpoint state) and the DCP shards come back exactly."""
+def test_hsdp_records_each_link_and_resumes_exactly(cache: Path, tmp_path: Path) -> None:
+    """The record has each link, the replicate one compressed; and 8 steps straight
+    against 4 + resume: the replicate link's error-feedback residuals (in each rank's
+    checkpoint state) and the DCP shards come back exactly."""
     codec = ("--codec", "ef | topk(ratio=0.05)")
     straight = _train(cache, tmp_path / "a", *codec, "--max-steps", "8")
+    links = straight["links"]
+    assert set(links) == {"replicate", "shard"}
+    assert links["replicate"]["compression_ratio"] > 3
+    # uncompressed; its wire also carries the non-finite agreement (a 4-byte all-reduce
+    # per unit and step: under 1% on this small model)
+    assert links["shard"]["compression_ratio"] == pytest.approx(1.0, rel=0.01)
+    assert straight["bytes_wire_total"] == sum(v["bytes_wire"] for v in links.values())
+    assert straight["compression_ratio"] < links["replicate"]["compression_ratio"]
+    assert straight["world_size"] == 4 and straight["val_loss"] is not None
     _train(cache, tmp_path / "b", *codec, "--max-steps", "4", "--decay-steps", "8")
     proc = subprocess.run([*launch(4), "-m", "gradzip", "train", "--resume", "--out",
                            str(tmp_path / "b"), "--max-steps", "8"],
